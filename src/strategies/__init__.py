@@ -1,0 +1,1 @@
+"""Synchronous pipeline-parallel training: schedules, runtime and Lightning strategies."""

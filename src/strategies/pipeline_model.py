@@ -1,0 +1,79 @@
+"""How a model offers itself to the pipeline runtime: an ordered list of layers plus a loss.
+
+The runtime splits ``pipeline_layers()`` into D contiguous stages. Every rank of a replica reads
+the same micro-batch, so stage 0 builds its input from the batch (``pipeline_input``), the last
+stage computes ``pipeline_loss`` against the batch's labels, and only one activation tensor
+travels between stages. A layer that also needs the micro-batch (attention masks, say) sets
+``needs_batch = True`` and is called as ``layer(x, batch)``; other layers as ``layer(x)``.
+
+Parameters that are one tensor shared by several layers (tied word embeddings) are listed by
+``tied_parameters()`` as groups of (layer index, parameter name); the runtime sums their
+gradients across the stages that hold them, so training equals the unsplit model.
+
+Example, a user's own model in ten lines::
+
+    class MyMLP(nn.Module, PipelineModel):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)])
+        def pipeline_layers(self): return self.layers
+        def pipeline_input(self, batch): return batch["x"]
+        def pipeline_loss(self, output, batch): return F.mse_loss(output, batch["y"])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+Batch = Mapping[str, Any]
+TiedGroup = tuple[tuple[int, str], ...]
+
+
+class PipelineModel:
+    """Mixin for an ``nn.Module`` that can be pipelined (see the module docstring)."""
+
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        raise NotImplementedError
+
+    def pipeline_input(self, batch: Batch) -> Tensor:
+        """What the first layer consumes; by default ``batch["input_ids"]``."""
+        return batch["input_ids"]
+
+    def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
+        """Mean loss of one micro-batch from the last layer's output."""
+        raise NotImplementedError
+
+    def tied_parameters(self) -> list[TiedGroup]:
+        return []
+
+
+def call_layer(layer: nn.Module, x: Tensor, batch: Batch) -> Tensor:
+    """Apply one pipeline layer, passing the micro-batch to layers that ask for it."""
+    return layer(x, batch) if getattr(layer, "needs_batch", False) else layer(x)
+
+
+def run_layers(layers: Sequence[nn.Module], x: Tensor, batch: Batch) -> Tensor:
+    for layer in layers:
+        x = call_layer(layer, x, batch)
+    return x
+
+
+def sequential_loss(model: PipelineModel, batch: Batch) -> Tensor:
+    """The unsplit reference: all layers in one process, then the loss."""
+    return model.pipeline_loss(run_layers(model.pipeline_layers(), model.pipeline_input(batch), batch), batch)
+
+
+def split_batch(batch: Batch, parts: int) -> list[dict[str, Any]]:
+    """Split every tensor of ``batch`` along dim 0 into ``parts`` equal micro-batches."""
+    sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor)}
+    if len(sizes) != 1:
+        raise ValueError(f"all batch tensors must share their first dimension, got sizes {sorted(sizes)}")
+    (size,) = sizes
+    if size % parts:
+        raise ValueError(f"a batch of {size} samples cannot be split into {parts} equal micro-batches")
+    chunks = {k: v.chunk(parts) if isinstance(v, torch.Tensor) else [v] * parts for k, v in batch.items()}
+    return [{k: chunks[k][i] for k in batch} for i in range(parts)]
