@@ -29,7 +29,7 @@ CONCAT_METHODS = ("direct", "forward_doubling", "backward_halving")
 def _check_sizes(name: str, stages: int, micro_batches: int) -> None:
     for setting, value in (("stages", stages), ("micro_batches", micro_batches)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {setting} must be a positive integer, got {value!r}")
+            raise ValueError(f"{name}: {setting} must be a positive integer, got {value!r}; use 1 or more")
 
 
 def _identity_placement(stages: int) -> tuple[tuple[int, ...], ...]:
@@ -94,7 +94,7 @@ def _check_chimera(stages: int, micro_batches: int, pipelines: int, concat: str)
     if stages % 2:
         raise ValueError(
             f"chimera: stages (D) must be even to merge down and up pipelines without conflict "
-            f"(§3.1), got D = {stages}; use D = {stages + 1} or {max(stages - 1, 2)}"
+            f"(§3.1), got D = {stages}; use an even D such as {sorted({max(stages - 1, 2), stages + 1})}"
         )
     half = stages // 2
     divisors = [2 * f for f in range(1, half + 1) if half % f == 0]
@@ -227,9 +227,12 @@ def build_schedule(
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(sorted(SCHEDULES))}")
     if name == "chimera":
-        return chimera(stages, micro_batches, pipelines or 2, concat)
+        return chimera(stages, micro_batches, 2 if pipelines is None else pipelines, concat)
     if pipelines not in (None, 1):
-        raise ValueError(f"{name}: runs one pipeline; pipelines must be 1 (or unset), got {pipelines}")
+        raise ValueError(
+            f"{name}: runs one pipeline, got pipelines = {pipelines}; leave pipelines unset (or 1), "
+            f"or use chimera for several pipelines"
+        )
     if concat != "direct":
         raise ValueError(f"{name}: concat applies to chimera only, got concat={concat!r}")
     return SCHEDULES[name](stages, micro_batches)

@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Show a pipeline schedule: ASCII timeline (default), PNG picture or JSON data.
+
+    python scripts/schedule.py chimera --stages 4 --micro-batches 4
+    python scripts/schedule.py dapple --stages 4 --micro-batches 8 --t-f 1 --t-b 1
+    python scripts/schedule.py chimera --stages 8 --micro-batches 16 --pipelines 4 --png chimera.png
+    python scripts/schedule.py gpipe --stages 4 --micro-batches 4 --json
+
+Invalid settings exit with status 2 and an ``error: ...`` line naming the setting and a fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from strategies.schedules import CONCAT_METHODS, build_schedule, simulate, validate
+from strategies.schedules.render import ascii_timeline, save_png
+
+NAMES = ("gpipe", "dapple", "chimera")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="schedule.py",
+        description="Build a pipeline schedule, simulate it and show its timeline (Chimera paper, Figures 2-3).",
+        epilog="Times and costs are in arbitrary units; only the ratio t_b / t_f shapes the timeline.",
+    )
+    parser.add_argument("schedule", choices=NAMES, help="schedule to build")
+    parser.add_argument("--stages", type=int, required=True, metavar="D", help="pipeline stages = workers (D)")
+    parser.add_argument("--micro-batches", type=int, required=True, metavar="N", help="micro-batches per iteration (N)")
+    parser.add_argument(
+        "--pipelines", type=int, metavar="P",
+        help="chimera only: number of pipelines, 2f for a divisor f of D/2 (default 2)",
+    )
+    parser.add_argument(
+        "--concat", choices=CONCAT_METHODS,
+        help="chimera only: how units of D micro-batches are concatenated when N > D (default direct)",
+    )
+    parser.add_argument(
+        "--t-f", type=float, default=1.0, metavar="T",
+        help="simulated cost of one stage's forward of one micro-batch (default 1.0)",
+    )
+    parser.add_argument(
+        "--t-b", type=float, default=2.0, metavar="T",
+        help="simulated cost of one stage's backward of one micro-batch (default 2.0, i.e. twice the forward)",
+    )
+    out = parser.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the schedule as JSON instead of the timeline")
+    out.add_argument("--png", metavar="FILE", help="draw the timeline to a PNG file instead of printing it")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise ValueError, naming the flag, for settings build_schedule does not see as flags."""
+    for flag, value in (("--stages", args.stages), ("--micro-batches", args.micro_batches)):
+        if value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value}; pass 1 or more, e.g. {flag} 4")
+    for flag, value in (("--t-f", args.t_f), ("--t-b", args.t_b)):
+        if not 0 < value < math.inf:
+            raise ValueError(f"{flag} must be a positive cost, got {value:g}; e.g. {flag} 1")
+    if args.pipelines is not None and args.pipelines < 1:
+        raise ValueError(
+            f"--pipelines must be a positive integer, got {args.pipelines}; omit it for the default (2 for chimera)"
+        )
+    if args.schedule != "chimera":
+        if args.pipelines not in (None, 1):
+            raise ValueError(
+                f"--pipelines applies to chimera only: {args.schedule} runs a single pipeline, got --pipelines "
+                f"{args.pipelines}; drop --pipelines, or use 'chimera --pipelines {args.pipelines}'"
+            )
+        if args.concat is not None:
+            raise ValueError(
+                f"--concat applies to chimera only: {args.schedule} has no basic units to concatenate, got "
+                f"--concat {args.concat}; drop --concat, or use 'chimera --concat {args.concat}'"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+        schedule = validate(
+            build_schedule(args.schedule, args.stages, args.micro_batches, args.pipelines, args.concat or "direct")
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(schedule.to_json()))
+        return 0
+    sim = simulate(schedule, args.t_f, args.t_b)
+    if args.png:
+        try:
+            save_png(sim, schedule, args.png)
+        except OSError as exc:
+            reason = exc.strerror or exc
+            print(f"error: --png cannot write {args.png!r}: {reason}; pick a writable path", file=sys.stderr)
+            return 2
+        print(f"wrote {args.png}")
+        return 0
+    setup = f"D={schedule.stages} N={schedule.micro_batches}"
+    if schedule.name == "chimera":
+        setup += f" pipelines={schedule.pipelines} concat={schedule.concat}"
+    print(f"{schedule.name}: {setup}, t_f={args.t_f:g} t_b={args.t_b:g}")
+    print(ascii_timeline(sim, schedule))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""One pipeline-parallel training step, independent of Lightning: split, run, synchronise.
+
+:class:`PipelineEngine` builds the topology and process groups for W replicas × D stages,
+keeps this rank's stages of a :class:`~strategies.pipeline_model.PipelineModel`, and runs a
+step: split the replica's mini-batch into N micro-batches, execute this rank's actions of the
+schedule, all-reduce stage gradients, and return the mini-batch loss on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import cache
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .executor import StageExecutor, StepRecord, loss_counts
+from .grad_sync import GradientSynchronizer
+from .p2p import Messenger
+from .pipeline_model import Batch, PipelineModel, split_batch
+from .schedules import Schedule, build_schedule, validate
+from .topology import Topology
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline layout; derived N comes from the batch at run time."""
+
+    schedule: str = "gpipe"
+    stages: int = 2
+    micro_batch_size: int = 1
+    pipelines: int | None = None
+    concat: str = "direct"
+    timeout_s: float = 120.0
+
+    def build(self, micro_batches: int) -> Schedule:
+        return validate(build_schedule(self.schedule, self.stages, micro_batches, self.pipelines, self.concat))
+
+
+def even_partition(num_layers: int, stages: int) -> list[range]:
+    """Contiguous split of ``num_layers`` layers into ``stages`` stages by layer count."""
+    if stages > num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} stages: use at most {num_layers} stages")
+    base, extra = divmod(num_layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + base + (1 if s >= stages - extra else 0))
+    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+
+
+class PipelineEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: PipelineConfig,
+        replicas: int,
+        device: torch.device,
+        partition: Sequence[range] | None = None,
+    ) -> None:
+        if not isinstance(model, PipelineModel):
+            raise TypeError(f"{type(model).__name__} must implement strategies.pipeline_model.PipelineModel")
+        self.model, self.config, self.device = model, config, device
+        self.rank = dist.get_rank()
+        self.timeout = timedelta(seconds=config.timeout_s)
+        self.topology = Topology.from_schedule(config.build(max(config.stages, 1)), replicas)
+        if self.topology.world_size != dist.get_world_size():
+            raise ValueError(
+                f"W·D = {replicas}·{config.stages} = {self.topology.world_size} but the world size is "
+                f"{dist.get_world_size()}; set the replicas/stages so that W·D equals the number of processes"
+            )
+        layers = model.pipeline_layers()
+        self.partition = list(partition) if partition is not None else even_partition(len(layers), config.stages)
+        self.local_stages = self.topology.stages_of(self.rank)
+        self.stage_layers = {s: [layers[i] for i in self.partition[s]] for s in self.local_stages}
+        self._drop_remote_layers(layers)
+        self.model.to(device)
+        stage_groups, tied_group = self._create_groups()
+        self._check_identical_copies(stage_groups)
+        tied = self._local_tied_parameters()
+        self.synchronizer = GradientSynchronizer(
+            {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout
+        )
+        self.executor = StageExecutor(model, self.stage_layers, self.topology, self.rank, Messenger(device, self.timeout))
+        self.last_record: StepRecord | None = None
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def _drop_remote_layers(self, layers: Sequence[nn.Module]) -> None:
+        local = {i for s in self.local_stages for i in self.partition[s]}
+        if isinstance(layers, nn.ModuleList):
+            for i in range(len(layers)):
+                if i not in local:
+                    layers[i] = nn.Identity()
+
+    def _create_groups(self) -> tuple[dict[int, dist.ProcessGroup | None], dist.ProcessGroup | None]:
+        """Same groups, same order, on every rank; groups of one rank are skipped everywhere."""
+        groups: dict[int, dist.ProcessGroup | None] = {}
+        for stage in range(self.topology.stages):
+            ranks = self.topology.stage_group(stage)
+            group = dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                groups[stage] = group
+        tied_group = None
+        if self.model.tied_parameters():
+            ranks = self.topology.tied_group()
+            group = dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
+            tied_group = group if self.rank in ranks else None
+        return groups, tied_group
+
+    @staticmethod
+    def _params(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for layer in layers:
+            for p in layer.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        return self._params([layer for ls in self.stage_layers.values() for layer in ls])
+
+    def _local_tied_parameters(self) -> list[nn.Parameter]:
+        layers = self.model.pipeline_layers()
+        local = {i for s in self.local_stages for i in self.partition[s]}
+        found: dict[int, nn.Parameter] = {}
+        for group in self.model.tied_parameters():
+            for index, name in group:
+                if index in local:
+                    p = layers[index].get_parameter(name)
+                    found.setdefault(id(p), p)
+        return list(found.values())
+
+    def _check_identical_copies(self, groups: dict[int, dist.ProcessGroup | None]) -> None:
+        """All copies of a stage must start from identical weights (same seed on every rank)."""
+        for stage in sorted(groups):
+            params = self._params(self.stage_layers[stage])
+            if not params:
+                continue
+            local = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()]) for p in params])
+            lo, hi = local.clone(), local.clone()
+            if groups[stage] is not None:
+                dist.all_reduce(lo, dist.ReduceOp.MIN, group=groups[stage])
+                dist.all_reduce(hi, dist.ReduceOp.MAX, group=groups[stage])
+            if not torch.equal(lo, hi):
+                raise RuntimeError(
+                    f"copies of stage {stage} start from different weights on ranks "
+                    f"{self.topology.stage_group(stage)}: seed the model identically on every rank"
+                )
+
+    # -- steps --------------------------------------------------------------------------------
+
+    @cache  # noqa: B019 - one engine per process
+    def schedule_for(self, micro_batches: int) -> Schedule:
+        return self.config.build(micro_batches)
+
+    def split(self, batch: Batch) -> list[dict]:
+        size = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
+        if size % self.config.micro_batch_size:
+            raise ValueError(
+                f"a replica's mini-batch of {size} samples is not a multiple of micro_batch_size = "
+                f"{self.config.micro_batch_size}"
+            )
+        return split_batch(batch, size // self.config.micro_batch_size)
+
+    def _totals(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
+        """Loss normalisers over the global mini-batch (all replicas)."""
+        counts = [loss_counts(self.model, mb) for mb in micro_batches]
+        names = sorted(counts[0])
+        local = torch.stack([sum(c[n] for c in counts) for n in names]).to(self.device)
+        if self.topology.replicas > 1:
+            dist.all_reduce(local)  # every worker of a replica holds the same counts
+            local = local / self.topology.stages
+        return dict(zip(names, local.tolist()))
+
+    def _world_sum(self, value: Tensor) -> Tensor:
+        value = value.to(self.device, torch.float32)
+        dist.all_reduce(value)
+        return value
+
+    def train_step(self, batch: Batch) -> Tensor:
+        """Forward and backward of the replica's mini-batch, gradients summed; returns the loss."""
+        micro_batches = self.split(batch)
+        for p in self.local_parameters():
+            p.grad = None
+        self.last_record = self.executor.run(self.schedule_for(len(micro_batches)), micro_batches, self._totals(micro_batches))
+        self.synchronizer.sync()
+        return self._world_sum(self.last_record.loss_sum)
+
+    @torch.no_grad()
+    def eval_step(self, batch: Batch) -> Tensor:
+        micro_batches = self.split(batch)
+        record = self.executor.run(self.schedule_for(len(micro_batches)), micro_batches, self._totals(micro_batches), train=False)
+        return self._world_sum(record.loss_sum)
+
+    def grad_norm_sq(self) -> Tensor:
+        """Squared global gradient norm: each stage (and a tied parameter) counted once, not per copy."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        tied = self.synchronizer.tied_params
+        for stage, params in self.synchronizer.buckets.items():
+            counted = list(params) + (tied if stage == 0 else [])
+            for p in counted:
+                if p.grad is not None:
+                    total += p.grad.detach().float().square().sum()
+        dist.all_reduce(total)
+        return total / (len(self.topology.placement) * self.topology.replicas)

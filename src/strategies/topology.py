@@ -1,0 +1,70 @@
+"""Who is who in W data-parallel replicas of a D-stage pipeline group (Chimera §3.3, Figure 5).
+
+Rank ``r`` is worker ``r % D`` of replica ``r // D``. A worker holds the stages the schedule's
+placement gives it (one for GPipe/DAPPLE, one per pipeline for Chimera, all distinct). Every copy
+of a stage (W for GPipe/DAPPLE, 2f·W for Chimera) joins one gradient all-reduce group; tied
+parameters (first and last stage) get a group of every rank holding either stage. Pure data:
+process groups are created from it, in this order, on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schedules import Schedule
+
+
+@dataclass(frozen=True)
+class Topology:
+    replicas: int  # W
+    stages: int  # D
+    placement: tuple[tuple[int, ...], ...]  # [pipe][stage] -> worker
+
+    @classmethod
+    def from_schedule(cls, schedule: Schedule, replicas: int) -> Topology:
+        return cls(replicas, schedule.stages, schedule.placement)
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.stages
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.stages
+
+    def worker_of(self, rank: int) -> int:
+        return rank % self.stages
+
+    def rank_of(self, replica: int, worker: int) -> int:
+        return replica * self.stages + worker
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """Stage indices held by ``rank``, sorted."""
+        worker = self.worker_of(rank)
+        return tuple(sorted(s for row in self.placement for s, w in enumerate(row) if w == worker))
+
+    def pipe_of(self, rank: int, stage: int) -> int:
+        worker = self.worker_of(rank)
+        return next(p for p, row in enumerate(self.placement) if row[stage] == worker)
+
+    def peer(self, rank: int, pipe: int, stage: int) -> int:
+        """The rank of ``rank``'s replica that runs ``stage`` of ``pipe``."""
+        return self.rank_of(self.replica_of(rank), self.placement[pipe][stage])
+
+    def stage_group(self, stage: int) -> tuple[int, ...]:
+        """Every rank holding a copy of ``stage``: the stage's gradient all-reduce group."""
+        return tuple(
+            sorted(self.rank_of(r, row[stage]) for r in range(self.replicas) for row in self.placement)
+        )
+
+    def tied_group(self) -> tuple[int, ...]:
+        """Every rank holding the first or the last stage (tied embeddings)."""
+        return tuple(sorted(set(self.stage_group(0)) | set(self.stage_group(self.stages - 1))))
+
+    def replica_group(self, replica: int) -> tuple[int, ...]:
+        return tuple(self.rank_of(replica, w) for w in range(self.stages))
+
+    def describe(self, rank: int) -> str:
+        return (
+            f"rank {rank}: replica {self.replica_of(rank)}/{self.replicas}, worker {self.worker_of(rank)}, "
+            f"stages {list(self.stages_of(rank))}"
+        )

@@ -1,0 +1,156 @@
+"""The schedule viewer: scripts/schedule.py's command-line contract and strategies.schedules.render."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from strategies.schedules import Schedule, build_schedule, simulate
+from strategies.schedules.render import Span, ascii_chart, ascii_timeline, to_spans
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "schedule.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("schedule_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+viewer = _load_script()
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = viewer.main(argv)
+    except SystemExit as exc:  # argparse errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["gpipe", "--stages", "4", "--micro-batches", "4"], build_schedule("gpipe", 4, 4)),
+        (["dapple", "--stages", "4", "--micro-batches", "6"], build_schedule("dapple", 4, 6)),
+        (
+            ["chimera", "--stages", "8", "--micro-batches", "16", "--pipelines", "4"],
+            build_schedule("chimera", 8, 16, 4),
+        ),
+        (
+            ["chimera", "--stages", "4", "--micro-batches", "8", "--concat", "forward_doubling"],
+            build_schedule("chimera", 4, 8, 2, "forward_doubling"),
+        ),
+        (
+            ["chimera", "--stages", "4", "--micro-batches", "8", "--concat", "backward_halving"],
+            build_schedule("chimera", 4, 8, 2, "backward_halving"),
+        ),
+    ],
+)
+def test_json_round_trips(argv: list[str], expected: Schedule, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_main([*argv, "--json"], capsys)
+    assert code == 0
+    assert out == json.dumps(expected.to_json()) + "\n"
+    data = json.loads(out)
+    assert list(data) == ["schedule", "stages", "micro_batches", "pipelines", "workers"]
+    assert (data["schedule"], data["stages"], data["pipelines"]) == (expected.name, expected.stages, expected.pipelines)
+    restored = Schedule.from_json(data)
+    assert (restored.workers, restored.placement) == (expected.workers, expected.placement)
+    for action in (a for worker in data["workers"] for a in worker):
+        assert set(action) - {"half"} == {"kind", "pipe", "stage", "mb"}
+        assert action["kind"] in ("F", "B")
+
+
+def test_json_doubled_forward_and_halved_backward(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["chimera", "--stages", "4", "--micro-batches", "8", "--json", "--concat"]
+    doubled = json.loads(run_main([*base, "forward_doubling"], capsys)[1])
+    forwards = [a for w in doubled["workers"] for a in w if a["kind"] == "F"]
+    assert forwards and all(isinstance(a["mb"], list) and len(a["mb"]) == 2 for a in forwards)
+    halved = json.loads(run_main([*base, "backward_halving"], capsys)[1])
+    backwards = [a for w in halved["workers"] for a in w if a["kind"] == "B"]
+    assert {a["half"] for a in backwards} == {0, 1}
+    assert all("half" not in a for w in halved["workers"] for a in w if a["kind"] == "F")
+
+
+def test_ascii_chimera_subprocess() -> None:
+    result = run_script("chimera", "--stages", "4", "--micro-batches", "4")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    rows = [line for line in lines if line.startswith(("P0 ", "P1 ", "P2 ", "P3 ")) and "|" in line]
+    assert len(rows) == 4 and not any(line.startswith("P4") for line in lines)
+    assert len({len(row) for row in rows}) == 1  # all rows span the same makespan
+    sim = simulate(build_schedule("chimera", 4, 4), 1.0, 2.0)
+    assert f"bubble ratio: {sim.bubble_ratio:.1%}" in result.stdout
+    assert "F0" in rows[0] and "B0" in rows[0] and "p1" in result.stdout  # F/B and the up pipeline
+    assert "peak in-flight activations" in result.stdout and "P0: 0F0" in result.stdout
+
+
+def test_ascii_gpipe_bubble_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_main(["gpipe", "--stages", "4", "--micro-batches", "4", "--t-f", "1", "--t-b", "1"], capsys)
+    assert code == 0
+    assert "bubble ratio: 42.9%" in out  # (D - 1) / (N + D - 1) = 3/7
+    assert "makespan: 14" in out
+
+
+def test_ascii_cell_widths_follow_costs(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run_main(["gpipe", "--stages", "2", "--micro-batches", "1", "--t-f", "1", "--t-b", "2"], capsys)
+    row = next(line for line in out.splitlines() if line.startswith("P0 "))
+    cells = row.split()[1].strip("|").split("|")  # "|F0  ....|B0=======|" -> F cell, B cell
+    forward, backward = cells[0].rstrip("."), cells[1]
+    assert forward.startswith("F0") and backward.startswith("B0")
+    assert len(backward) + 1 == 2 * (len(forward) + 1)  # each cell's width includes its leading "|"
+
+
+def test_render_accepts_measured_timelines() -> None:
+    sim = simulate(build_schedule("dapple", 2, 2), 1.0, 2.0)
+    measured = [[(t.action, t.start * 0.01 + 0.0003, t.end * 0.01) for t in row] for row in sim.timeline]
+    spans = to_spans(measured)
+    assert spans[0][0] == Span("0", 0.0003, 0.01, "F", 0)
+    text = ascii_timeline(measured)
+    assert text.count("\nP") == 2 and "bubble ratio" in text
+    assert ascii_chart([[("4+5", 0, 2, "F", 1)]]).splitlines()[1].startswith("P0 |F4+5p1")
+
+
+def test_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "chimera.png"
+    code, out, _ = run_main(["chimera", "--stages", "4", "--micro-batches", "4", "--png", str(path)], capsys)
+    assert code == 0 and str(path) in out
+    data = path.read_bytes()
+    assert len(data) > 1000 and data.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.parametrize(
+    "argv, setting",
+    [
+        (["chimera", "--stages", "3", "--micro-batches", "4"], "stages"),
+        (["chimera", "--stages", "4", "--micro-batches", "4", "--pipelines", "3"], "pipelines"),
+        (["gpipe", "--stages", "4", "--micro-batches", "4", "--pipelines", "2"], "--pipelines"),
+        (["dapple", "--stages", "4", "--micro-batches", "4", "--concat", "direct"], "--concat"),
+        (["gpipe", "--stages", "4", "--micro-batches", "0"], "--micro-batches"),
+        (["chimera", "--stages", "4", "--micro-batches", "4", "--pipelines", "0"], "--pipelines"),
+        (["dapple", "--stages", "4", "--micro-batches", "4", "--t-b", "-1"], "--t-b"),
+    ],
+)
+def test_invalid_inputs(argv: list[str], setting: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(argv, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and setting in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_invalid_input_subprocess() -> None:
+    result = run_script("chimera", "--stages", "3", "--micro-batches", "4")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "stages" in result.stderr and "3" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,259 @@
+"""Pure schedule tests: the papers' numbers (Chimera Table 2/3, Figures 2, 3, 7), over size grids."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import pytest
+
+from strategies.schedules import (
+    CONCAT_METHODS, Action, DeadlockError, Schedule, build_schedule, chimera, dapple, gpipe, parse_action,
+    simulate, validate,
+)
+
+GRID = [(d, n) for d in (1, 2, 3, 4, 5, 6, 8) for n in (1, 2, 3, 4, 5, 7, 8, 12, 16)]
+EVEN_GRID = [(d, n) for d, n in GRID if d % 2 == 0]
+
+
+def chimera_pipelines(d: int) -> list[int]:
+    return [2 * f for f in range(1, d // 2 + 1) if (d // 2) % f == 0]
+
+
+def test_no_torch_distributed_import() -> None:
+    import subprocess
+
+    code = "import strategies.schedules, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False", "schedules must stay pure Python"
+
+
+# --- actions -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "action, text",
+    [
+        (Action("F", 0, 2, (0,)), "2F0"),
+        (Action("B", 1, 2, (0,)), "2B0p1"),
+        (Action("F", 0, 1, (4, 5)), "1F4+5"),
+        (Action("B", 1, 1, (4,), 1), "1B4h1p1"),
+    ],
+)
+def test_action_text_round_trip(action: Action, text: str) -> None:
+    assert str(action) == text
+    assert parse_action(text) == action
+
+
+def test_every_generated_action_round_trips() -> None:
+    for concat in CONCAT_METHODS:
+        s = chimera(8, 16, 4, concat)
+        for a in (a for acts in s.workers for a in acts):
+            assert parse_action(str(a)) == a
+            assert Action.from_json(a.to_json()) == a
+
+
+@pytest.mark.parametrize("bad", ["", "F0", "2X0", "2F", "2B0h2", "2F0h1"])
+def test_parse_rejects_malformed(bad: str) -> None:
+    with pytest.raises(ValueError):
+        parse_action(bad)
+
+
+def test_json_round_trip_keeps_schedule() -> None:
+    s = chimera(4, 8, 2, "forward_doubling")
+    data = s.to_json()
+    assert set(data) == {"schedule", "stages", "micro_batches", "pipelines", "workers"}
+    back = Schedule.from_json(data)
+    assert back.workers == s.workers and back.placement == s.placement
+
+
+# --- validity over grids -------------------------------------------------------------------
+
+@pytest.mark.parametrize("d, n", GRID)
+def test_gpipe_and_dapple_valid(d: int, n: int) -> None:
+    for name in ("gpipe", "dapple"):
+        validate(build_schedule(name, d, n))
+
+
+@pytest.mark.parametrize("d, n", EVEN_GRID)
+def test_chimera_valid_for_all_pipeline_counts_and_methods(d: int, n: int) -> None:
+    for pipes, concat in itertools.product(chimera_pipelines(d), CONCAT_METHODS):
+        s = validate(chimera(d, n, pipes, concat))
+        assert s.pipelines == pipes
+        assert sum(len(a.mbs) for acts in s.workers for a in acts if a.kind == "F") == n * d
+
+
+# --- GPipe and DAPPLE (Chimera Table 2) ----------------------------------------------------
+
+@pytest.mark.parametrize("d, n", GRID)
+@pytest.mark.parametrize("t_f, t_b", [(1.0, 1.0), (1.0, 2.0)])
+def test_gpipe_dapple_makespan(d: int, n: int, t_f: float, t_b: float) -> None:
+    for name in ("gpipe", "dapple"):
+        sim = simulate(build_schedule(name, d, n), t_f, t_b)
+        assert sim.makespan == pytest.approx((n + d - 1) * (t_f + t_b))
+        assert sim.bubble_ratio == pytest.approx((d - 1) / (n + d - 1))
+
+
+@pytest.mark.parametrize("d, n", GRID)
+def test_gpipe_dapple_activations(d: int, n: int) -> None:
+    assert simulate(gpipe(d, n)).peak_activations == tuple([float(n)] * d)
+    assert simulate(dapple(d, n)).peak_activations == tuple(float(min(d - s, n)) for s in range(d))
+
+
+# --- Chimera, N = D (Figure 3, Table 2, Table 3) -------------------------------------------
+
+FIGURE_3 = """\
+P0: 0F0 0F1 3F2p1 3B2p1 3F3p1 3B3p1 0B0 0B1
+P1: 1F0 2F2p1 1F1 2F3p1 2B2p1 1B0 2B3p1 1B1
+P2: 1F2p1 2F0 1F3p1 2F1 2B0 1B2p1 2B1 1B3p1
+P3: 0F2p1 0F3p1 3F0 3B0 3F1 3B1 0B2p1 0B3p1"""
+
+
+def test_chimera_figure_3_golden() -> None:
+    s = chimera(4, 4)
+    assert s.format() == FIGURE_3
+    assert s.placement == ((0, 1, 2, 3), (3, 2, 1, 0))
+    assert simulate(s, 1, 1).makespan == 10  # 2N + D - 2: D - 2 = 2 bubbles
+    assert simulate(s, 1, 2).makespan == 16  # 3N + 2D - 4
+    assert simulate(s, 1, 2).makespan / simulate(dapple(4, 4), 1, 2).makespan == pytest.approx(16 / 21)
+
+
+@pytest.mark.parametrize("d", [2, 4, 6, 8, 10, 12, 16])
+def test_chimera_two_pipelines_n_equals_d(d: int) -> None:
+    s = chimera(d, d)
+    equal, practical = simulate(s, 1, 1), simulate(s, 1, 2)
+    assert equal.makespan == 2 * d + d - 2
+    assert equal.bubble_ratio == pytest.approx((d - 2) / (2 * d + d - 2))
+    assert practical.makespan == 3 * d + 2 * d - 4
+    assert practical.bubble_ratio == pytest.approx((d - 2) / (3 * d / 2 + d - 2))
+    peaks = equal.peak_activations
+    assert min(peaks) == d / 2 + 1 and max(peaks) == d  # Table 2: [(D/2 + 1) Ma, D Ma]
+
+
+@pytest.mark.parametrize("d", [4, 8, 12, 16])
+def test_chimera_2f_pipelines_table_3(d: int) -> None:
+    for pipes in chimera_pipelines(d):
+        s = chimera(d, d, pipes)
+        sim = simulate(s, 1, 1)
+        assert sim.bubble_ratio == pytest.approx((d - pipes) / (pipes * d + d - pipes))
+        assert min(sim.peak_activations) >= d - d / pipes + 1
+        assert max(sim.peak_activations) <= d
+
+
+def test_chimera_placement_of_figure_8() -> None:
+    s = chimera(8, 8, 4)
+    assert s.placement[1] == (4, 5, 6, 7, 0, 1, 2, 3)  # down pipeline 1 starts on worker i·D/f = 4
+    assert s.placement[3] == tuple(7 - w for w in s.placement[1])  # its up pipeline is the reverse
+    for w in range(8):
+        assert len(s.stages_of(w)) == 4  # 2f stage copies per worker, all distinct
+
+
+# --- Chimera, N > D and N < D (§3.5, Figure 7) ---------------------------------------------
+
+@pytest.mark.parametrize("d", [2, 4, 6, 8])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_direct_concatenation_is_seamless_at_equal_costs(d: int, k: int) -> None:
+    n = k * d
+    sim = simulate(chimera(d, n), 1, 1)
+    assert sim.makespan == 2 * n + d - 2  # no extra bubbles between basic units
+    assert max(sim.peak_activations) <= d
+
+
+@pytest.mark.parametrize("d", [4, 6, 8])
+def test_n_equals_2d_methods_at_practical_costs(d: int) -> None:
+    n = 2 * d
+    dapple_time = simulate(dapple(d, n), 1, 2).makespan
+    direct = simulate(chimera(d, n, 2, "direct"), 1, 2)
+    doubling = simulate(chimera(d, n, 2, "forward_doubling"), 1, 2)
+    halving = simulate(chimera(d, n, 2, "backward_halving"), 1, 2)
+    assert direct.makespan <= dapple_time
+    # Figure 7(d): no intermediate bubbles, D - 2 bubbles of one backward each (t_b = 2 t_f).
+    ideal = 3 * n + (d - 2) * 2
+    assert doubling.makespan == ideal
+    assert halving.makespan <= ideal
+    assert doubling.makespan < direct.makespan and halving.makespan < direct.makespan
+    assert max(doubling.peak_activations) <= 2 * d  # doubled forwards: twice the activations
+    assert max(halving.peak_activations) <= 2 * d
+
+
+@pytest.mark.parametrize("d, n", [(4, 1), (4, 2), (4, 3), (6, 5), (8, 7), (2, 1), (4, 5), (6, 7), (4, 9)])
+def test_uneven_micro_batch_counts(d: int, n: int) -> None:
+    s = validate(chimera(d, n))
+    per_pipe = [sum(1 for a in s.workers[s.worker_of(p, 0)] if a.kind == "F" and a.pipe == p and a.stage == 0)
+                for p in range(s.pipelines)]
+    assert sum(per_pipe) == n and max(per_pipe) - min(per_pipe) <= 1  # "as evenly as possible" (§3.1)
+    assert max(simulate(s).peak_activations) <= d
+    if n < d:  # fewer micro-batches than stages: two directions still beat one
+        assert simulate(s, 1, 2).makespan <= simulate(dapple(d, n), 1, 2).makespan
+
+
+def test_single_micro_batch_runs_on_one_pipeline() -> None:
+    s = chimera(4, 1)
+    pipes = {a.pipe for acts in s.workers for a in acts}
+    assert pipes == {0}
+
+
+# --- validation and bad input --------------------------------------------------------------
+
+def _replace(s: Schedule, worker: int, acts: list[Action]) -> Schedule:
+    workers = list(s.workers)
+    workers[worker] = tuple(acts)
+    return Schedule(s.name, s.stages, s.micro_batches, s.placement, tuple(workers))
+
+
+def test_validate_reports_backward_before_forward_with_grid() -> None:
+    s = dapple(2, 2)
+    acts = list(s.workers[1])
+    acts[0], acts[1] = acts[1], acts[0]  # B before F on the last stage
+    with pytest.raises(ValueError) as err:
+        validate(_replace(s, 1, acts))
+    assert "before its forward" in str(err.value) and ">1B0<" in str(err.value) and "P1" in str(err.value)
+
+
+def test_validate_reports_wrong_worker() -> None:
+    s = gpipe(2, 1)
+    with pytest.raises(ValueError, match="runs on worker 0"):
+        validate(_replace(s, 0, [Action("F", 0, 0, (0,)), Action("F", 0, 1, (0,)), Action("B", 0, 0, (0,))]))
+
+
+def test_validate_reports_missing_backward() -> None:
+    s = gpipe(2, 2)
+    with pytest.raises(ValueError, match="needs one backward"):
+        validate(_replace(s, 0, list(s.workers[0])[:-1]))
+
+
+def test_validate_reports_deadlock_with_marked_grid() -> None:
+    s = gpipe(2, 2)
+    # Worker 0 waits for 0B1 before 0B0, worker 1 does B1 after B0: fine; now make a cycle:
+    w0 = [Action("F", 0, 0, (0,)), Action("B", 0, 0, (0,)), Action("F", 0, 0, (1,)), Action("B", 0, 0, (1,))]
+    w1 = [Action("F", 0, 1, (1,)), Action("B", 0, 1, (1,)), Action("F", 0, 1, (0,)), Action("B", 0, 1, (0,))]
+    bad = Schedule("gpipe", 2, 2, s.placement, (tuple(w0), tuple(w1)))
+    with pytest.raises(DeadlockError) as err:
+        validate(bad)
+    assert ">0B0<" in str(err.value) and ">1F1<" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (lambda: chimera(3, 4), "must be even"),
+        (lambda: chimera(8, 8, 6), "choose one of [2, 4, 8]"),
+        (lambda: chimera(4, 4, 2, "tripling"), "concat must be one of"),
+        (lambda: gpipe(0, 4), "stages must be a positive integer"),
+        (lambda: dapple(4, 0), "micro_batches must be a positive integer"),
+        (lambda: build_schedule("pipedream", 4, 4), "unknown schedule"),
+        (lambda: build_schedule("gpipe", 4, 4, pipelines=2), "pipelines must be 1"),
+    ],
+)
+def test_bad_sizes_raise_clear_errors(call, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+def test_simulate_per_stage_costs_and_comm() -> None:
+    s = dapple(2, 2)
+    base = simulate(s, [1.0, 1.0], [2.0, 2.0])
+    slow_last = simulate(s, [1.0, 3.0], [2.0, 2.0])
+    assert slow_last.makespan > base.makespan
+    assert simulate(s, 1, 2, t_comm=0.5).makespan > base.makespan
+    with pytest.raises(ValueError, match="t_f must be"):
+        simulate(s, [1.0], 2.0)
