@@ -241,7 +241,7 @@ def test_validate_reports_deadlock_with_marked_grid() -> None:
         (lambda: gpipe(0, 4), "stages must be a positive integer"),
         (lambda: dapple(4, 0), "micro_batches must be a positive integer"),
         (lambda: build_schedule("pipedream", 4, 4), "unknown schedule"),
-        (lambda: build_schedule("gpipe", 4, 4, pipelines=2), "pipelines must be 1"),
+        (lambda: build_schedule("gpipe", 4, 4, pipelines=2), "leave pipelines unset"),
     ],
 )
 def test_bad_sizes_raise_clear_errors(call, fragment: str) -> None:
