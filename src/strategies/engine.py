@@ -75,6 +75,7 @@ class PipelineEngine:
         self.partition = list(partition) if partition is not None else even_partition(len(layers), config.stages)
         self.local_stages = self.topology.stages_of(self.rank)
         self.stage_layers = {s: [layers[i] for i in self.partition[s]] for s in self.local_stages}
+        self.tied_groups = model.tied_parameters()  # before remote layers are dropped
         self._drop_remote_layers(layers)
         self.model.to(device)
         stage_groups, tied_group = self._create_groups()
@@ -104,7 +105,7 @@ class PipelineEngine:
             if self.rank in ranks:
                 groups[stage] = group
         tied_group = None
-        if self.model.tied_parameters():
+        if self.tied_groups:
             ranks = self.topology.tied_group()
             group = dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
             tied_group = group if self.rank in ranks else None
@@ -126,7 +127,7 @@ class PipelineEngine:
         layers = self.model.pipeline_layers()
         local = {i for s in self.local_stages for i in self.partition[s]}
         found: dict[int, nn.Parameter] = {}
-        for group in self.model.tied_parameters():
+        for group in self.tied_groups:
             for index, name in group:
                 if index in local:
                     p = layers[index].get_parameter(name)

@@ -41,11 +41,12 @@ class PipelineStrategy(DDPStrategy):
         concat: str = "direct",
         timeout_s: float = 120.0,
         schedule: str | None = None,
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
         self.pipeline_config = PipelineConfig(
-            schedule or self.schedule_name, D, micro_batch_size, pipelines, concat, timeout_s
+            schedule or name or self.schedule_name, D, micro_batch_size, pipelines, concat, timeout_s
         )
         self.requested_W = W
         self.engine: PipelineEngine | None = None

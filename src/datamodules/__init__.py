@@ -1,0 +1,38 @@
+"""Data for the pipeline recipes: synthetic tokens, local text files, WikiText-2 and Wikipedia.
+
+Public API::
+
+    build_datasets(name, family=, seq_len=, vocab_size=, seed=, num_samples=, **source) -> (train, val | None)
+    make_dataloader(dataset, batch_size, shuffle=, seed=) / build_dataloaders(...)   # no Lightning import
+    build_datamodule(name, family=, seq_len=, vocab_size=, global_batch_size=, batch_size=, ...)  # Hydra target
+    PipelineDataModule                                                                # LightningDataModule
+
+``PipelineDataModule``/``build_datamodule`` are imported lazily: Lightning costs seconds to import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .corpus import BertPairDataset, LMBlockDataset, load_rows, make_nsp_instances, split_documents, tokenize_corpus
+from .factory import SOURCE_DEFAULTS, SOURCES, build_dataloaders, build_datasets, make_dataloader
+from .masking import BERT_SPECIAL_TOKENS, CLS_ID, IGNORE_INDEX, MASK_ID, PAD_ID, SEP_ID, mlm_mask
+from .synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
+from .tokenizer import load_or_train_bpe, train_bpe
+
+_LAZY = {"PipelineDataModule", "build_datamodule"}
+
+__all__ = [
+    "BertPairDataset", "LMBlockDataset", "SyntheticBertDataset", "SyntheticGPT2Dataset", "SOURCES",
+    "SOURCE_DEFAULTS", "build_dataloaders", "build_datasets", "make_dataloader", "load_rows", "make_nsp_instances",
+    "split_documents", "tokenize_corpus", "load_or_train_bpe", "train_bpe", "mlm_mask", "BERT_SPECIAL_TOKENS",
+    "CLS_ID", "IGNORE_INDEX", "MASK_ID", "PAD_ID", "SEP_ID", *sorted(_LAZY),
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from . import datamodule
+
+        return getattr(datamodule, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

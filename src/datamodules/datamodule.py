@@ -1,0 +1,66 @@
+"""The LightningDataModule of every data source (``conf/data/*.yaml``; Hydra target ``build_datamodule``).
+
+It returns plain DataLoaders of per-replica mini-batches (``batch_size``; ``global_batch_size`` when not
+given), ``drop_last=True`` and seeded shuffling; it does not shard: a distributed strategy injects a
+``DistributedSampler`` over the data-parallel replicas. Importing this module imports Lightning (~7 s).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+from .factory import build_datasets, make_dataloader
+
+
+class PipelineDataModule(L.LightningDataModule):
+    """Datasets of ``build_datasets(name, ...)`` served as DataLoaders of ``batch_size`` samples."""
+
+    def __init__(self, name: str = "synthetic", *, family: str, seq_len: int, vocab_size: int,
+                 global_batch_size: int, batch_size: int | None = None, seed: int = 0, num_workers: int = 0,
+                 pin_memory: bool = False, **source: Any) -> None:
+        super().__init__()
+        self.name, self.family, self.seq_len, self.vocab_size = name, family, int(seq_len), int(vocab_size)
+        self.global_batch_size = int(global_batch_size)
+        self.batch_size = int(batch_size) if batch_size else self.global_batch_size
+        if self.global_batch_size % self.batch_size:
+            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of the per-replica "
+                             f"batch_size {self.batch_size}")
+        self.seed, self.num_workers, self.pin_memory = int(seed), int(num_workers), bool(pin_memory)
+        self.source = dict(source)
+        self.train_set: Any = None
+        self.val_set: Any = None
+
+    def _build(self) -> None:
+        self.train_set, self.val_set = build_datasets(self.name, family=self.family, seq_len=self.seq_len,
+                                                      vocab_size=self.vocab_size, seed=self.seed, **self.source)
+
+    def prepare_data(self) -> None:
+        """Train and cache the tokenizer and token ids once per node (the synthetic source needs nothing);
+        the other ranks then read the caches in ``setup`` (cache files are written atomically)."""
+        if self.name != "synthetic" and self.train_set is None:
+            self._build()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self._build()
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        return make_dataloader(self.train_set, self.batch_size, shuffle=True, seed=self.seed,
+                               num_workers=self.num_workers, pin_memory=self.pin_memory)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation batches, or ``[]`` when the source has no validation split (Lightning then skips it)."""
+        self.setup()
+        if self.val_set is None:
+            return []
+        return make_dataloader(self.val_set, self.batch_size, shuffle=False, num_workers=self.num_workers,
+                               pin_memory=self.pin_memory)
+
+
+def build_datamodule(name: str = "synthetic", **kwargs: Any) -> PipelineDataModule:
+    """Hydra target of ``conf/data/*.yaml``; pass ``batch_size=global_batch_size // replicas``."""
+    return PipelineDataModule(name, **kwargs)

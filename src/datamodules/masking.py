@@ -1,0 +1,67 @@
+"""Token conventions and BERT's masked-LM corruption (Devlin et al., 2019, section 3.1).
+
+Special ids shared by the synthetic data and the locally trained tokenizers:
+``[PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4`` for BERT (``BertConfig.pad_token_id`` is 0) and
+``<|endoftext|>=0`` for GPT-2. Of the real, non-special tokens 15% (at least one) are selected; a
+selected token becomes ``[MASK]`` 80% of the time, a random token 10%, stays unchanged 10%, and its
+label is the original id; every other label is -100 (ignored by the loss).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)
+GPT2_SPECIAL_TOKENS = ("<|endoftext|>",)
+EOS_ID = 0
+FIRST_BERT_TOKEN = len(BERT_SPECIAL_TOKENS)  # ids below are special
+
+
+def sample_rng(seed: int, index: int, stream: int = 0) -> np.random.Generator:
+    """An RNG that depends only on (seed, index): items are the same whatever the order, worker or rank."""
+    return np.random.default_rng([int(seed), int(index), int(stream)])
+
+
+def mlm_mask(input_ids: np.ndarray, candidates: np.ndarray, vocab_size: int, rng: np.random.Generator,
+             mlm_probability: float = 0.15) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``(corrupted_ids, labels)`` for one sequence; ``candidates`` are the maskable positions."""
+    ids = input_ids.copy()
+    labels = np.full_like(ids, IGNORE_INDEX)
+    if len(candidates) == 0:
+        return ids, labels
+    n = max(1, int(round(mlm_probability * len(candidates))))
+    chosen = np.sort(rng.choice(candidates, size=min(n, len(candidates)), replace=False))
+    labels[chosen] = ids[chosen]
+    action = rng.random(len(chosen))
+    ids[chosen[action < 0.8]] = MASK_ID
+    rand = chosen[(action >= 0.8) & (action < 0.9)]
+    ids[rand] = rng.integers(FIRST_BERT_TOKEN, vocab_size, size=len(rand))
+    return ids, labels
+
+
+def bert_example(tokens_a: np.ndarray, tokens_b: np.ndarray, is_random_next: bool, seq_len: int, vocab_size: int,
+                 rng: np.random.Generator, mlm_probability: float = 0.15) -> dict[str, Tensor]:
+    """``[CLS] A [SEP] B [SEP] [PAD]...`` with segment ids, padding mask, MLM labels and the NSP label
+    (0: B follows A, 1: B is random, as ``BertForPreTraining`` expects)."""
+    n_real = len(tokens_a) + len(tokens_b) + 3
+    if n_real > seq_len:
+        raise ValueError(f"pair of {len(tokens_a)}+{len(tokens_b)} tokens does not fit seq_len={seq_len}")
+    ids = np.full(seq_len, PAD_ID, dtype=np.int64)
+    ids[:n_real] = np.concatenate([[CLS_ID], tokens_a, [SEP_ID], tokens_b, [SEP_ID]])
+    token_type = np.zeros(seq_len, dtype=np.int64)
+    token_type[len(tokens_a) + 2:n_real] = 1
+    attention = np.zeros(seq_len, dtype=np.int64)
+    attention[:n_real] = 1
+    candidates = np.flatnonzero((attention == 1) & (ids >= FIRST_BERT_TOKEN))
+    ids, labels = mlm_mask(ids, candidates, vocab_size, rng, mlm_probability)
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "token_type_ids": torch.from_numpy(token_type),
+        "attention_mask": torch.from_numpy(attention),
+        "labels": torch.from_numpy(labels),
+        "next_sentence_label": torch.tensor(int(is_random_next), dtype=torch.long),
+    }

@@ -1,0 +1,40 @@
+"""Models for the pipeline runtime: GPT-2 and BERT built from ``transformers`` configs (no weights).
+
+Public API::
+
+    build_model(name_or_cfg, **overrides) -> HFPipelineModel   # presets: model_names()
+    build_gpt2(**cfg) / build_bert(**cfg)                       # Hydra targets of conf/model/*.yaml
+    model.reference()                                           # the unsplit HF model, same parameters
+    model.layer_costs(kind) / model.partition(stages, kind) / model.partition_table(partition, kind)
+    balanced_partition(costs, stages) / format_partition_table(partition, names, param_counts)
+
+Names are imported lazily, so ``models.partition`` stays pure Python (no torch/transformers import).
+Building from configs never touches the Hugging Face hub; nothing here sets ``HF_HUB_OFFLINE`` (doing so
+at import would also switch the hub off for the wikitext2/wikipedia loaders of users with network).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "COST_KINDS": "base", "HFPipelineModel": "base",
+    "BertPipelineModel": "bert", "build_bert": "bert",
+    "GPT2PipelineModel": "gpt2", "build_gpt2": "gpt2",
+    "balanced_partition": "partition", "format_partition_table": "partition", "stage_costs": "partition",
+    "PAPER_PARAMS": "registry", "PRESETS": "registry", "build_model": "registry", "hydra_config": "registry",
+    "model_names": "registry", "preset": "registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,166 @@
+"""Shared plumbing of the Hugging Face models wrapped for the pipeline runtime.
+
+A ``HFPipelineModel`` owns an ``nn.ModuleList`` of thin layers around the submodules of one
+``transformers`` model built from a config (no weights are ever downloaded). The unsplit HF model is
+kept as an unregistered reference (``reference()``): it shares every parameter with the layers, so it
+serves as the numerical reference of the pipelined model and ``model.to(...)``/``train()`` reach it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from strategies.pipeline_model import PipelineModel, TiedGroup
+
+from .partition import balanced_partition, format_partition_table
+
+COST_KINDS = ("layers", "params")
+
+
+def config_fields(config_cls: type) -> set[str]:
+    """The keyword arguments a ``transformers`` config class understands (including aliases)."""
+    names = {
+        p.name
+        for p in inspect.signature(config_cls.__init__).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+    }
+    names |= set(getattr(config_cls, "attribute_map", {}) or {})
+    return names | {"attn_implementation"}
+
+
+def make_hf_config(config_cls: type, fields: Mapping[str, Any]) -> Any:
+    """Build ``config_cls(**fields)``, rejecting names the class does not know (typos in overrides
+    like ``model.n_layers=4`` would otherwise be stored silently and ignored)."""
+    known = config_fields(config_cls)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"unknown {config_cls.__name__} field(s): {', '.join(hints)}")
+    return config_cls(**dict(fields))
+
+
+@contextlib.contextmanager
+def build_context(device: str | torch.device | None, init_seed: int | None) -> Iterator[None]:
+    """Build on ``device`` (e.g. ``"meta"`` for parameter counting) with an optional private seed."""
+    with contextlib.ExitStack() as stack:
+        if device is not None:
+            stack.enter_context(torch.device(device))
+        if init_seed is not None:
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+            torch.manual_seed(init_seed)
+        yield
+
+
+def unique_numel(params: Iterator[nn.Parameter]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+class HFPipelineModel(nn.Module, PipelineModel):
+    """Base of the GPT-2 and BERT pipeline models (see the module docstring).
+
+    Subclasses set ``self.layers`` (``nn.ModuleList``), ``self.layer_names_`` and implement
+    ``pipeline_loss``/``tied_parameters``.
+    """
+
+    family: str = ""
+
+    def __init__(self, hf_model: nn.Module, *, name: str, seq_len: int,
+                 embedding_cost: float = 0.0, head_cost: float = 0.0) -> None:
+        super().__init__()
+        object.__setattr__(self, "_hf", hf_model)  # not a submodule: its parameters live in self.layers
+        self.name = name
+        self.seq_len = int(seq_len)
+        self.embedding_cost = float(embedding_cost)
+        self.head_cost = float(head_cost)
+        self.layers = nn.ModuleList()
+        self.layer_names_: list[str] = []
+
+    # --- PipelineModel -------------------------------------------------------------------------
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        return self.layers
+
+    def tied_parameters(self) -> list[TiedGroup]:
+        return []
+
+    # --- reference and helpers -----------------------------------------------------------------
+    @property
+    def config(self) -> Any:
+        """The HF config (shared with the reference model)."""
+        return self._hf.config
+
+    def reference(self) -> nn.Module:
+        """The unsplit ``transformers`` model; it shares every parameter with ``pipeline_layers()``."""
+        return self._hf
+
+    def train(self, mode: bool = True) -> HFPipelineModel:
+        super().train(mode)
+        self._hf.train(mode)
+        return self
+
+    def set_attn_implementation(self, impl: str) -> None:
+        """Switch attention kernels (``"eager"``, ``"sdpa"``, ...) for the layers and the reference."""
+        self._hf.set_attn_implementation(impl)
+
+    def check_seq_len(self, seq_len: int) -> None:
+        limit = self.config.max_position_embeddings
+        if seq_len > limit:
+            raise ValueError(f"{self.name}: sequence length {seq_len} exceeds max positions {limit}")
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied weight counts once)."""
+        return unique_numel(self.parameters())
+
+    def layer_names(self) -> list[str]:
+        return list(self.layer_names_)
+
+    def layer_param_counts(self) -> list[int]:
+        """Parameters held by each layer (a tied weight is counted in every layer holding it)."""
+        return [unique_numel(layer.parameters()) for layer in self.layers]
+
+    def layer_costs(self, kind: str = "layers") -> list[float]:
+        """Per-layer cost for ``balanced_partition``.
+
+        ``"layers"``: 1 per transformer block, ``embedding_cost``/``head_cost`` for the first/last layer
+        (0 by default, so D stages hold equal numbers of blocks as in the Chimera paper).
+        ``"params"``: parameter count of each layer.
+        """
+        if kind == "layers":
+            costs = [1.0] * len(self.layers)
+            costs[0] = self.embedding_cost
+            costs[-1] = self.head_cost
+            return costs
+        if kind == "params":
+            return [float(c) for c in self.layer_param_counts()]
+        raise ValueError(f"unknown cost kind {kind!r}; expected one of {COST_KINDS}")
+
+    def partition(self, stages: int, kind: str = "layers") -> list[range]:
+        """``balanced_partition(self.layer_costs(kind), stages)``."""
+        return balanced_partition(self.layer_costs(kind), stages)
+
+    def partition_table(self, partition: Sequence[range], kind: str = "layers") -> str:
+        """``format_partition_table`` of this model (with a note when tied weights are counted twice)."""
+        counts = self.layer_param_counts()
+        table = format_partition_table(partition, self.layer_names(), counts, self.layer_costs(kind))
+        distinct = self.num_parameters()
+        if distinct != sum(counts):
+            table += f"\n(tied weights are counted in every layer holding them; distinct parameters: {distinct:,})"
+        return table
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, seq_len={self.seq_len}, attn={self.config._attn_implementation!r}"

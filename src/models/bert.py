@@ -1,0 +1,166 @@
+"""BERT pre-training (Devlin et al., 2019) as a pipeline around ``transformers.BertForPreTraining``.
+
+Layers: ``[embeddings, encoder_layer_0 .. encoder_layer_{L-1}, heads (pooler + MLM + NSP)]``.
+The embeddings read ``batch["token_type_ids"]`` and every encoder layer rebuilds the padding mask from
+``batch["attention_mask"]`` with ``transformers.masking_utils.create_bidirectional_mask`` (additive
+float mask under ``eager``, boolean or none under ``sdpa``), as ``BertModel.forward`` does; both set
+``needs_batch = True``. The heads layer returns ``(mlm_logits, nsp_logits)``.
+
+The loss is HF's pre-training loss: MLM cross entropy over labels != -100 plus NSP cross entropy
+(the NSP term is skipped when the batch has no ``next_sentence_label``).
+
+With ``tie_word_embeddings=False`` transformers 5 keeps a second, unused vocabulary bias
+``cls.predictions.bias`` beside ``cls.predictions.decoder.bias``; it is re-aliased to the decoder
+bias so the model has one output bias as in the paper and no parameter without a gradient (the
+Chimera paper's 48-layer BERT then has exactly 669,790,012 parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import BertConfig, BertForPreTraining
+from transformers.masking_utils import create_bidirectional_mask
+
+from strategies.pipeline_model import Batch, TiedGroup
+
+from .base import HFPipelineModel, build_context, make_hf_config
+
+IGNORE_INDEX = -100
+
+
+class BertEmbeddingLayer(nn.Module):
+    """``input_ids -> BertEmbeddings(input_ids, token_type_ids)`` (word + position + type, LayerNorm, dropout)."""
+
+    needs_batch = True
+
+    def __init__(self, embeddings: nn.Module) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, input_ids: Tensor, batch: Batch) -> Tensor:
+        return self.embeddings(input_ids=input_ids, token_type_ids=batch.get("token_type_ids"))
+
+
+class BertEncoderLayer(nn.Module):
+    """One ``BertLayer`` with the padding mask HF would build from ``batch["attention_mask"]``."""
+
+    needs_batch = True
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: Tensor, batch: Batch) -> Tensor:
+        mask = create_bidirectional_mask(config=self.layer.attention.self.config, inputs_embeds=hidden,
+                                         attention_mask=batch.get("attention_mask"))
+        return self.layer(hidden, mask)
+
+
+class BertHeads(nn.Module):
+    """``hidden -> (mlm_logits [B, S, V], nsp_logits [B, 2])``: pooler, MLM head and NSP head."""
+
+    def __init__(self, pooler: nn.Module, cls: nn.Module) -> None:
+        super().__init__()
+        self.pooler, self.cls = pooler, cls
+
+    def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cls(hidden, self.pooler(hidden))
+
+
+def pretraining_terms(mlm_logits: Tensor, nsp_logits: Tensor, labels: Tensor, next_sentence_label: Tensor | None,
+                      reduction: str = "mean") -> dict[str, Tensor]:
+    """``BertForPreTraining``'s loss terms: CE(MLM, ignore -100) and CE(NSP), means or sums."""
+    terms = {"mlm": F.cross_entropy(mlm_logits.reshape(-1, mlm_logits.shape[-1]), labels.reshape(-1),
+                                    ignore_index=IGNORE_INDEX, reduction=reduction)}
+    if next_sentence_label is not None:
+        terms["nsp"] = F.cross_entropy(nsp_logits.reshape(-1, 2), next_sentence_label.reshape(-1), reduction=reduction)
+    return terms
+
+
+def pretraining_loss(mlm_logits: Tensor, nsp_logits: Tensor, labels: Tensor,
+                     next_sentence_label: Tensor | None) -> Tensor:
+    """``BertForPreTraining``'s loss: CE(MLM, ignore -100) + CE(NSP)."""
+    terms = pretraining_terms(mlm_logits, nsp_logits, labels, next_sentence_label)
+    return terms["mlm"] + terms["nsp"] if "nsp" in terms else terms["mlm"]
+
+
+def dedupe_decoder_bias(hf: BertForPreTraining) -> None:
+    """Make ``cls.predictions.bias`` the decoder's bias (one output bias, as in the paper)."""
+    pred = hf.cls.predictions
+    if pred.bias is not pred.decoder.bias:
+        pred.bias = pred.decoder.bias
+
+
+class BertPipelineModel(HFPipelineModel):
+    """BERT pre-training split into ``num_hidden_layers + 2`` layers sharing parameters with ``reference()``.
+
+    ``pipeline_loss`` takes the heads layer's ``(mlm_logits, nsp_logits)`` tuple.
+    """
+
+    family = "bert"
+
+    def __init__(self, hf: BertForPreTraining, **kwargs: Any) -> None:
+        super().__init__(hf, **kwargs)
+        if hf.bert.pooler is None:
+            raise ValueError("BERT pre-training needs the pooler (NSP head)")
+        dedupe_decoder_bias(hf)
+        self.layers.append(BertEmbeddingLayer(hf.bert.embeddings))
+        self.layers.extend(BertEncoderLayer(layer) for layer in hf.bert.encoder.layer)
+        self.layers.append(BertHeads(hf.bert.pooler, hf.cls))
+        self.layer_names_ = ["embeddings", *(f"layer.{i}" for i in range(len(hf.bert.encoder.layer))), "heads"]
+        self.check_seq_len(self.seq_len)
+
+    def pipeline_input(self, batch: Batch) -> Tensor:
+        return batch["input_ids"]
+
+    def pipeline_loss(self, output: tuple[Tensor, Tensor], batch: Batch) -> Tensor:  # type: ignore[override]
+        mlm_logits, nsp_logits = output
+        return pretraining_loss(mlm_logits, nsp_logits, batch["labels"], batch.get("next_sentence_label"))
+
+    # Optional runtime hooks: per-term sums and counts (MLM over masked tokens, NSP over samples), so that
+    # micro-batches add up to the loss of the whole mini-batch.
+    def loss_counts(self, batch: Batch) -> dict[str, Tensor]:
+        counts = {"mlm": (batch["labels"] != IGNORE_INDEX).sum()}
+        if batch.get("next_sentence_label") is not None:
+            nsp = batch["next_sentence_label"]
+            counts["nsp"] = torch.tensor(nsp.numel(), device=nsp.device)  # same device as the MLM count
+        return counts
+
+    def loss_terms(self, output: tuple[Tensor, Tensor], batch: Batch) -> dict[str, Tensor]:
+        mlm_logits, nsp_logits = output
+        return pretraining_terms(mlm_logits, nsp_logits, batch["labels"], batch.get("next_sentence_label"), "sum")
+
+    def tied_parameters(self) -> list[TiedGroup]:
+        emb = self.layers[0].embeddings.word_embeddings.weight
+        if emb is self.layers[-1].cls.predictions.decoder.weight:
+            last = len(self.layers) - 1
+            return [((0, "embeddings.word_embeddings.weight"), (last, "cls.predictions.decoder.weight"))]
+        return []
+
+
+def build_bert(
+    name: str = "bert",
+    seq_len: int = 128,
+    *,
+    family: str = "bert",
+    attn_implementation: str = "sdpa",
+    embedding_cost: float = 0.0,
+    head_cost: float = 0.0,
+    init_seed: int | None = None,
+    device: str | torch.device | None = None,
+    **config: Any,
+) -> BertPipelineModel:
+    """Hydra target of ``conf/model/bert*.yaml``: ``BertConfig(**config)`` -> ``BertPipelineModel``.
+
+    ``config`` holds ``BertConfig`` fields (``num_hidden_layers``, ``hidden_size``, ...).
+    """
+    if family != "bert":
+        raise ValueError(f"build_bert got family={family!r}")
+    hf_config = make_hf_config(BertConfig, {**config, "attn_implementation": attn_implementation})
+    with build_context(device, init_seed):
+        hf = BertForPreTraining(hf_config)
+    return BertPipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost)

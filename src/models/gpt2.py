@@ -1,0 +1,148 @@
+"""GPT-2 (Radford et al., 2019) as a pipeline of layers around ``transformers.GPT2LMHeadModel``.
+
+Layers: ``[embeddings (wte + wpe + dropout), block_0 .. block_{L-1}, head (ln_f + lm_head)]``.
+Every block builds its causal mask with ``transformers.masking_utils.create_causal_mask`` for the
+configured attention implementation, exactly as ``GPT2Model.forward`` does: a standalone
+``GPT2Block`` given no mask is causal under ``sdpa`` but attends to the future under ``eager``.
+
+The loss is the causal-LM cross entropy on shifted labels (``batch["labels"]``, else the inputs),
+averaged over the non-ignored tokens, i.e. ``transformers.loss.loss_utils.ForCausalLMLoss``.
+With ``tie_word_embeddings`` the embedding layer and the head share one ``Parameter``; the paper's
+1.39 B model (Chimera, Li & Hoefler, SC'21, Table 2) unties it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.masking_utils import create_causal_mask
+
+from strategies.pipeline_model import Batch, TiedGroup
+
+from .base import HFPipelineModel, build_context, make_hf_config
+
+IGNORE_INDEX = -100
+
+
+def _positions(x: Tensor) -> Tensor:
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+
+class GPT2Embeddings(nn.Module):
+    """``input_ids -> dropout(wte(input_ids) + wpe(positions))`` (as ``GPT2Model.forward``)."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.drop(self.wte(input_ids) + self.wpe(_positions(input_ids)))
+
+
+class GPT2BlockLayer(nn.Module):
+    """One ``GPT2Block`` with the causal mask HF would pass it (no padding: LM batches are full)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        position_ids = _positions(hidden)
+        # The attention module's own config decides the kernel, hence the mask format.
+        mask = create_causal_mask(config=self.block.attn.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        return self.block(hidden, attention_mask=mask, position_ids=position_ids)
+
+
+class GPT2Head(nn.Module):
+    """``hidden -> lm_head(ln_f(hidden))``: logits over the vocabulary."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+
+def shift_labels(labels: Tensor) -> Tensor:
+    """Position t predicts token t+1; the last position predicts nothing (-100)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
+    """Next-token cross entropy ignoring ``-100`` (``ForCausalLMLoss`` without ``num_items``): the mean
+    over predicted tokens, or their sum with ``reduction="sum"``."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                           shift_labels(labels).reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
+
+
+class GPT2PipelineModel(HFPipelineModel):
+    """GPT-2 LM split into ``n_layer + 2`` pipeline layers sharing parameters with ``reference()``."""
+
+    family = "gpt2"
+
+    def __init__(self, hf: GPT2LMHeadModel, **kwargs: Any) -> None:
+        super().__init__(hf, **kwargs)
+        t = hf.transformer
+        self.layers.append(GPT2Embeddings(t.wte, t.wpe, t.drop))
+        self.layers.extend(GPT2BlockLayer(block) for block in t.h)
+        self.layers.append(GPT2Head(t.ln_f, hf.lm_head))
+        self.layer_names_ = ["embeddings", *(f"block.{i}" for i in range(len(t.h))), "head"]
+        self.check_seq_len(self.seq_len)
+
+    def pipeline_input(self, batch: Batch) -> Tensor:
+        return batch["input_ids"]
+
+    @staticmethod
+    def _labels(batch: Batch) -> Tensor:
+        return batch["labels"] if "labels" in batch else batch["input_ids"]
+
+    def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
+        return causal_lm_loss(output, self._labels(batch))
+
+    # Optional runtime hooks: per-term sums and counts, so that micro-batches of any size add up to the
+    # token mean over the whole mini-batch (what HF computes on the unsplit batch).
+    def loss_counts(self, batch: Batch) -> dict[str, Tensor]:
+        return {"tokens": (shift_labels(self._labels(batch)) != IGNORE_INDEX).sum()}
+
+    def loss_terms(self, output: Tensor, batch: Batch) -> dict[str, Tensor]:
+        return {"tokens": causal_lm_loss(output, self._labels(batch), reduction="sum")}
+
+    def tied_parameters(self) -> list[TiedGroup]:
+        if self.layers[0].wte.weight is self.layers[-1].lm_head.weight:
+            return [((0, "wte.weight"), (len(self.layers) - 1, "lm_head.weight"))]
+        return []
+
+
+def build_gpt2(
+    name: str = "gpt2",
+    seq_len: int = 1024,
+    *,
+    family: str = "gpt2",
+    attn_implementation: str = "sdpa",
+    embedding_cost: float = 0.0,
+    head_cost: float = 0.0,
+    init_seed: int | None = None,
+    device: str | torch.device | None = None,
+    **config: Any,
+) -> GPT2PipelineModel:
+    """Hydra target of ``conf/model/gpt2*.yaml``: ``GPT2Config(**config)`` -> ``GPT2PipelineModel``.
+
+    ``config`` holds ``GPT2Config`` fields (``n_layer``, ``n_embd``, ``tie_word_embeddings``, ...);
+    ``device="meta"`` builds without memory (parameter counts); ``init_seed`` seeds the init privately.
+    """
+    if family != "gpt2":
+        raise ValueError(f"build_gpt2 got family={family!r}")
+    vocab = int(config.get("vocab_size", 50257))
+    config.setdefault("bos_token_id", vocab - 1)
+    config.setdefault("eos_token_id", vocab - 1)
+    hf_config = make_hf_config(GPT2Config, {**config, "attn_implementation": attn_implementation})
+    with build_context(device, init_seed):
+        hf = GPT2LMHeadModel(hf_config)
+    return GPT2PipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost)

@@ -1,0 +1,111 @@
+"""Named model presets and ``build_model``; ``conf/model/<name>.yaml`` mirror ``PRESETS`` (a test checks).
+
+Paper sizes follow Chimera (Li & Hoefler, SC'21), Table 2: GPT-2 with 64 layers, hidden 1280,
+20 heads, untied LM head (1,389,327,360 parameters, sequence length 632) and BERT with 48 layers,
+hidden 1024, 16 heads, FFN 4096, untied decoder (669,790,012 parameters, sequence length 128).
+Standard sizes follow the GPT-2 and BERT releases; the tiny ones train in seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import HFPipelineModel
+
+TARGETS = {"gpt2": "models.build_gpt2", "bert": "models.build_bert"}
+
+
+def _gpt2(name: str, seq_len: int, n_layer: int, n_embd: int, n_head: int, *, tied: bool,
+          vocab_size: int = 50257, n_positions: int = 1024, dropout: float = 0.1) -> dict[str, Any]:
+    return {
+        "name": name, "family": "gpt2", "seq_len": seq_len, "attn_implementation": "sdpa",
+        "embedding_cost": 0.0, "head_cost": 0.0, "init_seed": None,
+        "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "n_positions": n_positions,
+        "vocab_size": vocab_size, "tie_word_embeddings": tied,
+        "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout,
+    }
+
+
+def _bert(name: str, seq_len: int, layers: int, hidden: int, heads: int, ffn: int, *, tied: bool,
+          vocab_size: int = 30522, max_positions: int = 512, dropout: float = 0.1) -> dict[str, Any]:
+    return {
+        "name": name, "family": "bert", "seq_len": seq_len, "attn_implementation": "sdpa",
+        "embedding_cost": 0.0, "head_cost": 0.0, "init_seed": None,
+        "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+        "intermediate_size": ffn, "max_position_embeddings": max_positions, "type_vocab_size": 2,
+        "vocab_size": vocab_size, "tie_word_embeddings": tied,
+        "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout,
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2": _gpt2("gpt2", 632, 64, 1280, 20, tied=False),
+    "gpt2-small": _gpt2("gpt2-small", 1024, 12, 768, 12, tied=True),
+    "gpt2-medium": _gpt2("gpt2-medium", 1024, 24, 1024, 16, tied=True),
+    "gpt2-large": _gpt2("gpt2-large", 1024, 36, 1280, 20, tied=True),
+    "gpt2-xl": _gpt2("gpt2-xl", 1024, 48, 1600, 25, tied=True),
+    "gpt2-tiny": _gpt2("gpt2-tiny", 32, 4, 64, 4, tied=True, vocab_size=1000, n_positions=64, dropout=0.0),
+    "bert48": _bert("bert48", 128, 48, 1024, 16, 4096, tied=False),
+    "bert-base": _bert("bert-base", 128, 12, 768, 12, 3072, tied=True),
+    "bert-large": _bert("bert-large", 128, 24, 1024, 16, 4096, tied=True),
+    "bert-tiny": _bert("bert-tiny", 32, 4, 64, 4, 128, tied=False, vocab_size=1000, max_positions=64, dropout=0.0),
+}
+
+# Paper parameter counts (checked by tests/test_models.py on the meta device).
+PAPER_PARAMS = {"gpt2": 1_389_327_360, "bert48": 669_790_012, "gpt2-small": 124_439_808}
+
+
+def model_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def preset(name: str) -> dict[str, Any]:
+    """A copy of the preset's keyword arguments (the YAML file's keys, minus ``_target_``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(model_names())}")
+    return dict(PRESETS[name])
+
+
+def hydra_config(name: str) -> dict[str, Any]:
+    """What ``conf/model/<name>.yaml`` holds: ``_target_`` plus the preset."""
+    p = preset(name)
+    return {"_target_": TARGETS[p["family"]], **p}
+
+
+def _builder(family: str) -> Callable[..., HFPipelineModel]:
+    if family == "gpt2":
+        from .gpt2 import build_gpt2
+        return build_gpt2
+    if family == "bert":
+        from .bert import build_bert
+        return build_bert
+    raise ValueError(f"unknown model family {family!r}; expected one of {sorted(TARGETS)}")
+
+
+def build_model(name_or_cfg: str | Mapping[str, Any], **overrides: Any) -> HFPipelineModel:
+    """Build a pipeline model from a preset name or a (Hydra) config mapping, plus overrides.
+
+    ``build_model("gpt2-tiny", n_layer=2, attn_implementation="eager")``;
+    ``build_model(cfg.model)`` (``_target_`` is ignored; ``family`` picks the builder);
+    ``build_model("gpt2", device="meta")`` counts parameters without allocating them.
+    """
+    if isinstance(name_or_cfg, str):
+        kwargs = preset(name_or_cfg)
+    else:
+        try:  # an omegaconf DictConfig
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(name_or_cfg, DictConfig):
+                name_or_cfg = OmegaConf.to_container(name_or_cfg, resolve=True)  # type: ignore[assignment]
+        except ImportError:  # pragma: no cover
+            pass
+        kwargs = {str(k): v for k, v in dict(name_or_cfg).items()}
+        kwargs.pop("_target_", None)
+        if "family" not in kwargs:
+            if kwargs.get("name") not in PRESETS:
+                raise ValueError("a model config needs 'family' (gpt2 or bert) or a preset 'name'")
+            kwargs = {**preset(kwargs["name"]), **kwargs}
+    kwargs.update(overrides)
+    return _builder(kwargs["family"])(**kwargs)

@@ -1,0 +1,1 @@
+"""Glue between Hydra configs and the training run: layout checks, printing, summaries."""

@@ -1,0 +1,74 @@
+"""End-to-end ``train.py`` runs on CPU with the tiny model, and the layout checks before launch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipe.layout import ConfigError, resolve_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}", *overrides]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy, devices, extra",
+    [("gpipe", 2, []), ("dapple", 4, ["strategy.D=2"]), ("chimera", 4, ["strategy.D=4", "model.n_layer=2"])],
+)
+def test_train_py_runs_each_strategy(tmp_path: Path, strategy: str, devices: int, extra: list[str]) -> None:
+    result = _train(tmp_path, f"strategy={strategy}", f"trainer.devices={devices}", "trainer.max_steps=3", "trainer.log_every_n_steps=1",
+                    "data.global_batch_size=8", *extra)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "final train/loss" in result.stdout
+    assert f"layout: {strategy}" in result.stdout
+    metrics = (tmp_path / "metrics.csv").read_text()
+    assert "train/loss" in metrics
+
+
+@pytest.mark.slow
+def test_same_command_gives_same_losses(tmp_path: Path) -> None:
+    runs = [_train(tmp_path / str(i), "trainer.max_steps=3", "data.global_batch_size=8") for i in range(2)]
+    finals = [next(line for line in r.stdout.splitlines() if "final train/loss" in line).split("=")[1].split()[0]
+              for r in runs]
+    assert finals[0] == finals[1]
+
+
+def test_bad_layout_stops_before_launch(tmp_path: Path) -> None:
+    result = _train(tmp_path, "strategy.D=3", "trainer.devices=4", timeout=120)
+    assert result.returncode == 2
+    assert "strategy.D = 3 does not divide the 4 processes" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "strategy, trainer, batch, fragment",
+    [
+        ({"name": "gpipe", "D": 3, "micro_batch_size": 1}, {"devices": 8}, 8, "set strategy.D to one of [1, 2, 4, 8]"),
+        ({"name": "gpipe", "D": 2, "W": 3, "micro_batch_size": 1}, {"devices": 8}, 8, "W·D = 3·2 = 6"),
+        ({"name": "gpipe", "D": 2, "micro_batch_size": 3}, {"devices": 4}, 8, "not divisible by W·B = 2·3 = 6"),
+        ({"name": "chimera", "D": 3, "micro_batch_size": 1}, {"devices": 3}, 6, "chimera needs an even strategy.D"),
+        ({"name": "chimera", "D": 4, "pipelines": 3, "micro_batch_size": 1}, {"devices": 4}, 8, "one of [2, 4]"),
+        ({"name": "gpipe", "D": 16, "micro_batch_size": 1}, {"devices": 16}, 16, "only 6 pipeline layers"),
+        ({"name": "gpipe", "D": 0, "micro_batch_size": 1}, {"devices": 2}, 8, "strategy.D must be a positive integer"),
+    ],
+)
+def test_layout_rules(strategy: dict, trainer: dict, batch: int, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve_layout(strategy, trainer, batch, num_layers=6)
+    assert fragment in str(err.value)
+
+
+def test_layout_derives_w_and_n() -> None:
+    layout = resolve_layout({"name": "chimera", "D": 4, "micro_batch_size": 2}, {"devices": 8}, 32, num_layers=10)
+    assert (layout.W, layout.N, layout.pipelines) == (2, 8, 2)
