@@ -10,6 +10,12 @@ Parameters that are one tensor shared by several layers (tied word embeddings) a
 ``tied_parameters()`` as groups of (layer index, parameter name); the runtime sums their
 gradients across the stages that hold them, so training equals the unsplit model.
 
+Exact mini-batch losses: a model whose loss is a mean over items that differ per micro-batch
+(tokens, masked tokens) may define ``loss_counts(batch) -> {term: count}`` and
+``loss_terms(output, batch) -> {term: sum}``; the runtime divides each term's sum by its count
+over the whole mini-batch, so micro-batch losses add up exactly to the unsplit loss (GPT-2:
+``tokens``; BERT: ``mlm`` and ``nsp``). Without them, losses are weighted by sample count.
+
 Example, a user's own model in ten lines::
 
     class MyMLP(nn.Module, PipelineModel):
@@ -43,8 +49,8 @@ class PipelineModel:
         """What the first layer consumes; by default ``batch["input_ids"]``."""
         return batch["input_ids"]
 
-    def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
-        """Mean loss of one micro-batch from the last layer's output."""
+    def pipeline_loss(self, output: Any, batch: Batch) -> Tensor:
+        """Mean loss of one micro-batch from the last layer's output (a tensor, or a tuple of them)."""
         raise NotImplementedError
 
     def tied_parameters(self) -> list[TiedGroup]:
