@@ -28,7 +28,7 @@ def _train(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.Co
 )
 def test_train_py_runs_each_strategy(tmp_path: Path, strategy: str, devices: int, extra: list[str]) -> None:
     result = _train(tmp_path, f"strategy={strategy}", f"trainer.devices={devices}", "trainer.max_steps=3", "trainer.log_every_n_steps=1",
-                    "data.global_batch_size=8", *extra)
+                    "data.global_batch_size=8", "logger=csv", *extra)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "final train/loss" in result.stdout
     assert f"layout: {strategy}" in result.stdout
@@ -72,3 +72,15 @@ def test_layout_rules(strategy: dict, trainer: dict, batch: int, fragment: str) 
 def test_layout_derives_w_and_n() -> None:
     layout = resolve_layout({"name": "chimera", "D": 4, "micro_batch_size": 2}, {"devices": 8}, 32, num_layers=10)
     assert (layout.W, layout.N, layout.pipelines) == (2, 8, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, layers",
+                         [("gpt2-tiny", "model.n_layer=2"), ("bert-tiny", "model.num_hidden_layers=2")])
+def test_train_py_chimera_trains_gpt2_and_bert(tmp_path: Path, model: str, layers: str) -> None:
+    """``train.py strategy=chimera`` on 4 processes (D = 4, one block per stage) for each model family;
+    BERT's batches carry padding masks, MLM labels and NSP labels through every stage."""
+    result = _train(tmp_path, "strategy=chimera", f"model={model}", "trainer.devices=4", "strategy.D=4", layers,
+                    "trainer.max_steps=3", "trainer.log_every_n_steps=1", "data.global_batch_size=8")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "final train/loss" in result.stdout

@@ -24,13 +24,29 @@ class Layout:
     N: int
     global_batch_size: int
     pipelines: int
+    variant: str = ""  # settings beyond the schedule's defaults, e.g. "forward_doubling+eager_opt"
+
+    @property
+    def label(self) -> str:
+        """The strategy as compared: its name plus any non-default variant, e.g. ``chimera+4pipes``."""
+        return f"{self.strategy}+{self.variant}" if self.variant else self.strategy
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def run_name(self) -> str:
+        """The run's name in W&B and in comparisons, e.g. ``chimera-W2-D4-B1``."""
+        return f"{self.label}-W{self.W}-D{self.D}-B{self.B}"
+
+    def result_fields(self) -> dict[str, Any]:
+        """The layout's keys of ``results.json`` (``strategy`` is the :attr:`label`)."""
+        return {"strategy": self.label, "W": self.W, "D": self.D, "B": self.B, "N": self.N,
+                "global_batch_size": self.global_batch_size, "world_size": self.world_size}
+
     def describe(self) -> str:
         return (
-            f"layout: {self.strategy}  W={self.W} replicas × D={self.D} stages = {self.world_size} processes; "
+            f"layout: {self.label}  W={self.W} replicas × D={self.D} stages = {self.world_size} processes; "
             f"B={self.B} × N={self.N} micro-batches × W={self.W} = global batch {self.global_batch_size}"
             + (f"; {self.pipelines} pipelines" if self.pipelines > 1 else "")
         )
@@ -42,6 +58,24 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+BASELINES = ("ddp", "single")
+
+
+def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> Layout:
+    """``ddp``: W = world size replicas of the whole model; ``single``: one process. Both take the
+    replica's whole mini-batch in one pass (B = B̂/W, N = 1); ``strategy.micro_batch_size`` is unused."""
+    if D != 1:
+        raise ConfigError(f"strategy={name} has no pipeline stages but strategy.D = {D}; set strategy.D=1 "
+                          "(or pick a pipeline strategy: gpipe, dapple, chimera)")
+    if name == "single" and world != 1:
+        raise ConfigError(f"strategy=single runs one process but trainer.devices × trainer.num_nodes = {world}; "
+                          "set trainer.devices=1 trainer.num_nodes=1 (or use strategy=ddp)")
+    if global_batch_size % world:
+        raise ConfigError(f"data.global_batch_size = {global_batch_size} is not divisible by the W = {world} "
+                          f"replicas of strategy={name}; use a multiple of {world}")
+    return Layout(name, world, world, 1, global_batch_size // world, 1, global_batch_size, 1)
+
+
 def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int) -> Layout:
     """Derive W and N and check every rule of the pipeline layout."""
     name = str(strategy.get("name", "gpipe"))
@@ -50,8 +84,10 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
         raise ConfigError("trainer.devices must be a number for pipeline runs (W·D must be known before launch)")
     world = _positive("trainer.devices", devices) * _positive("trainer.num_nodes", trainer.get("num_nodes", 1))
     D = _positive("strategy.D", strategy.get("D"))
-    B = _positive("strategy.micro_batch_size", strategy.get("micro_batch_size"))
     _positive("data.global_batch_size", global_batch_size)
+    if name in BASELINES:
+        return _baseline_layout(name, world, D, global_batch_size)
+    B = _positive("strategy.micro_batch_size", strategy.get("micro_batch_size"))
     if world % D:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ConfigError(
@@ -79,4 +115,53 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
         valid = [2 * f for f in range(1, D // 2 + 1) if (D // 2) % f == 0]
         if pipelines not in valid:
             raise ConfigError(f"strategy.pipelines = {pipelines} must be 2f for a divisor f of D/2 = {D // 2}; choose one of {valid}")
-    return Layout(name, world, W, D, B, global_batch_size // (W * B), global_batch_size, pipelines)
+    N = global_batch_size // (W * B)
+    _check_schedule(name, D, N, pipelines, str(strategy.get("concat") or "direct"))
+    return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, name, pipelines))
+
+
+def _check_schedule(name: str, D: int, N: int, pipelines: int, concat: str) -> None:
+    """Build (and validate) the schedule the workers will run, so a bad combination stops here."""
+    from strategies.schedules import build_schedule, validate
+
+    try:
+        validate(build_schedule(name, D, N, pipelines if name == "chimera" else None,
+                                concat if name == "chimera" else "direct"))
+    except ValueError as err:
+        raise ConfigError(f"strategy={name} with D = {D}, N = {N} micro-batches, concat = {concat}: {err}") from err
+
+
+def _variant(strategy: dict[str, Any], name: str, pipelines: int) -> str:
+    parts = []
+    if name == "chimera":
+        if strategy.get("concat", "direct") != "direct":
+            parts.append(str(strategy["concat"]))
+        if pipelines != 2:
+            parts.append(f"{pipelines}pipes")
+    if strategy.get("grad_sync", "end") != "end":
+        parts.append(f"sync_{strategy['grad_sync']}")
+    if strategy.get("recompute", "none") != "none":
+        parts.append(f"recompute_{strategy['recompute']}")
+    return "+".join(parts)
+
+
+def check_model(model: dict[str, Any], data: dict[str, Any]) -> None:
+    """Shapes the model cannot take: a sequence longer than its position table."""
+    positions = model.get("n_positions", model.get("max_position_embeddings"))
+    seq_len = data.get("seq_len", model.get("seq_len"))
+    if positions is not None and seq_len is not None and int(seq_len) > int(positions):
+        key = "model.n_positions" if "n_positions" in model else "model.max_position_embeddings"
+        raise ConfigError(f"sequence length {seq_len} (model.seq_len / data.seq_len) exceeds the model's {positions} "
+                          f"positions ({key}); set model.seq_len ≤ {positions} or raise {key}")
+
+
+def check_devices(trainer: dict[str, Any], available_gpus: int | None) -> None:
+    """More GPUs per node than this node has (CPU processes are not limited)."""
+    if trainer.get("accelerator") in ("gpu", "cuda") and available_gpus is not None:
+        devices = int(trainer.get("devices", 1))
+        if devices > available_gpus == 0:
+            raise ConfigError(f"trainer.devices = {devices} GPUs but this node has no GPU; use trainer=cpu")
+        if devices > available_gpus:
+            raise ConfigError(f"trainer.devices = {devices} GPUs per node but this node has {available_gpus}; "
+                              f"set trainer.devices ≤ {available_gpus} (and trainer.num_nodes for more nodes), "
+                              "or trainer=cpu")

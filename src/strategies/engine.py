@@ -3,7 +3,10 @@
 :class:`PipelineEngine` builds the topology and process groups for W replicas × D stages,
 keeps this rank's stages of a :class:`~strategies.pipeline_model.PipelineModel`, and runs a
 step: split the replica's mini-batch into N micro-batches, execute this rank's actions of the
-schedule, all-reduce stage gradients, and return the mini-batch loss on every rank.
+schedule, all-reduce stage gradients (at the end, or eagerly as stage copies finish: Chimera
+§3.2, :mod:`strategies.grad_sync`), and return the mini-batch loss on every rank. Stage
+forwards may be recomputed in backward to save activation memory (GPipe §2.3,
+:mod:`strategies.recompute`).
 """
 
 from __future__ import annotations
@@ -18,16 +21,22 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .executor import StageExecutor, StepRecord, loss_counts
-from .grad_sync import GradientSynchronizer
+from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
 from .p2p import Messenger
 from .pipeline_model import Batch, PipelineModel, split_batch
-from .schedules import Schedule, build_schedule, validate
+from .recompute import RECOMPUTE_MODES, recompute_stages
+from .schedules import Action, Schedule, build_schedule, validate
 from .topology import Topology
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """The pipeline layout; derived N comes from the batch at run time."""
+    """The pipeline layout and runtime options; derived N comes from the batch at run time.
+
+    ``grad_sync``: ``end`` | ``eager`` | ``eager_opt`` (Chimera §3.2, see :mod:`.grad_sync`).
+    ``recompute``: ``none`` | ``except_last`` | ``always`` (see :mod:`.recompute`).
+    ``prefetch``: how many actions ahead receives are posted (0: when needed).
+    """
 
     schedule: str = "gpipe"
     stages: int = 2
@@ -35,6 +44,17 @@ class PipelineConfig:
     pipelines: int | None = None
     concat: str = "direct"
     timeout_s: float = 120.0
+    grad_sync: str = "end"
+    recompute: str = "none"
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        for name, value, choices in (("grad_sync", self.grad_sync, GRAD_SYNC_MODES),
+                                     ("recompute", self.recompute, RECOMPUTE_MODES)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be a non-negative integer, got {self.prefetch!r}")
 
     def build(self, micro_batches: int) -> Schedule:
         return validate(build_schedule(self.schedule, self.stages, micro_batches, self.pipelines, self.concat))
@@ -84,7 +104,10 @@ class PipelineEngine:
         self.synchronizer = GradientSynchronizer(
             {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout
         )
-        self.executor = StageExecutor(model, self.stage_layers, self.topology, self.rank, Messenger(device, self.timeout))
+        self.executor = StageExecutor(
+            model, self.stage_layers, self.topology, self.rank, Messenger(device, self.timeout),
+            recompute=recompute_stages(config.recompute, config.stages), prefetch=config.prefetch,
+        )
         self.last_record: StepRecord | None = None
 
     # -- set-up -------------------------------------------------------------------------------
@@ -157,6 +180,12 @@ class PipelineEngine:
     def schedule_for(self, micro_batches: int) -> Schedule:
         return self.config.build(micro_batches)
 
+    @cache  # noqa: B019 - one engine per process
+    def launch_plan(self, micro_batches: int) -> dict[Action, tuple[int, ...]]:
+        """Backward action → local stages whose gradient all-reduce starts after it (§3.2)."""
+        schedule = self.schedule_for(micro_batches)
+        return launch_plan(schedule, self.topology.worker_of(self.rank), self.config.grad_sync)
+
     def split(self, batch: Batch) -> list[dict]:
         size = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
         if size % self.config.micro_batch_size:
@@ -166,15 +195,17 @@ class PipelineEngine:
             )
         return split_batch(batch, size // self.config.micro_batch_size)
 
-    def _totals(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
-        """Loss normalisers over the global mini-batch (all replicas)."""
+    def _totals(self, micro_batches: Sequence[Batch]) -> dict[str, Tensor]:
+        """Loss normalisers over the global mini-batch (all replicas), as device scalars: reading
+        them on the host would synchronise with the device before the schedule starts."""
         counts = [loss_counts(self.model, mb) for mb in micro_batches]
         names = sorted(counts[0])
         local = torch.stack([sum(c[n] for c in counts) for n in names]).to(self.device)
         if self.topology.replicas > 1:
             dist.all_reduce(local)  # every worker of a replica holds the same counts
             local = local / self.topology.stages
-        return dict(zip(names, local.tolist()))
+        local = local.to(torch.float32)  # counts are exact in float32; losses are float32
+        return {name: local[i] for i, name in enumerate(names)}
 
     def _world_sum(self, value: Tensor) -> Tensor:
         value = value.to(self.device, torch.float32)
@@ -186,8 +217,18 @@ class PipelineEngine:
         micro_batches = self.split(batch)
         for p in self.local_parameters():
             p.grad = None
-        self.last_record = self.executor.run(self.schedule_for(len(micro_batches)), micro_batches, self._totals(micro_batches))
-        self.synchronizer.sync()
+        plan = self.launch_plan(len(micro_batches))
+        sync = self.synchronizer
+
+        def after_backward(action: Action) -> None:
+            for stage in plan.get(action, ()):
+                sync.launch(stage)
+
+        self.last_record = self.executor.run(
+            self.schedule_for(len(micro_batches)), micro_batches, self._totals(micro_batches),
+            after_backward=after_backward if plan else None,
+        )
+        sync.finish()
         return self._world_sum(self.last_record.loss_sum)
 
     @torch.no_grad()

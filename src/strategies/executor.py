@@ -10,19 +10,25 @@ gives exactly its gradients (mini-batch SGD, Chimera §2).
 
 A doubled forward (Chimera §3.5) runs its two micro-batches as two graphs in one action; a
 halved backward's forward runs two half-micro-batch graphs so each half backward is exact.
+
+Communication overlap: the receives of the next ``prefetch`` actions are posted before the
+current action runs, sends are non-blocking, and no host synchronisation (``.item()``) happens
+inside the step. With recomputation (:mod:`strategies.recompute`, GPipe §2.3) a stage keeps only
+its input between forward and backward; the step record reports the peak bytes kept.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from .p2p import Messenger
+from .p2p import Messenger, PendingRecv
 from .pipeline_model import Batch, PipelineModel, run_layers
+from .recompute import RngState, SavedBytes, parameter_storages
 from .schedules import Action, Schedule
 from .topology import Topology
 
@@ -46,7 +52,9 @@ def loss_counts(model: PipelineModel, batch: Batch) -> dict[str, Tensor]:
     return {"samples": torch.tensor(float(size), dtype=torch.float64)}
 
 
-def micro_batch_loss(model: PipelineModel, output: Tensor, batch: Batch, totals: Mapping[str, float]) -> Tensor:
+def micro_batch_loss(
+    model: PipelineModel, output: Tensor, batch: Batch, totals: Mapping[str, float | Tensor]
+) -> Tensor:
     """This micro-batch's share of the mini-batch loss: per-term sums over mini-batch counts.
 
     Models with several mean terms (BERT: MLM over masked tokens + NSP over samples) provide
@@ -61,10 +69,30 @@ def micro_batch_loss(model: PipelineModel, output: Tensor, batch: Batch, totals:
 
 @dataclass
 class StepRecord:
-    """What one step on this rank measured: per-action wall times and the local loss sum."""
+    """What one step on this rank measured.
+
+    ``loss_sum``: this rank's share of the mini-batch loss (a device tensor, no host sync);
+    ``timeline``: (action, start, end) wall times; ``peak_stored_bytes``: the most activation
+    bytes held at once between forwards and their backwards (see :class:`SavedBytes`).
+    """
 
     loss_sum: Tensor
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
+    peak_stored_bytes: int = 0
+
+
+@dataclass
+class _Saved:
+    """What a forward keeps for its backward: the graph (``out``), or for recomputation only the
+    input and the RNG state to replay it."""
+
+    inp: Tensor | None
+    out: Tensor | None
+    rng: RngState | None
+    nbytes: int
+
+
+Receive = tuple[int, int, tuple]  # source rank, tag, shape key
 
 
 class StageExecutor:
@@ -77,88 +105,164 @@ class StageExecutor:
         topology: Topology,
         rank: int,
         messenger: Messenger,
+        recompute: frozenset[int] = frozenset(),
+        prefetch: int = 2,
     ) -> None:
         self.model = model
         self.stage_layers = stage_layers
         self.topology = topology
         self.rank = rank
         self.messenger = messenger
-        self._graphs: dict[GraphKey, tuple[Tensor | None, Tensor]] = {}
+        self.recompute = recompute
+        self.prefetch = prefetch
+        self._graphs: dict[GraphKey, _Saved] = {}
+        self._stored = 0
 
     def run(
-        self, schedule: Schedule, micro_batches: Sequence[Batch], totals: Mapping[str, float], train: bool = True
+        self,
+        schedule: Schedule,
+        micro_batches: Sequence[Batch],
+        totals: Mapping[str, float | Tensor],
+        train: bool = True,
+        after_backward: Callable[[Action], None] | None = None,
     ) -> StepRecord:
+        """Execute this rank's actions; ``after_backward(action)`` runs after each backward."""
         worker = self.topology.worker_of(self.rank)
         actions = [a for a in schedule.workers[worker] if train or a.kind == "F"]
         halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}
+        params = [p for layers in self.stage_layers.values() for layer in layers for p in layer.parameters()]
+        ctx = _StepContext(schedule, micro_batches, totals, halved, train, parameter_storages(params))
+        self._ctx, self._stored = ctx, 0
         record = StepRecord(torch.zeros((), dtype=torch.float64))
-        self._ctx = _StepContext(schedule, micro_batches, totals, halved, train, record)
+        receives = [self._receives(a) for a in actions]
+        posted: dict[int, list[PendingRecv]] = {}
         with torch.set_grad_enabled(train):
-            for action in actions:
+            for i, action in enumerate(actions):
+                for j in range(i, min(i + 1 + self.prefetch, len(actions))):
+                    if j not in posted:
+                        posted[j] = [self.messenger.post_recv(*r) for r in receives[j]]
                 start = time.perf_counter()
-                (self._forward if action.kind == "F" else self._backward)(action)
+                if action.kind == "F":
+                    self._forward(action, posted.pop(i))
+                else:
+                    self._backward(action, posted.pop(i))
+                    if after_backward is not None:
+                        after_backward(action)
                 record.timeline.append((action, start, time.perf_counter()))
         self.messenger.flush()
         if self._graphs:
             raise RuntimeError(f"rank {self.rank}: activations left after the step: {sorted(self._graphs)}")
+        if ctx.losses:
+            dtype = torch.float32 if ctx.losses[0].device.type == "mps" else torch.float64
+            record.loss_sum = torch.stack([x.to(dtype) for x in ctx.losses]).sum()
+        record.peak_stored_bytes = ctx.peak_stored
         return record
+
+    # -- receives ------------------------------------------------------------------------------
+
+    def _receives(self, action: Action) -> list[Receive]:
+        """The messages ``action`` consumes, in the order it waits for them."""
+        ctx, D = self._ctx, self.topology.stages
+        if action.kind == "F":
+            if action.stage == 0:
+                return []
+            src = self.topology.peer(self.rank, action.pipe, action.stage - 1)
+            return [
+                (src, ctx.tag("act", action.pipe, action.stage - 1, mb),
+                 ("act", action.pipe, action.stage - 1, batch_signature(ctx.micro_batches[mb])))
+                for mb in action.mbs
+            ]
+        if action.stage == D - 1:
+            return []
+        src = self.topology.peer(self.rank, action.pipe, action.stage + 1)
+        signature = (batch_signature(ctx.micro_batches[action.mb]), action.half)
+        return [(src, ctx.tag("grad", action.pipe, action.stage + 1, action.mb, action.half),
+                 ("grad", action.pipe, action.stage + 1, signature))]
 
     # -- actions -------------------------------------------------------------------------------
 
-    def _forward(self, action: Action) -> None:
-        ctx, D = self._ctx, self.topology.stages
-        for mb in action.mbs:
+    def _stage_forward(self, stage: int, inp: Tensor, batch: Batch) -> Tensor:
+        """The stage's layers, plus the loss share on the last stage."""
+        out = run_layers(self.stage_layers[stage], inp, batch)
+        if stage == self.topology.stages - 1:
+            out = micro_batch_loss(self.model, out, batch, self._ctx.totals)
+        return out
+
+    def _keep(self, key: GraphKey, saved: _Saved) -> None:
+        self._graphs[key] = saved
+        self._stored += saved.nbytes
+        self._ctx.peak_stored = max(self._ctx.peak_stored, self._stored)
+
+    def _forward(self, action: Action, inbox: list[PendingRecv]) -> None:
+        ctx, D, stage = self._ctx, self.topology.stages, action.stage
+        recompute = ctx.train and stage in self.recompute
+        for k, mb in enumerate(action.mbs):
             batch = ctx.micro_batches[mb]
-            signature = batch_signature(batch)
-            if action.stage == 0:
-                x = self.model.pipeline_input(batch)
-            else:
-                src = self.topology.peer(self.rank, action.pipe, action.stage - 1)
-                x = self.messenger.recv(src, ctx.tag("act", action.pipe, action.stage - 1, mb), ("act", action.pipe, action.stage - 1, signature))
-            halves = (0, 1) if mb in ctx.halved else (None,)
+            x = self.model.pipeline_input(batch) if stage == 0 else self.messenger.wait_recv(inbox[k])
             outputs = []
-            for half in halves:
+            for half in (0, 1) if mb in ctx.halved else (None,):
                 part = batch if half is None else half_of(batch, half)
                 inp = x if half is None else x.chunk(2)[half]
-                if action.stage > 0 and ctx.train:
-                    inp = inp.detach().requires_grad_(True)
-                out = run_layers(self.stage_layers[action.stage], inp, part)
-                if action.stage == D - 1:
-                    out = micro_batch_loss(self.model, out, part, ctx.totals)
-                    ctx.record.loss_sum += out.detach().to(torch.float64).cpu()
+                key = (action.pipe, stage, mb, half)
+                if recompute:  # keep the input and the RNG state only (GPipe §2.3)
+                    rng = RngState.capture(inp.device)
+                    with torch.no_grad():
+                        out = self._stage_forward(stage, inp, part)
+                    kept = inp.numel() * inp.element_size() if stage > 0 else 0  # stage 0: the batch itself
+                    self._keep(key, _Saved(inp, None, rng, kept))
+                elif ctx.train:
+                    if stage > 0:
+                        inp = inp.detach().requires_grad_(True)
+                    saved = SavedBytes(ctx.parameter_storages)
+                    with saved.track():
+                        out = self._stage_forward(stage, inp, part)
+                    saved.add(out)
+                    self._keep(key, _Saved(inp if stage > 0 else None, out, None, saved.nbytes))
+                else:
+                    out = self._stage_forward(stage, inp, part)
+                if stage == D - 1:
+                    ctx.losses.append(out.detach())
                 else:
                     outputs.append(out)
-                if ctx.train:
-                    self._graphs[(action.pipe, action.stage, mb, half)] = (inp if action.stage > 0 else None, out)
-            if action.stage < D - 1:
-                dst = self.topology.peer(self.rank, action.pipe, action.stage + 1)
+            if stage < D - 1:
+                dst = self.topology.peer(self.rank, action.pipe, stage + 1)
                 sent = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-                self.messenger.send(sent, dst, ctx.tag("act", action.pipe, action.stage, mb), ("act", action.pipe, action.stage, signature))
+                signature = batch_signature(batch)
+                self.messenger.send(sent, dst, ctx.tag("act", action.pipe, stage, mb), ("act", action.pipe, stage, signature))
 
-    def _backward(self, action: Action) -> None:
-        ctx, D = self._ctx, self.topology.stages
+    def _backward(self, action: Action, inbox: list[PendingRecv]) -> None:
+        ctx, D, stage = self._ctx, self.topology.stages, action.stage
         mb, half = action.mb, action.half
-        inp, out = self._graphs.pop((action.pipe, action.stage, mb, half))
-        signature = (batch_signature(ctx.micro_batches[mb]), half)
-        if action.stage == D - 1:
+        saved = self._graphs.pop((action.pipe, stage, mb, half))
+        self._stored -= saved.nbytes
+        inp, out = saved.inp, saved.out
+        if saved.rng is not None:  # recompute the forward with the same RNG draws, then backpropagate
+            batch = ctx.micro_batches[mb]
+            part = batch if half is None else half_of(batch, half)
+            if stage > 0:
+                inp = inp.detach().requires_grad_(True)
+            with saved.rng.replay(), torch.enable_grad():
+                out = self._stage_forward(stage, inp, part)
+        if stage == D - 1:
             out.backward()
         else:
-            src = self.topology.peer(self.rank, action.pipe, action.stage + 1)
-            grad = self.messenger.recv(src, ctx.tag("grad", action.pipe, action.stage + 1, mb, half), ("grad", action.pipe, action.stage + 1, signature))
-            torch.autograd.backward(out, grad)
-        if action.stage > 0:
-            dst = self.topology.peer(self.rank, action.pipe, action.stage - 1)
-            self.messenger.send(inp.grad, dst, ctx.tag("grad", action.pipe, action.stage, mb, half), ("grad", action.pipe, action.stage, signature))
+            torch.autograd.backward(out, self.messenger.wait_recv(inbox[0]))
+        if stage > 0:
+            dst = self.topology.peer(self.rank, action.pipe, stage - 1)
+            signature = (batch_signature(ctx.micro_batches[mb]), half)
+            self.messenger.send(inp.grad, dst, ctx.tag("grad", action.pipe, stage, mb, half), ("grad", action.pipe, stage, signature))
 
 
 @dataclass
 class _StepContext:
     schedule: Schedule
     micro_batches: Sequence[Batch]
-    totals: Mapping[str, float]
+    totals: Mapping[str, float | Tensor]
     halved: set[int]
     train: bool
-    record: StepRecord
+    parameter_storages: frozenset[int]
+    losses: list[Tensor] = field(default_factory=list)
+    peak_stored: int = 0
 
     def tag(self, kind: str, pipe: int, stage: int, mb: int, half: int | None = None) -> int:
         """A message id unique within the step for (kind, pipe, sending stage, micro-batch, half)."""

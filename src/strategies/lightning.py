@@ -42,11 +42,14 @@ class PipelineStrategy(DDPStrategy):
         timeout_s: float = 120.0,
         schedule: str | None = None,
         name: str | None = None,
+        grad_sync: str = "end",
+        recompute: str = "none",
         **kwargs: Any,
     ) -> None:
         super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
         self.pipeline_config = PipelineConfig(
-            schedule or name or self.schedule_name, D, micro_batch_size, pipelines, concat, timeout_s
+            schedule or name or self.schedule_name, D, micro_batch_size, pipelines, concat, timeout_s,
+            grad_sync=grad_sync, recompute=recompute,
         )
         self.requested_W = W
         self.engine: PipelineEngine | None = None
@@ -129,6 +132,8 @@ class PipelineModule(pl.LightningModule):
     device, DDP) it runs the layers in order, so baselines train the very same module.
     """
 
+    flops_per_batch: int | None = None  # read by Lightning's ThroughputMonitor; None: no MFU reported
+
     def __init__(self, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0) -> None:
         super().__init__()
         self.model = model
@@ -153,7 +158,9 @@ class PipelineModule(pl.LightningModule):
     def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
         engine = self.pipeline
         loss = engine.eval_step(batch) if engine else sequential_loss(self.model, batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=engine is None, batch_size=_batch_size(batch))
+        # Under the pipeline the loss is already the global one on every rank, so the mean over ranks is
+        # the same value; sync_dist=True keeps DDP semantics and Lightning's epoch-level warning away.
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=_batch_size(batch))
         return loss
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:

@@ -1,17 +1,22 @@
 """Non-blocking, tagged point-to-point transfers of activations and activation gradients.
 
-Sends are posted with ``isend`` and never block compute; a receive is posted when the data is
-needed and waited with a timeout, so a schedule that validates cannot deadlock on gloo (which
-deadlocks on blocking send-before-recv) and a dead peer ends the wait with an error instead of
-a hang. Every message carries a tag unique within the step (gloo honours tags, so receives of
-different sizes never match out of order). A tensor's shape travels in a small header only the
-first time a (message kind, stage boundary, micro-batch shape) is seen; both sides key that
-cache identically because every rank of a replica reads the same micro-batches.
+Sends are posted with ``isend`` and never block compute (where the backend reports completion,
+as NCCL does, completed sends are released as new ones are posted; gloo's stay until the end of
+the step). Receives can be posted ahead of need (:meth:`Messenger.post_recv`: the executor
+pre-posts the inputs of its next actions) and are waited with a timeout when the data is needed,
+so transfers overlap compute, a schedule that validates cannot deadlock on gloo (which deadlocks
+on blocking send-before-recv) and a dead peer ends the wait with an error instead of a hang.
+
+Every message carries a tag unique within the step (gloo honours tags, so receives of different
+sizes never match out of order). A tensor's shape travels in a small header only the first time
+a (message kind, stage boundary, micro-batch shape) is seen; both sides key that cache
+identically because every rank of a replica reads the same micro-batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -26,6 +31,19 @@ class PeerTimeoutError(RuntimeError):
     """A peer did not deliver within the timeout: it crashed, hung or was killed."""
 
 
+@dataclass
+class PendingRecv:
+    """A posted (or, until its shape is known, announced) receive."""
+
+    src: int
+    tag: int
+    shape_key: Hashable
+    header: Tensor | None = None
+    header_work: dist.Work | None = None
+    buffer: Tensor | None = None
+    work: dist.Work | None = None
+
+
 class Messenger:
     def __init__(self, device: torch.device, timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
         self.device = device
@@ -35,6 +53,7 @@ class Messenger:
         self._keep_alive: list[Tensor] = []
         self._sent_shapes: set[Hashable] = set()
         self._known_shapes: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}
+        self._header_posted: set[Hashable] = set()
 
     def send(self, tensor: Tensor, dst: int, tag: int, shape_key: Hashable) -> None:
         tensor = tensor.detach().contiguous()
@@ -49,15 +68,41 @@ class Messenger:
         self._post_send(tensor, dst, 2 * tag)
 
     def recv(self, src: int, tag: int, shape_key: Hashable) -> Tensor:
-        if shape_key not in self._known_shapes:
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            self._wait(dist.irecv(header, src, group=self.group, tag=2 * tag + 1), f"shape header from rank {src}")
-            code, ndim, *dims = header.tolist()
-            self._known_shapes[shape_key] = (torch.Size(dims[:ndim]), _DTYPES[code])
-        shape, dtype = self._known_shapes[shape_key]
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait(dist.irecv(buffer, src, group=self.group, tag=2 * tag), f"tensor (tag {tag}) from rank {src}")
-        return buffer
+        """Receive now (posting the receive if :meth:`post_recv` did not already)."""
+        return self.wait_recv(self.post_recv(src, tag, shape_key))
+
+    def post_recv(self, src: int, tag: int, shape_key: Hashable) -> PendingRecv:
+        """Post the receive of message ``tag`` from ``src`` now; wait for it with :meth:`wait_recv`.
+
+        With the shape known (every message after the first of its kind) the data receive is
+        posted at once; otherwise the header receive is posted (once per shape key) and the data
+        receive follows when the header has arrived.
+        """
+        pending = PendingRecv(src, tag, shape_key)
+        if shape_key in self._known_shapes:
+            self._post_data(pending)
+        elif shape_key not in self._header_posted:
+            pending.header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            pending.header_work = dist.irecv(pending.header, src, group=self.group, tag=2 * tag + 1)
+            self._header_posted.add(shape_key)
+        return pending
+
+    def wait_recv(self, pending: PendingRecv) -> Tensor:
+        if pending.work is None:
+            if pending.header_work is not None:
+                self._wait(pending.header_work, f"shape header from rank {pending.src}")
+                code, ndim, *dims = pending.header.tolist()  # once per shape key
+                self._known_shapes[pending.shape_key] = (torch.Size(dims[:ndim]), _DTYPES[code])
+            if pending.shape_key not in self._known_shapes:
+                raise RuntimeError(f"shape of {pending.shape_key} unknown: its first message was never waited")
+            self._post_data(pending)
+        self._wait(pending.work, f"tensor (tag {pending.tag}) from rank {pending.src}")
+        return pending.buffer
+
+    def _post_data(self, pending: PendingRecv) -> None:
+        shape, dtype = self._known_shapes[pending.shape_key]
+        pending.buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        pending.work = dist.irecv(pending.buffer, pending.src, group=self.group, tag=2 * pending.tag)
 
     def flush(self) -> None:
         """Wait until every posted send has completed (end of step)."""
@@ -67,6 +112,11 @@ class Messenger:
         self._keep_alive.clear()
 
     def _post_send(self, tensor: Tensor, dst: int, tag: int) -> None:
+        if len(self._pending) >= 4:  # release completed sends and their tensors (gloo reports a send
+            # completed only once waited, so there they live until flush; NCCL releases them here)
+            still = [i for i, work in enumerate(self._pending) if not work.is_completed()]
+            self._pending = [self._pending[i] for i in still]
+            self._keep_alive = [self._keep_alive[i] for i in still]
         self._keep_alive.append(tensor)
         self._pending.append(dist.isend(tensor, dst, group=self.group, tag=tag))
 

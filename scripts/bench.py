@@ -1,0 +1,365 @@
+#!/usr/bin/env python
+"""Benchmarks of the pipeline runtime (issue 6); writes one JSON file and prints tables.
+
+    python scripts/bench.py --out bench.json                       # every part (minutes)
+    python scripts/bench.py --out bench.json --parts efficiency    # one part; merged into the file
+    python scripts/bench.py --quick --out /tmp/quick.json          # tiny sizes, < 1 min (smoke test)
+
+Parts (``--parts``, comma-separated; default all):
+
+* ``efficiency``: GPipe, DAPPLE and Chimera on emulated-compute stages
+  (:mod:`strategies.emulated`: forward ``t_f``, backward ``2 t_f`` of sleep, real p2p tensors and
+  all-reduces) at D ∈ {2, 4, 8}, N ∈ {D, 2D}: median measured step time ÷ simulated makespan
+  (:func:`strategies.schedules.simulate`), and Chimera ÷ DAPPLE measured vs in theory.
+* ``vs_torch``: the same GPT-2, split, micro-batches and D = 2 CPU ranks (one thread each) under
+  ours (gpipe, dapple, chimera) and ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B),
+  interleaved in one invocation; ``throughput_ratio`` = their step time ÷ ours (> 1: ours faster).
+* ``overhead``: D = 1 engine step vs a plain single-process step of the same model and batch.
+* ``grad_sync``: end vs eager vs eager_opt gradient all-reduce (Chimera §3.2) on emulated Chimera.
+* ``recompute``: peak stored activation bytes and step time of none / except_last / always on GPT-2.
+
+JSON: ``{"schedule_efficiency": [...], "chimera_vs_dapple": [...], "vs_torch": [...],
+"overhead_d1": float, "grad_sync": [...], "recompute": [...]}`` (ratios are plain numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import strategies  # noqa: F401
+except ImportError:  # not installed: run from the checkout
+    sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from strategies.spawn import run_world  # noqa: E402
+
+PARTS = ("efficiency", "vs_torch", "overhead", "grad_sync", "recompute")
+KEYS = ("schedule_efficiency", "chimera_vs_dapple", "vs_torch", "overhead_d1", "grad_sync", "recompute")
+
+
+# -- helpers (run inside the ranks) --------------------------------------------------------------
+
+
+def _timed_steps(step: Callable[[], Any], steps: int, warmup: int) -> list[float]:
+    """Wall time of ``steps`` calls after ``warmup`` untimed ones, each started after a barrier."""
+    import torch.distributed as dist
+
+    times = []
+    for i in range(warmup + steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        if dist.is_initialized():
+            dist.barrier()  # the step ends when the slowest rank is done
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _gpt2(size: dict[str, int]) -> Any:
+    from models import build_model
+
+    torch.manual_seed(0)
+    return build_model("gpt2-tiny", n_layer=size["layers"], n_embd=size["hidden"], n_head=size["heads"],
+                       vocab_size=size["vocab"], n_positions=size["seq"], seq_len=size["seq"],
+                       tie_word_embeddings=False)
+
+
+def _gpt2_batch(size: dict[str, int], samples: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(0, size["vocab"], (samples, size["seq"]), generator=g)}
+
+
+def _by_rank(value: float) -> list[float]:
+    """``value`` of every rank, by rank."""
+    import torch.distributed as dist
+
+    t = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+    t[dist.get_rank()] = value
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+# -- part workers (module level: the spawned ranks import them) ---------------------------------
+
+
+def _efficiency_worker(rank: int, world: int, cases: list[tuple[str, int]], t_f: float, steps: int,
+                       warmup: int, act: int, params: int) -> list[dict]:
+    from strategies.emulated import EmulatedPipeline
+    from strategies.engine import PipelineConfig, PipelineEngine
+    from strategies.schedules import simulate
+
+    rows = []
+    for name, N in cases:
+        model = EmulatedPipeline(world, t_f=t_f, activation_numel=act, param_numel=params)
+        engine = PipelineEngine(model, PipelineConfig(name, world, 1), 1, torch.device("cpu"))
+        batch = model.batch(N)
+        times = _timed_steps(lambda: engine.train_step(batch), steps, warmup)
+        simulated = simulate(engine.schedule_for(N), t_f, 2 * t_f).makespan
+        rows.append({"schedule": name, "D": world, "N": N, "measured_s": statistics.median(times),
+                     "simulated_s": simulated})
+    return rows
+
+
+def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, steps: int, warmup: int,
+                      act: int, params: int) -> list[dict]:
+    from strategies.emulated import EmulatedPipeline
+    from strategies.engine import PipelineConfig, PipelineEngine
+
+    rows = []
+    for case in cases:
+        D, N = case["D"], case["N"]
+        medians = {}
+        engines = {}
+        for mode in ("end", "eager", "eager_opt"):
+            model = EmulatedPipeline(D, t_f=t_f, activation_numel=act, param_numel=params)
+            engines[mode] = (model, PipelineEngine(model, PipelineConfig(case["schedule"], D, 1, grad_sync=mode),
+                                                   world // D, torch.device("cpu")))
+        samples: dict[str, list[float]] = {m: [] for m in engines}
+        for _ in range(steps):  # interleave the modes against background load
+            for mode, (model, engine) in engines.items():
+                batch = model.batch(N)
+                samples[mode] += _timed_steps(lambda: engine.train_step(batch), 1, warmup if not samples[mode] else 0)
+        for mode in engines:
+            medians[mode] = statistics.median(samples[mode])
+        for mode in engines:
+            rows.append({**case, "W": world // D, "param_numel": params, "mode": mode,
+                         "measured_s": medians[mode], "ratio_vs_end": medians[mode] / medians["end"]})
+    return rows
+
+
+def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, mbs: int, steps: int,
+                     warmup: int) -> list[dict]:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch import nn
+
+    from models.gpt2 import causal_lm_loss
+    from strategies.engine import PipelineConfig, PipelineEngine, even_partition
+
+    batch = _gpt2_batch(size, samples)
+    runners: dict[str, Callable[[], Any]] = {}
+    for name in ("gpipe", "dapple", "chimera"):
+        model = _gpt2(size)
+        engine = PipelineEngine(model, PipelineConfig(name, world, samples // mbs), 1, torch.device("cpu"))
+        runners[f"ours:{name}"] = (lambda e: lambda: e.train_step(batch))(engine)
+    for label, cls in (("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)):
+        model = _gpt2(size)
+        layers = model.pipeline_layers()
+        part = even_partition(len(layers), world)[rank]
+        module = nn.Sequential(*[layers[i] for i in part])
+        stage = PipelineStage(module, rank, world, torch.device("cpu"))
+        schedule = cls(stage, mbs, loss_fn=causal_lm_loss)
+        params = list(module.parameters())
+
+        def step(schedule=schedule, params=params) -> None:
+            for p in params:
+                p.grad = None
+            if rank == 0:
+                schedule.step(batch["input_ids"], return_outputs=False)
+            else:
+                schedule.step(target=batch["input_ids"], return_outputs=False)
+
+        runners[f"theirs:{label}"] = step
+    samples_s: dict[str, list[float]] = {k: [] for k in runners}
+    for k, run in runners.items():
+        _timed_steps(run, 0, warmup)
+    for _ in range(steps):
+        for k, run in runners.items():
+            samples_s[k] += _timed_steps(run, 1, 0)
+    dist.barrier()
+    return [{"system": k, "median_s": statistics.median(v)} for k, v in samples_s.items()]
+
+
+def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, steps: int, warmup: int) -> dict:
+    from strategies.engine import PipelineConfig, PipelineEngine
+    from strategies.pipeline_model import sequential_loss
+
+    batch = _gpt2_batch(size, samples)
+    plain_model = _gpt2(size)
+    engine = PipelineEngine(_gpt2(size), PipelineConfig("gpipe", 1, samples), 1, torch.device("cpu"))
+
+    def plain() -> None:
+        for p in plain_model.parameters():
+            p.grad = None
+        sequential_loss(plain_model, batch).backward()
+
+    def ours() -> None:
+        engine.train_step(batch)
+
+    plain_t, ours_t = [], []
+    _timed_steps(plain, 0, warmup)
+    _timed_steps(ours, 0, warmup)
+    for _ in range(steps):
+        plain_t += _timed_steps(plain, 1, 0)
+        ours_t += _timed_steps(ours, 1, 0)
+    return {"plain_s": statistics.median(plain_t), "engine_s": statistics.median(ours_t)}
+
+
+def _recompute_worker(rank: int, world: int, size: dict[str, int], schedule: str, samples: int, mbs: int,
+                      steps: int, warmup: int) -> list[dict]:
+    from strategies.engine import PipelineConfig, PipelineEngine
+
+    batch = _gpt2_batch(size, samples)
+    engines = {}
+    for mode in ("none", "except_last", "always"):
+        engines[mode] = PipelineEngine(_gpt2(size), PipelineConfig(schedule, world, samples // mbs, recompute=mode),
+                                       1, torch.device("cpu"))
+    times: dict[str, list[float]] = {m: [] for m in engines}
+    for engine in engines.values():
+        _timed_steps(lambda: engine.train_step(batch), 0, warmup)
+    for _ in range(steps):
+        for mode, engine in engines.items():
+            times[mode] += _timed_steps(lambda: engine.train_step(batch), 1, 0)
+    rows = []
+    for mode, engine in engines.items():
+        peaks = [int(b) for b in _by_rank(engine.last_record.peak_stored_bytes)]
+        rows.append({"mode": mode, "schedule": schedule, "D": world, "N": mbs, "peak_stored_bytes_by_rank": peaks,
+                     "peak_stored_bytes_max_rank": max(peaks), "measured_s": statistics.median(times[mode])})
+    return rows
+
+
+# -- parts (run in the parent) -------------------------------------------------------------------
+
+
+def part_efficiency(quick: bool) -> dict[str, list[dict]]:
+    t_f, steps, warmup = (0.005, 3, 1) if quick else (0.02, 7, 2)
+    depths = (2,) if quick else (2, 4, 8)
+    rows = []
+    for D in depths:
+        Ns = (D,) if quick else (D, 2 * D)
+        cases = [(name, N) for N in Ns for name in ("gpipe", "dapple", "chimera")]
+        rows += run_world(D, _efficiency_worker, cases, t_f, steps, warmup, 16384, 65536)[0]
+    for row in rows:
+        row["ratio"] = row["measured_s"] / row["simulated_s"]
+    by = {(r["schedule"], r["D"], r["N"]): r for r in rows}
+    versus = []
+    for (name, D, N), chimera in by.items():
+        if name == "chimera" and ("dapple", D, N) in by:
+            dapple = by[("dapple", D, N)]
+            versus.append({"D": D, "N": N, "measured_ratio": chimera["measured_s"] / dapple["measured_s"],
+                           "theory_ratio": chimera["simulated_s"] / dapple["simulated_s"]})
+    return {"schedule_efficiency": rows, "chimera_vs_dapple": versus}
+
+
+GPT2_BENCH = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 4096, "seq": 128}
+GPT2_QUICK = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 1000, "seq": 32}
+
+
+def part_vs_torch(quick: bool) -> dict[str, list[dict]]:
+    size, samples, mbs, steps, warmup = (GPT2_QUICK, 4, 2, 2, 1) if quick else (GPT2_BENCH, 16, 4, 9, 2)
+    rows = run_world(2, _vs_torch_worker, size, samples, mbs, steps, warmup)[0]
+    t = {r["system"]: r["median_s"] for r in rows}
+    pairs = [("gpipe", "ScheduleGPipe"), ("dapple", "Schedule1F1B"), ("chimera", "Schedule1F1B"),
+             ("chimera", "ScheduleGPipe")]
+    out = [{"ours": ours, "theirs": theirs, "throughput_ratio": t[f"theirs:{theirs}"] / t[f"ours:{ours}"]}
+           for ours, theirs in pairs]
+    return {"vs_torch": out, "_vs_torch_times": rows}
+
+
+def part_overhead(quick: bool) -> dict[str, Any]:
+    size, samples, steps, warmup = (GPT2_QUICK, 2, 3, 1) if quick else (GPT2_BENCH, 8, 15, 3)
+    r = run_world(1, _overhead_worker, size, samples, steps, warmup)[0]
+    return {"overhead_d1": r["engine_s"] / r["plain_s"], "_overhead_times": r}
+
+
+def part_grad_sync(quick: bool) -> dict[str, list[dict]]:
+    if quick:
+        return {"grad_sync": run_world(2, _grad_sync_worker, [{"schedule": "chimera", "D": 2, "N": 2}],
+                                       0.005, 2, 1, 4096, 65536)[0]}
+    cases = [{"schedule": "chimera", "D": 4, "N": 4}, {"schedule": "chimera", "D": 2, "N": 4}]
+    return {"grad_sync": run_world(4, _grad_sync_worker, cases, 0.02, 7, 2, 16384, 4 * 1024 * 1024)[0]}
+
+
+def part_recompute(quick: bool) -> dict[str, list[dict]]:
+    size, samples, mbs, steps, warmup = (GPT2_QUICK, 4, 2, 2, 1) if quick else (GPT2_BENCH, 16, 4, 7, 2)
+    rows = run_world(2, _recompute_worker, size, "dapple", samples, mbs, steps, warmup)[0]
+    base = next(r for r in rows if r["mode"] == "none")
+    for r in rows:
+        r["memory_ratio"] = r["peak_stored_bytes_max_rank"] / base["peak_stored_bytes_max_rank"]
+        r["time_ratio"] = r["measured_s"] / base["measured_s"]
+    return {"recompute": rows}
+
+
+RUNNERS = {"efficiency": part_efficiency, "vs_torch": part_vs_torch, "overhead": part_overhead,
+           "grad_sync": part_grad_sync, "recompute": part_recompute}
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def report(data: dict[str, Any]) -> str:
+    out = []
+    if data.get("schedule_efficiency"):
+        out += ["schedule efficiency (emulated compute; ratio = measured / simulated)",
+                _table(data["schedule_efficiency"], ["schedule", "D", "N", "measured_s", "simulated_s", "ratio"]), ""]
+    if data.get("chimera_vs_dapple"):
+        out += ["chimera / dapple step time", _table(data["chimera_vs_dapple"], ["D", "N", "measured_ratio", "theory_ratio"]), ""]
+    if data.get("vs_torch"):
+        out += ["vs torch.distributed.pipelining (throughput_ratio > 1: ours faster)",
+                _table(data["vs_torch"], ["ours", "theirs", "throughput_ratio"]), ""]
+    if data.get("overhead_d1") is not None:
+        out += [f"D=1 engine step / plain step: {data['overhead_d1']:.4f}", ""]
+    if data.get("grad_sync"):
+        out += ["gradient sync modes (emulated Chimera)",
+                _table(data["grad_sync"], ["schedule", "D", "W", "N", "mode", "measured_s", "ratio_vs_end"]), ""]
+    if data.get("recompute"):
+        out += ["activation recomputation (GPT-2, DAPPLE)",
+                _table(data["recompute"], ["mode", "peak_stored_bytes_by_rank", "memory_ratio", "measured_s", "time_ratio"]), ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file; parts not run keep their values from an existing file")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps (smoke test)")
+    args = parser.parse_args(argv)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+    out = Path(args.out)
+    data: dict[str, Any] = {"schedule_efficiency": [], "chimera_vs_dapple": [], "vs_torch": [], "overhead_d1": None,
+                            "grad_sync": [], "recompute": []}
+    if out.exists() and not args.quick:
+        data.update({k: v for k, v in json.loads(out.read_text()).items() if k in KEYS})
+    details: dict[str, Any] = {}
+    for part in parts:
+        start = time.perf_counter()
+        result = RUNNERS[part](args.quick)
+        details.update({k: v for k, v in result.items() if k.startswith("_")})
+        data.update({k: v for k, v in result.items() if not k.startswith("_")})
+        print(f"[{part}: {time.perf_counter() - start:.1f}s]", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({k: data[k] for k in KEYS}, indent=2) + "\n")
+    print(report(data))
+    if details:
+        print(json.dumps(details, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Communication micro-benchmarks with two gloo processes (Chimera §3.4: α and β "can be measured
+using micro benchmarks").
+
+* p2p: ping-pong of messages of several sizes; one-way time = half the round trip; a least-squares
+  line ``t = α + β·L`` gives the p2p constants.
+* all-reduce: two-process all-reduces of the same sizes; with ``r = 2`` Rabenseifner's cost is
+  ``2α + β·L`` (:func:`planner.costs.allreduce_from_pair`).
+* runtime overhead: a D = 2 GPipe step of :class:`strategies.emulated.EmulatedPipeline` (sleeping
+  ``t_f``/``2 t_f`` per action, so the two ranks do not compete for cores) at two micro-batch counts;
+  what the simulated makespan (:func:`strategies.schedules.simulate`) does not explain is the
+  executor's own cost per action and per step.
+* process memory: resident set of one idle worker (interpreter, torch, gloo), for host-RAM budgets.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .costs import AlphaBeta, allreduce_from_pair, fit_line, robust_line
+from .model_costs import CommCosts
+
+SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+CALIBRATION_N = (2, 8)
+CALIBRATION_T_F = 0.002  # seconds of sleep per emulated forward (backward: twice)
+
+
+def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: int) -> dict[str, Any]:
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    rss = psutil.Process().memory_info().rss
+    p2p, allreduce = {}, {}
+    peer = 1 - rank
+    for size in sizes:
+        buf = torch.zeros(size // 4)
+        samples = []
+        for r in range(reps + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+            if r >= 2:
+                samples.append((time.perf_counter() - start) / 2)
+        p2p[size] = statistics.median(samples)
+        samples = []
+        for r in range(reps + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buf)
+            if r >= 2:
+                samples.append(time.perf_counter() - start)
+        allreduce[size] = statistics.median(samples)
+    steps_s = {}
+    from strategies.emulated import EmulatedPipeline
+    from strategies.engine import PipelineConfig, PipelineEngine
+
+    model = EmulatedPipeline(2, t_f=CALIBRATION_T_F, activation_numel=256, param_numel=1)
+    engine = PipelineEngine(model, PipelineConfig("gpipe", 2, 1), 1, torch.device("cpu"))
+    for n in CALIBRATION_N:
+        batch = model.batch(n)
+        samples = []
+        for r in range(steps + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            engine.train_step(batch)
+            dist.barrier()
+            if r >= 2:
+                samples.append(time.perf_counter() - start)
+        steps_s[n] = statistics.median(samples)
+    over = []
+    for _ in range(20):
+        start = time.perf_counter()
+        time.sleep(CALIBRATION_T_F)
+        over.append(time.perf_counter() - start - CALIBRATION_T_F)
+    return {"p2p": p2p, "allreduce": allreduce, "steps": steps_s, "rss": rss, "t_f": CALIBRATION_T_F,
+            "sleep_overshoot": statistics.median(over)}
+
+
+def fit_comm(result: dict[str, Any], *, measured: bool = True) -> CommCosts:
+    """CommCosts from one rank's micro-benchmark results (see the module docstring)."""
+    from strategies.schedules import build_schedule, simulate
+
+    sizes = sorted(int(s) for s in result["p2p"])
+    p2p_fit = robust_line(sizes, [result["p2p"][s] for s in sizes])
+    p2p = AlphaBeta(max(p2p_fit.a, 0.0), max(p2p_fit.b, 0.0))
+    allreduce = allreduce_from_pair(robust_line(sizes, [result["allreduce"][s] for s in sizes]))
+    ns = sorted(int(n) for n in result["steps"])
+    # T(N) = step + sim(t_f + o, 2 t_f + o, α): the excess over the simulated step, per action on the
+    # critical path (M(N), read off the simulation), is the per-action overhead o.
+    t_f = float(result.get("t_f", CALIBRATION_T_F))
+    xs, ys = [], []
+    for n in ns:
+        schedule = build_schedule("gpipe", 2, n)
+        base = simulate(schedule, t_f, 2 * t_f, t_comm=p2p(256 * 4 * n / n)).makespan
+        m = simulate(schedule, 1.0, 1.0, t_comm=0.0).makespan
+        xs.append(m)
+        ys.append(float(result["steps"][n]) - base)
+    line = fit_line(xs, ys)
+    action = line.b - float(result.get("sleep_overshoot", 0.0))  # sleep's own lateness is not the runtime's
+    return CommCosts(p2p, allreduce, max(action, 0.0), max(line.a, 0.0), int(result["rss"]), measured)
+
+
+def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 10, steps: int = 10) -> CommCosts:
+    """Run the micro-benchmarks in two spawned gloo processes (a few seconds)."""
+    from strategies.spawn import run_world
+
+    results = run_world(2, _comm_worker, list(sizes), reps, steps, timeout=300)
+    return fit_comm(_keys_to_int(results[0]))
+
+
+def _keys_to_int(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: ({int(s): v for s, v in val.items()} if isinstance(val, dict) else val) for k, val in result.items()}
+
+
+
+def load_or_measure_comm(cache_dir: Path, device: str, *, refresh: bool = False,
+                         log: Callable[[str], None] | None = None) -> CommCosts:
+    """Cached per device description (independent of the model)."""
+    import hashlib
+
+    path = Path(cache_dir) / f"comm-{hashlib.sha1(device.encode()).hexdigest()[:12]}.json"
+    if path.exists() and not refresh:
+        if log:
+            log(f"comm: cached {path}")
+        return CommCosts.from_json(json.loads(path.read_text()))
+    if log:
+        log("comm: measuring p2p / all-reduce latency and bandwidth with 2 gloo processes ...")
+    comm = measure_comm()
+    path.write_text(json.dumps(comm.to_json(), indent=1))
+    return comm

@@ -1,0 +1,138 @@
+"""Partition recommender: split layers into stages by time (throughput) or by memory (CAPTURE).
+
+* ``objective="time"``: :func:`models.partition.balanced_partition` on per-layer forward + backward
+  time at the candidate's ``B`` (min-max of stage time: the pipeline's bottleneck).
+* ``objective="memory"``: CAPTURE's objective (§III-C), the smallest peak across ranks. A stage's
+  peak depends on where it sits (under 1F1B the first stage keeps D micro-batches in flight, the last
+  one) and on its layers (the embedding and the LM head are heavy), so the cost of a stage is the
+  predicted peak of the worker holding it (:func:`planner.memory.worker_peak`). With one stage per
+  worker (GPipe, DAPPLE) :func:`minmax_partition` solves it exactly by dynamic programming; Chimera's
+  workers hold several stages, so a local search moves stage boundaries from the time-balanced split
+  while the sorted per-rank peaks decrease (CAPTURE's tie-break: lowest peak, then the next ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from .memory import worker_peak
+from .model_costs import ModelCosts
+from .predict import Candidate
+
+OBJECTIVES = ("time", "memory")
+
+
+def minmax_partition(num_layers: int, stages: int, cost: Callable[[int, int, int], float]) -> list[range]:
+    """Contiguous split minimising ``max_s cost(s, i, j)`` (stage ``s`` = layers ``i..j-1``); ties go to
+    the smallest sum of squared stage costs. ``O(stages · layers²)`` cost calls (memoised)."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} non-empty stages")
+    memo: dict[tuple[int, int, int], float] = {}
+
+    def c(s: int, i: int, j: int) -> float:
+        key = (s, i, j)
+        if key not in memo:
+            memo[key] = float(cost(s, i, j))
+        return memo[key]
+
+    inf = math.inf
+    best = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, num_layers - (stages - s) + 1):
+            best[s][j] = min((max(best[s - 1][i], c(s - 1, i, j)) for i in range(s - 1, j)), default=inf)
+    bound = best[stages][num_layers]
+    limit = bound + 1e-9 * max(1.0, abs(bound))
+    sq = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
+    arg = [[-1] * (num_layers + 1) for _ in range(stages + 1)]
+    sq[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, num_layers - (stages - s) + 1):
+            for i in range(s - 1, j):
+                v = c(s - 1, i, j)
+                if v > limit or sq[s - 1][i] == inf:
+                    continue
+                total = sq[s - 1][i] + v * v
+                if total < sq[s][j]:
+                    sq[s][j], arg[s][j] = total, i
+    bounds = [num_layers]
+    j = num_layers
+    for s in range(stages, 0, -1):
+        j = arg[s][j]
+        bounds.append(j)
+    bounds.reverse()
+    return [range(bounds[k], bounds[k + 1]) for k in range(stages)]
+
+
+def time_costs(costs: ModelCosts, cand: Candidate) -> list[float]:
+    """Per-layer forward + backward seconds at ``B`` (plus a forward under recomputation)."""
+    extra = 1.0 if cand.recompute == "always" else 0.0
+    return [layer.fwd.clamp(cand.B) * (1 + extra) + layer.bwd.clamp(cand.B) for layer in costs.layers]
+
+
+def rank_peaks(costs: ModelCosts, cand: Candidate, partition: Sequence[range], keep_sends: bool = True) -> list[float]:
+    schedule = cand.schedule()
+    return [worker_peak(costs, cand, schedule, w, partition, keep_sends=keep_sends).peak for w in range(cand.D)]
+
+
+def recommend_partition(costs: ModelCosts, cand: Candidate, objective: str = "time", *,
+                        keep_sends: bool | None = None) -> list[range]:
+    """The recommended layers per stage for this layout (see the module docstring)."""
+    from models.partition import balanced_partition
+
+    if objective not in OBJECTIVES:
+        raise ValueError(f"partition objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if cand.D > costs.num_layers:
+        raise ValueError(f"D = {cand.D} stages but the model has {costs.num_layers} layers")
+    by_time = balanced_partition(time_costs(costs, cand), cand.D)
+    if objective == "time":
+        return by_time
+    if keep_sends is None:
+        keep_sends = not costs.device.startswith("cuda")
+    schedule = cand.schedule()
+    if schedule.pipelines == 1:
+        def cost(s: int, i: int, j: int) -> float:
+            return worker_peak(costs, cand, schedule, s, {s: range(i, j)}, keep_sends=keep_sends).peak
+
+        return minmax_partition(costs.num_layers, cand.D, cost)
+    return _local_search(costs, cand, by_time, keep_sends)
+
+
+def _key(peaks: Sequence[float]) -> tuple[float, ...]:
+    return tuple(sorted(peaks, reverse=True))
+
+
+def _local_search(costs: ModelCosts, cand: Candidate, start: Sequence[range], keep_sends: bool) -> list[range]:
+    bounds = [r.start for r in start] + [start[-1].stop]
+    best = _key(rank_peaks(costs, cand, start, keep_sends))
+    improved = True
+    while improved:
+        improved = False
+        for k in range(1, len(bounds) - 1):
+            for step in (-1, 1):
+                trial = list(bounds)
+                trial[k] += step
+                if not trial[k - 1] < trial[k] < trial[k + 1]:
+                    continue
+                part = [range(trial[i], trial[i + 1]) for i in range(len(trial) - 1)]
+                key = _key(rank_peaks(costs, cand, part, keep_sends))
+                if key < best:
+                    best, bounds, improved = key, trial, True
+    return [range(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def partition_overrides(partition: Sequence[range], layer_costs: Sequence[float],
+                        grid: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)) -> list[str] | None:
+    """``model.embedding_cost``/``model.head_cost`` overrides under which ``train.py``'s
+    ``model.partition(D)`` yields ``partition`` (None if no pair on the grid does)."""
+    from models.partition import balanced_partition
+
+    target = [(r.start, r.stop) for r in partition]
+    base = list(layer_costs)
+    for e in grid:
+        for h in grid:
+            trial = [e, *base[1:-1], h]
+            if [(r.start, r.stop) for r in balanced_partition(trial, len(partition))] == target:
+                return [f"model.embedding_cost={e:g}", f"model.head_cost={h:g}"]
+    return None

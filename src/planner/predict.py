@@ -1,0 +1,258 @@
+"""Iteration-time prediction of one layout (Chimera §3.4), by simulating its schedule.
+
+Instead of counting forwards and backwards on a critical path by hand (``T = (F_t + Comm_p2p)·C_f +
+(B_t + Comm_p2p)·C_b + max_i Comm_unoverlapped(i)``, eq. 1), the planner runs the very schedule the
+workers will execute through :func:`strategies.schedules.simulate` with measured per-stage costs:
+
+* ``t_f[s]``/``t_b[s]``: the sum of the stage's profiled layer times at micro-batch size ``B`` plus the
+  runtime's per-action overhead; recomputation adds the stage's forward to its backward (§3.4:
+  ``B_t = 3 F_t``); a doubled forward costs two forwards (simulate charges ``2·t_f``, §3.5); a halved
+  backward runs two half-size graphs (``t_b[s] = 2·bwd(B/2)``, simulate charges half of it each).
+* ``t_comm = α + β·L`` with ``L`` the stage boundary activation at ``B`` (Chimera §3.4, α–β model).
+* Gradient synchronisation: one Rabenseifner all-reduce per stage over its ``r = W·pipelines``
+  copies, launched at the end (``grad_sync=end``) or after the copy's last backward (eager modes,
+  §3.2); :func:`planner.costs.sync_timeline` gives the part not hidden behind computation.
+* CPU ranks that outnumber the cores share them: the simulated compute is stretched to at least the
+  total busy time divided by the cores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from strategies.schedules import Schedule, build_schedule, simulate, validate
+
+from .costs import Collective, rabenseifner, sync_timeline
+from .model_costs import ModelCosts
+
+SCHEDULE_NAMES = ("gpipe", "dapple", "chimera")
+RECOMPUTE = ("none", "always")
+GRAD_SYNC = ("end", "eager", "eager_opt")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout (Chimera Table 1): W replicas × D stages, micro-batch B, N micro-batches per worker."""
+
+    strategy: str
+    W: int
+    D: int
+    B: int
+    N: int
+    pipelines: int = 1
+    concat: str = "direct"
+    recompute: str = "none"
+    grad_sync: str = "end"
+
+    @property
+    def world_size(self) -> int:
+        return self.W * self.D
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.W * self.B * self.N
+
+    def schedule(self) -> Schedule:
+        return schedule_of(self.strategy, self.D, self.N, self.pipelines, self.concat)
+
+    def recompute_stages(self) -> frozenset[int]:
+        from strategies.recompute import recompute_stages
+
+        return recompute_stages(self.recompute, self.D)
+
+    def overrides(self) -> list[str]:
+        """Hydra overrides of ``train.py`` that select this layout."""
+        out = [f"strategy={self.strategy}", f"strategy.D={self.D}", f"strategy.W={self.W}",
+               f"strategy.micro_batch_size={self.B}", f"strategy.recompute={self.recompute}",
+               f"strategy.grad_sync={self.grad_sync}"]
+        if self.strategy == "chimera":
+            out += [f"strategy.pipelines={self.pipelines}", f"strategy.concat={self.concat}"]
+        return out
+
+    def label(self) -> str:
+        extra = []
+        if self.strategy == "chimera":
+            if self.pipelines != 2:
+                extra.append(f"{self.pipelines}pipes")
+            if self.concat != "direct":
+                extra.append(self.concat)
+        if self.recompute != "none":
+            extra.append(f"recompute_{self.recompute}")
+        if self.grad_sync != "end":
+            extra.append(f"sync_{self.grad_sync}")
+        return "+".join([self.strategy, *extra])
+
+
+@lru_cache(maxsize=1024)
+def schedule_of(strategy: str, D: int, N: int, pipelines: int, concat: str) -> Schedule:
+    chimera = strategy == "chimera"
+    return validate(build_schedule(strategy, D, N, pipelines if chimera else None, concat if chimera else "direct"))
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+def candidates(devices: int, global_batch_size: int, num_layers: int, *,
+               schedules: Sequence[str] = SCHEDULE_NAMES, recompute: Sequence[str] = RECOMPUTE,
+               grad_sync: str = "end", max_micro_batches: int = 1024) -> list[Candidate]:
+    """Every layout of ``devices`` processes for this global batch (the planner's search space).
+
+    W·D = devices; B a power of two with W·B dividing B̂; Chimera with 2f pipelines for every divisor f
+    of D/2 and, when N > D, each concatenation method of §3.5 (backward halving needs an even B);
+    recomputation none / always.
+    """
+    if devices < 1 or global_batch_size < 1:
+        raise ValueError(f"devices and global_batch_size must be positive, got {devices}, {global_batch_size}")
+    unknown = sorted(set(schedules) - set(SCHEDULE_NAMES))
+    if unknown:
+        raise ValueError(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULE_NAMES)}")
+    out: list[Candidate] = []
+    for D in (d for d in range(1, devices + 1) if devices % d == 0 and d <= num_layers):
+        W = devices // D
+        if global_batch_size % W:
+            continue
+        for B in _powers_of_two(global_batch_size // W):
+            if (global_batch_size // W) % B:
+                continue
+            N = global_batch_size // (W * B)
+            if N > max_micro_batches:
+                continue
+            for name in schedules:
+                if D == 1 and name != "gpipe":
+                    continue  # one stage: every schedule is plain gradient accumulation
+                variants: list[tuple[int, str]] = [(1, "direct")]
+                if name == "chimera":
+                    if D % 2:
+                        continue
+                    pipes = [2 * f for f in range(1, D // 2 + 1) if (D // 2) % f == 0]
+                    concats = ["direct"]
+                    if N > D:
+                        if N >= 2 * D:
+                            concats.append("forward_doubling")
+                        if B % 2 == 0:
+                            concats.append("backward_halving")
+                    variants = [(p, c) for p in pipes for c in concats]
+                for pipes, concat in variants:
+                    for mode in recompute:
+                        out.append(Candidate(name, W, D, B, N, pipes, concat, mode, grad_sync))
+    return out
+
+
+def runtime_partition(costs: ModelCosts, D: int) -> list[range]:
+    """The split ``train.py`` uses: ``model.partition(D)`` (balanced by ``layer_costs("layers")``)."""
+    from models.partition import balanced_partition
+
+    weights = costs.meta.get("layer_costs") or [1.0] * costs.num_layers
+    return balanced_partition(weights, D)
+
+
+@dataclass(frozen=True)
+class TimePrediction:
+    iteration_s: float
+    compute_s: float  # simulated pipeline (after core sharing)
+    sync_s: float  # gradient all-reduce time not hidden behind computation
+    optimizer_s: float
+    step_s: float  # the runtime's fixed cost per step
+    bubble_ratio: float
+    t_f: tuple[float, ...] = field(default=())
+    t_b: tuple[float, ...] = field(default=())
+    t_comm: float = 0.0
+
+
+def stage_costs(costs: ModelCosts, cand: Candidate, partition: Sequence[range]) -> tuple[list[float], list[float], float]:
+    """Per-stage ``t_f``, ``t_b`` for :func:`simulate` and the p2p time ``t_comm`` (see module docstring)."""
+    if len(partition) != cand.D:
+        raise ValueError(f"partition has {len(partition)} stages for D = {cand.D}")
+    o = costs.comm.action_s
+    halving = cand.concat == "backward_halving"
+    recompute = cand.recompute_stages()
+    t_f, t_b = [], []
+    for s, stage in enumerate(partition):
+        if halving:  # two half-size graphs per forward, two half backwards
+            fwd = 2 * costs.stage_fwd(stage, cand.B / 2)
+            bwd = 2 * (costs.stage_bwd(stage, cand.B / 2) + o)
+            if s in recompute:
+                bwd += 2 * costs.stage_fwd(stage, cand.B / 2)
+        else:
+            fwd = costs.stage_fwd(stage, cand.B)
+            bwd = costs.stage_bwd(stage, cand.B) + o
+            if s in recompute:
+                bwd += fwd
+        t_f.append(fwd + o)
+        t_b.append(bwd)
+    boundary = max((costs.stage_out_bytes(st, cand.B) for st in partition[:-1]), default=0.0)
+    t_comm = costs.comm.p2p(boundary) if cand.D > 1 else 0.0
+    return t_f, t_b, t_comm
+
+
+def _last_backward_end(timeline: Sequence, stage: int) -> float:
+    return max((t.end for t in timeline if t.action.kind == "B" and t.action.stage == stage), default=0.0)
+
+
+def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,
+                 cores: int | None = None) -> TimePrediction:
+    """Predicted seconds of one training iteration (forward, backward, gradient sync, AdamW step)."""
+    partition = list(partition) if partition is not None else runtime_partition(costs, cand.D)
+    schedule = cand.schedule()
+    t_f, t_b, t_comm = stage_costs(costs, cand, partition)
+    sim = simulate(schedule, t_f, t_b, t_comm=t_comm)
+    makespan = sim.makespan
+    cores = costs.cores if cores is None else cores
+    stretch = 1.0
+    if cores and cand.world_size > cores and makespan > 0:
+        stretch = max(1.0, cand.W * sum(sim.busy) / cores / makespan)
+    compute_end = [(row[-1].end if row else 0.0) * stretch for row in sim.timeline]
+    collectives = _collectives(costs, cand, partition, schedule, sim.timeline, compute_end, stretch)
+    finish = sync_timeline(collectives, compute_end)
+    opt = []
+    for w in range(cand.D):
+        layers = {i for s in schedule.stages_of(w) for i in partition[s]}
+        opt.append(sum(costs.layers[i].opt_s for i in layers))
+    ar = costs.comm.allreduce
+    step = costs.comm.step_s + max(rabenseifner(cand.world_size, 8, ar.alpha, ar.beta) - rabenseifner(2, 8, ar.alpha, ar.beta), 0.0)
+    if cand.W > 1:
+        step += rabenseifner(cand.world_size, 8, ar.alpha, ar.beta)  # loss normalisers over the replicas
+    total = max(f + o for f, o in zip(finish, opt)) + step
+    compute = max(compute_end)
+    sync = max(f - c for f, c in zip(finish, compute_end))
+    return TimePrediction(total, compute, sync, max(opt), step, sim.bubble_ratio, tuple(t_f), tuple(t_b), t_comm)
+
+
+def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range], schedule: Schedule,
+                 timeline: Sequence, compute_end: Sequence[float], stretch: float) -> list[Collective]:
+    """The gradient all-reduces of one replica group's workers (every replica alike, Chimera §3.3)."""
+    from strategies.grad_sync import launch_plan
+
+    ar = costs.comm.allreduce
+    early: dict[int, set[int]] = {}
+    for w in range(cand.D):
+        plan = launch_plan(schedule, w, cand.grad_sync) if cand.grad_sync != "end" else {}
+        early[w] = {s for stages in plan.values() for s in stages}
+
+    def launch(w: int, stage: int) -> float:
+        if stage in early[w]:
+            return _last_backward_end(timeline[w], stage) * stretch
+        return compute_end[w]
+
+    tied_layers = {i for i, j, _ in costs.tied} | {j for i, j, _ in costs.tied}
+    out = []
+    for s, stage in enumerate(partition):
+        members = tuple(sorted({row[s] for row in schedule.placement}))
+        replicas = cand.W * len(schedule.placement)
+        nbytes = costs.stage_param_bytes(stage) - costs.tied_bytes(set(stage) & tied_layers)
+        if replicas > 1 and nbytes > 0:
+            out.append(Collective(f"stage{s}", members, {w: launch(w, s) for w in members},
+                                  rabenseifner(replicas, nbytes, ar.alpha, ar.beta)))
+    for k, (i, j, nbytes) in enumerate(costs.tied):
+        holders = sorted({s for s, st in enumerate(partition) if i in st or j in st})
+        members = tuple(sorted({row[s] for row in schedule.placement for s in holders}))
+        replicas = cand.W * len(members)
+        if replicas > 1:
+            launches = {w: max(launch(w, s) for s in holders if w in {row[s] for row in schedule.placement})
+                        for w in members}
+            out.append(Collective(f"tied{k}", members, launches, rabenseifner(replicas, nbytes, ar.alpha, ar.beta)))
+    return out

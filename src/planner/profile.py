@@ -1,0 +1,378 @@
+"""Short profiling runs on the local device: per-layer time and memory at two micro-batch sizes.
+
+For each batch size ``B`` in ``batch_sizes`` (two by default, CAPTURE §III-A2) and each pipeline
+layer, the profiler measures, the way :class:`strategies.executor.StageExecutor` runs a stage:
+
+* the forward (under the executor's saved-tensor accounting) and backward times, median of ``reps``;
+* the bytes autograd keeps for the backward, alone (CAPTURE's M_i) and after the previous layer
+  (M_a = PM(l−1, l) − PM(l−1), §III-A1), with :class:`strategies.recompute.SavedBytes`;
+* the peak allocation above those bytes while forward and backward run (the transient), from the
+  allocator: ``torch.cuda.max_memory_allocated`` on GPUs, the profiler's CPU memory events otherwise;
+* the size of its output (the activation sent to the next stage) and, once, an AdamW step.
+
+Every quantity is fitted with a line in ``B`` (:func:`planner.costs.fit_line`). Communication
+constants come from :mod:`planner.comm`; :func:`load_or_profile` caches both as JSON keyed by the
+model config and the device (Chimera §3.4: "measured using micro benchmarks").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .costs import fit_line
+from .model_costs import CommCosts, LayerCosts, ModelCosts
+
+DEFAULT_CACHE = Path(os.environ.get("PIPELINE_RECIPES_CACHE", Path.home() / ".cache" / "pipeline-recipes")) / "planner"
+PROFILE_VERSION = 1
+
+
+def model_config_dict(model_cfg: Any) -> dict[str, Any]:
+    """A plain dict of a model config (Hydra ``DictConfig``, mapping or preset name)."""
+    if isinstance(model_cfg, str):
+        from models import preset
+
+        return preset(model_cfg)
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(model_cfg, DictConfig):
+            return dict(OmegaConf.to_container(model_cfg, resolve=True))  # type: ignore[arg-type]
+    except ImportError:  # pragma: no cover
+        pass
+    return {str(k): v for k, v in dict(model_cfg).items()}
+
+
+def device_description(device: torch.device, threads: int) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{platform.machine()}:{platform.processor() or 'cpu'}:{available_cores()}cores:{threads}threads"
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def cache_key(model_cfg: Mapping[str, Any], device: str, settings: Mapping[str, Any]) -> str:
+    blob = json.dumps({"model": model_cfg, "device": device, "torch": torch.__version__, "v": PROFILE_VERSION,
+                       **settings}, sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def make_batch(model: nn.Module, size: int, seed: int = 0) -> dict[str, Tensor]:
+    """A synthetic mini-batch of ``size`` samples shaped like the training data of ``model``."""
+    from datamodules.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
+
+    vocab, seq = int(model.config.vocab_size), int(model.seq_len)
+    if getattr(model, "family", "") == "bert":
+        data = SyntheticBertDataset(size, seq, vocab, seed=seed)
+    else:
+        data = SyntheticGPT2Dataset(size, seq, vocab, seed=seed)
+    items = [data[i] for i in range(size)]
+    return {k: torch.stack([item[k] for item in items]) for k in items[0]}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _unique(params: Iterator[nn.Parameter]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+class _LayerRunner:
+    """Forward/backward of a group of consecutive layers as the executor runs a stage."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        from strategies.recompute import parameter_storages
+
+        self.model, self.device = model, device
+        self.layers = model.pipeline_layers()
+        self.storages = parameter_storages(model.parameters())
+
+    def loss(self, out: Any, batch: Mapping[str, Any]) -> Tensor:
+        try:
+            from strategies.executor import loss_counts, micro_batch_loss
+
+            totals = {k: float(v) for k, v in loss_counts(self.model, batch).items()}
+            return micro_batch_loss(self.model, out, batch, totals)
+        except ImportError:  # pragma: no cover - runtime API moved
+            return self.model.pipeline_loss(out, batch)
+
+    def forward(self, first: int, last: int, x: Tensor, batch: Mapping[str, Any]) -> tuple[Tensor, Any, int, bool]:
+        """Run layers ``first..last``; return (input, output, saved bytes, whether the input is saved)."""
+        from strategies.pipeline_model import run_layers
+        from strategies.recompute import SavedBytes
+
+        inp = x.detach().requires_grad_(True) if first > 0 else x
+        saved = SavedBytes(self.storages)
+        with saved.track():
+            out = run_layers(self.layers[first : last + 1], inp, batch)
+            if last == len(self.layers) - 1:
+                out = self.loss(out, batch)
+        saved.add(out)
+        input_saved = first > 0 and (inp.data_ptr(), inp.numel()) in saved._seen
+        if first == 0:
+            input_saved = any(k[0] == x.data_ptr() for k in saved._seen)
+        return inp, out, saved.nbytes, input_saved
+
+    def backward(self, out: Tensor, grad: Tensor | None) -> None:
+        if grad is None:
+            out.backward()
+        else:
+            torch.autograd.backward(out, grad)
+
+
+def _peak_in_ranges(prof: Any, names: Sequence[str]) -> dict[str, int]:
+    """Per annotated range, the peak of net CPU allocations inside it (profiler memory events)."""
+    events = prof.profiler.kineto_results.events()
+    ranges = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name() in names}
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    peaks = {}
+    for name in names:
+        start, end = ranges.get(name, (0, -1))
+        live = peak = 0
+        for t, delta in mem:
+            if start <= t <= end:
+                live += delta
+                peak = max(peak, live)
+        peaks[name] = peak
+    return peaks
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _measure_size(runner: _LayerRunner, batch: dict[str, Tensor], reps: int, warmup: int,
+                  memory: bool) -> list[dict[str, float]]:
+    """One batch size: stored/output bytes per layer, then ``reps`` rounds over all layers of timed
+    forward + backward (round-robin, so a burst of background load hits every layer alike), then
+    the transients."""
+    from strategies.pipeline_model import call_layer
+
+    model, device, layers = runner.model, runner.device, runner.layers
+    n = len(layers)
+    rows: list[dict[str, float]] = []
+    x = model.pipeline_input(batch)
+    prev_x: Tensor | None = None
+    inputs: list[Tensor] = []
+    grads: list[Tensor | None] = []
+    for i in range(n):
+        inputs.append(x)
+        inp, out, alone, input_saved = runner.forward(i, i, x, batch)
+        grad = None if i == n - 1 else torch.randn_like(out)
+        grads.append(grad)
+        runner.backward(out, grad)
+        pair = float(alone)
+        if prev_x is not None:
+            pair = runner.forward(i - 1, i, prev_x, batch)[2] - rows[-1]["stored_alone"]
+        out_bytes = 0.0 if i == n - 1 else float(out.numel() * out.element_size())
+        in_bytes = float(inp.numel() * inp.element_size()) if input_saved else 0.0
+        del inp, out
+        rows.append({"stored_alone": float(alone), "stored_added": pair, "out_bytes": out_bytes,
+                     "in_saved": in_bytes, "transient": 0.0})
+        with torch.no_grad():
+            prev_x, x = x, call_layer(layers[i], x, batch)
+    fwd_t: list[list[float]] = [[] for _ in range(n)]
+    bwd_t: list[list[float]] = [[] for _ in range(n)]
+    for r in range(warmup + reps):
+        for i in range(n):
+            holder: dict[str, Any] = {}
+
+            def fwd(i: int = i) -> None:
+                holder["io"] = runner.forward(i, i, inputs[i], batch)
+
+            t_f = _timed(fwd, device)
+            t_b = _timed(lambda i=i: runner.backward(holder["io"][1], grads[i]), device)
+            holder.clear()
+            if r >= warmup:
+                fwd_t[i].append(t_f)
+                bwd_t[i].append(t_b)
+    for i in range(n):
+        rows[i]["fwd"] = statistics.median(fwd_t[i])
+        rows[i]["bwd"] = statistics.median(bwd_t[i])
+    if memory:
+        for i, peak in enumerate(_transients(runner, inputs, grads, batch)):
+            rows[i]["transient"] = max(0.0, peak - (rows[i]["stored_alone"] - rows[i]["in_saved"]))
+    return rows
+
+
+def _transients(runner: _LayerRunner, inputs: list[Tensor], grads: list[Tensor | None],
+                batch: dict[str, Tensor]) -> list[float]:
+    """Peak allocation while each layer runs forward + backward alone (its inputs pre-allocated)."""
+    n, device = len(inputs), runner.device
+    if device.type == "cuda":
+        peaks = []
+        for i in range(n):
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            _, out, _, _ = runner.forward(i, i, inputs[i], batch)
+            runner.backward(out, grads[i])
+            del out
+            torch.cuda.synchronize(device)
+            peaks.append(float(torch.cuda.max_memory_allocated(device) - base))
+        return peaks
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    names = [f"planner::layer{i}" for i in range(n)]
+    with contextlib.redirect_stderr(open(os.devnull, "w")), profile(activities=[ProfilerActivity.CPU],
+                                                                     profile_memory=True) as prof:
+        for i in range(n):
+            with record_function(names[i]):
+                _, out, _, _ = runner.forward(i, i, inputs[i], batch)
+                runner.backward(out, grads[i])
+                del out
+    peaks = _peak_in_ranges(prof, names)
+    return [float(peaks[name]) for name in names]
+
+
+def _optimizer_times(layers: Sequence[nn.Module], reps: int) -> list[float]:
+    times = []
+    for layer in layers:
+        params = [p for p in _unique(layer.parameters()) if p.requires_grad]
+        if not params:
+            times.append(0.0)
+            continue
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt = torch.optim.AdamW(params, lr=0.0)
+        opt.step()
+        samples = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            opt.step()
+            samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples))
+    return times
+
+
+def profile_model(model_cfg: Any, *, batch_sizes: Sequence[int] = (1, 4), reps: int = 5, warmup: int = 1,
+                  device: str | torch.device = "cpu", threads: int | None = 1, memory: bool = True,
+                  seed: int = 0) -> ModelCosts:
+    """Profile every pipeline layer of the model at ``batch_sizes`` (see the module docstring).
+
+    ``threads``: intra-op threads while profiling; the CPU runtime gives each rank one thread.
+    """
+    from models import build_model
+
+    sizes = sorted({int(b) for b in batch_sizes})
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise ValueError(f"profile at two or more distinct positive micro-batch sizes, got {list(batch_sizes)}")
+    cfg = model_config_dict(model_cfg)
+    dev = torch.device(device)
+    with _threads(threads if dev.type == "cpu" else None), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_model(cfg).to(dev)
+        model.train()
+        runner = _LayerRunner(model, dev)
+        layers = model.pipeline_layers()
+        per_size = []
+        for size in sizes:
+            batch = {k: v.to(dev) for k, v in make_batch(model, size, seed).items()}
+            per_size.append(_measure_size(runner, batch, reps, warmup, memory))
+        opt_times = _optimizer_times(layers, max(reps, 3))
+    out = []
+    names = model.layer_names() if hasattr(model, "layer_names") else [f"layer.{i}" for i in range(len(layers))]
+    for i, layer in enumerate(layers):
+        params = _unique(layer.parameters())
+
+        def fit(key: str, i: int = i) -> Any:
+            return fit_line(sizes, [rows[i][key] for rows in per_size])
+
+        out.append(LayerCosts(names[i], sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
+                              fit("fwd"), fit("bwd"), opt_times[i], fit("stored_alone"), fit("stored_added"),
+                              fit("transient"), fit("out_bytes")))
+    tied = _tied(model)
+    layer_costs = model.layer_costs("layers") if hasattr(model, "layer_costs") else [1.0] * len(layers)
+    raw = {str(s): rows for s, rows in zip(sizes, per_size)}
+    return ModelCosts(str(cfg.get("name", "model")), device_description(dev, threads or torch.get_num_threads()),
+                      tuple(out), tied, CommCosts(), "profile", available_cores() if dev.type == "cpu" else 0,
+                      tuple(sizes), {"layer_costs": list(layer_costs), "raw": raw, "reps": reps})
+
+
+def _tied(model: nn.Module) -> tuple[tuple[int, int, int], ...]:
+    groups = model.tied_parameters() if hasattr(model, "tied_parameters") else []
+    layers = model.pipeline_layers()
+    out = []
+    for group in groups:
+        idx = sorted({i for i, _ in group})
+        if len(idx) >= 2:
+            p = layers[group[0][0]].get_parameter(group[0][1])
+            out.append((idx[0], idx[-1], int(p.numel() * p.element_size())))
+    return tuple(out)
+
+
+def load_or_profile(model_cfg: Any, *, cache_dir: str | Path | None = None, refresh: bool = False,
+                    comm: str = "measure", batch_sizes: Sequence[int] = (1, 4), reps: int = 5,
+                    device: str = "cpu", threads: int | None = 1, log: Callable[[str], None] | None = None) -> ModelCosts:
+    """The cached profile of this model on this device, profiling (and caching) it when missing.
+
+    ``comm``: ``"measure"`` (2-process gloo micro-benchmarks, cached per device), ``"default"``
+    (built-in constants, no processes) or ``"none"`` (free communication).
+    """
+    if comm not in ("measure", "default", "none"):
+        raise ValueError(f"comm must be measure, default or none, got {comm!r}")
+    cfg = model_config_dict(model_cfg)
+    cfg.pop("_target_", None)
+    dev = torch.device(device)
+    desc = device_description(dev, threads or torch.get_num_threads())
+    settings = {"batch_sizes": sorted(set(batch_sizes)), "reps": reps}
+    root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"profile-{cfg.get('name', 'model')}-{cache_key(cfg, desc, settings)}.json"
+    if path.exists() and not refresh:
+        costs = ModelCosts.from_json(json.loads(path.read_text()))
+        if log:
+            log(f"profile: cached {path}")
+    else:
+        if log:
+            log(f"profile: measuring {cfg.get('name', 'model')} on {desc} at B = {settings['batch_sizes']} ...")
+        costs = profile_model(cfg, batch_sizes=batch_sizes, reps=reps, device=dev, threads=threads)
+        path.write_text(json.dumps(costs.to_json(), indent=1))
+        if log:
+            log(f"profile: saved {path}")
+    if comm == "none":
+        from .costs import AlphaBeta
+
+        return costs.with_comm(CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0)))
+    if comm == "default":
+        return costs.with_comm(CommCosts())
+    from .comm import load_or_measure_comm
+
+    return costs.with_comm(load_or_measure_comm(root, desc, refresh=refresh, log=log))

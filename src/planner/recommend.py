@@ -1,0 +1,108 @@
+"""Recommend a layout: predict every candidate, rank by throughput among those that fit (Chimera §3.4).
+
+:func:`plan_all` predicts iteration time (:mod:`planner.predict`) and peak memory per rank
+(:mod:`planner.memory`) for every candidate of :func:`planner.predict.candidates`, marks whether it
+fits the memory budget, and sorts: fitting layouts first, by predicted samples/s. :func:`plan_rows`
+gives the JSON rows of ``scripts/plan.py --json``; :func:`best_config` the top one as Hydra
+overrides (for a future ``strategy=auto``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .costs import format_bytes
+from .memory import Budget, MemoryPrediction, predict_memory
+from .model_costs import ModelCosts
+from .predict import GRAD_SYNC, RECOMPUTE, SCHEDULE_NAMES, Candidate, TimePrediction, candidates, predict_time, runtime_partition
+
+JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "predicted_iteration_s",
+             "predicted_peak_bytes_per_rank", "fits")
+
+
+@dataclass(frozen=True)
+class Plan:
+    candidate: Candidate
+    time: TimePrediction
+    memory: MemoryPrediction
+    fits: bool
+    partition: tuple[range, ...]
+
+    @property
+    def samples_per_s(self) -> float:
+        t = self.time.iteration_s
+        return self.candidate.global_batch_size / t if t > 0 else float("inf")
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.candidate
+        return {"strategy": c.strategy, "W": c.W, "D": c.D, "B": c.B, "N": c.N, "pipelines": c.pipelines,
+                "concat": c.concat, "recompute": c.recompute, "predicted_iteration_s": self.time.iteration_s,
+                "predicted_peak_bytes_per_rank": self.memory.per_rank, "fits": self.fits}
+
+
+def plan_one(costs: ModelCosts, cand: Candidate, budget: Budget | None = None, *, ranks_per_node: int | None = None,
+             partition: Sequence[range] | None = None) -> Plan:
+    part = list(partition) if partition is not None else runtime_partition(costs, cand.D)
+    time = predict_time(costs, cand, part)
+    memory = predict_memory(costs, cand, part)
+    per_node = ranks_per_node or cand.world_size
+    fits = True if budget is None else budget.fits(memory.per_rank, per_node)
+    return Plan(cand, time, memory, fits, tuple(part))
+
+
+def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget | None = None, *,
+             ranks_per_node: int | None = None, schedules: Sequence[str] = SCHEDULE_NAMES,
+             recompute: Sequence[str] = RECOMPUTE, grad_sync: str = "end",
+             partition: str = "runtime") -> list[Plan]:
+    """Every candidate predicted and ranked (fitting first, then by predicted samples/s).
+
+    ``partition``: ``runtime`` (what ``train.py`` runs: ``model.partition(D)``), ``time`` or ``memory``
+    (:func:`planner.partition.recommend_partition` per candidate).
+    """
+    if grad_sync not in GRAD_SYNC:
+        raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNC)}, got {grad_sync!r}")
+    from .partition import recommend_partition
+
+    plans = []
+    for cand in candidates(devices, global_batch_size, costs.num_layers, schedules=schedules,
+                           recompute=recompute, grad_sync=grad_sync):
+        part = None if partition == "runtime" else recommend_partition(costs, cand, partition)
+        plans.append(plan_one(costs, cand, budget, ranks_per_node=ranks_per_node, partition=part))
+    return sorted(plans, key=lambda p: (not p.fits, -p.samples_per_s, max(p.memory.per_rank)))
+
+
+def plan_rows(plans: Sequence[Plan]) -> list[dict[str, Any]]:
+    return [p.to_json() for p in plans]
+
+
+def format_table(plans: Sequence[Plan], top: int | None = 20) -> str:
+    header = ["#", "strategy", "W", "D", "B", "N", "iter s", "samples/s", "bubble", "peak/rank", "fits"]
+    rows = []
+    for k, p in enumerate(plans[:top] if top else plans, 1):
+        c = p.candidate
+        rows.append([str(k), c.label(), str(c.W), str(c.D), str(c.B), str(c.N), f"{p.time.iteration_s:.4g}",
+                     f"{p.samples_per_s:.4g}", f"{p.time.bubble_ratio:.0%}", format_bytes(max(p.memory.per_rank)),
+                     "yes" if p.fits else "NO"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
+    lines += [" | ".join(v.rjust(w) if i not in (1, 10) else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
+              for r in rows]
+    if top and len(plans) > top:
+        lines.append(f"... {len(plans) - top} more (--top 0 shows all)")
+    return "\n".join(lines)
+
+
+def best_config(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget | None = None,
+                **kwargs: Any) -> list[str]:
+    """The top recommendation as ``train.py`` Hydra overrides (raises if nothing fits)."""
+    plans = plan_all(costs, devices, global_batch_size, budget, **kwargs)
+    if not plans:
+        raise ValueError(f"no layout of {devices} processes divides the global batch {global_batch_size}")
+    best = plans[0]
+    if not best.fits:
+        need = min(max(p.memory.per_rank) for p in plans)
+        raise ValueError(f"no layout of {devices} processes fits {budget.describe() if budget else ''}: the smallest "
+                         f"predicted peak per rank is {format_bytes(need)}; add devices or lower data.global_batch_size")
+    return [*best.candidate.overrides(), f"trainer.devices={devices}", f"data.global_batch_size={global_batch_size}"]

@@ -1,0 +1,100 @@
+"""One training job inside one process of the job's world (launched by :mod:`recipe.launch`, by
+torchrun or by SLURM): build model, data, strategy, loggers and metrics from the resolved config,
+then ``Trainer.fit``.
+
+The job file (``job.yaml`` in the job's output directory) holds the resolved Hydra config, the
+derived layout and the W&B group, so a worker needs no Hydra context.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from .layout import Layout
+
+JOB_FILE = "job.yaml"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a worker needs: the resolved config, the derived layout, where to write."""
+
+    config: dict[str, Any]
+    layout: Layout
+    out_dir: str
+    group: str
+
+    def save(self) -> Path:
+        path = Path(self.out_dir) / JOB_FILE
+        OmegaConf.save(OmegaConf.create({"config": self.config, "layout": self.layout.as_dict(),
+                                         "out_dir": self.out_dir, "group": self.group}), path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> JobSpec:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        return cls(raw["config"], Layout(**raw["layout"]), raw["out_dir"], raw["group"])
+
+
+def is_rank_zero() -> bool:
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
+
+
+def build_loggers(spec: JobSpec) -> list[Any]:
+    """The ``logger`` group: ``wandb`` (offline unless told otherwise), ``csv`` or ``none``."""
+    from hydra.utils import instantiate
+
+    cfg = dict(spec.config.get("logger") or {})
+    kind = cfg.pop("kind", "none")
+    if kind == "none":
+        return []
+    layout = spec.layout
+    if kind == "csv":
+        logger = instantiate(cfg, save_dir=spec.out_dir, name="", version="")
+    else:
+        logger = instantiate(cfg, name=layout.run_name, group=spec.group, job_type=layout.label, save_dir=spec.out_dir)
+    logger.log_hyperparams({**spec.config, "derived": layout.as_dict()})
+    return [logger]
+
+
+def run_job(spec: JobSpec) -> float | None:
+    """Train as configured; return the final training loss (every rank) or None."""
+    import lightning.pytorch as pl
+    import torch
+    from hydra.utils import instantiate
+
+    from strategies.lightning import PipelineModule
+
+    from .metrics import PipelineMetrics, ReplicaThroughputMonitor
+
+    cfg, layout = spec.config, spec.layout
+    trainer_cfg = dict(cfg["trainer"])
+    if trainer_cfg.get("accelerator") == "cpu":
+        torch.set_num_threads(1)
+    pl.seed_everything(cfg["seed"], workers=True, verbose=False)  # same seed everywhere: identical stage copies
+    model = instantiate(cfg["model"])
+    if is_rank_zero() and layout.D > 1:
+        print(model.partition_table(model.partition(layout.D)), flush=True)
+    data = instantiate(cfg["data"], batch_size=layout.global_batch_size // layout.W)
+    optim = cfg["optim"]
+    module = PipelineModule(model, lr=optim["lr"], weight_decay=optim["weight_decay"])
+    strategy = instantiate(cfg["strategy"])
+    metrics_cfg = cfg.get("metrics", {})
+    throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))
+    metrics = PipelineMetrics(layout, spec.out_dir, throughput, warmup_steps=int(metrics_cfg.get("warmup_steps", 1)))
+    loggers = build_loggers(spec)
+    trainer = pl.Trainer(**trainer_cfg, strategy=strategy, logger=loggers or False, callbacks=[throughput, metrics],
+                         default_root_dir=spec.out_dir, enable_progress_bar=False)
+    try:
+        trainer.fit(module, datamodule=data)
+    finally:
+        if trainer.is_global_zero and any(type(lg).__name__ == "WandbLogger" for lg in loggers):
+            import wandb
+
+            wandb.finish()  # one W&B run per job
+    return metrics.loss_history[-1] if metrics.loss_history else None

@@ -1,0 +1,221 @@
+"""Run one Hydra job: check the layout, start fresh worker processes, collect the results.
+
+Every job of a ``-m`` sweep gets its own fresh processes (``python -m recipe.worker``, one per
+local rank, with the environment Lightning's own launcher would set), so nothing leaks from one
+job to the next and no child re-runs the sweep (the failure of Lightning's script re-launcher
+under Hydra, Lightning #15737 and #18175). The parent never imports Lightning or torch.
+
+* A job whose settings break a layout rule stops before any process starts: a single run exits
+  with status 2 and the message; in a sweep the job is recorded as ``skipped`` and the sweep goes on.
+* A rank that dies ends the job: the others are stopped, the job is recorded as ``failed`` with
+  the rank, its exit code and the tail of its log (``logs/rank<r>.log``).
+* Under an external launcher (torchrun, SLURM) the processes already exist: the job runs in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from .job import JobSpec, is_rank_zero
+from .layout import ConfigError, Layout, check_devices, check_model, resolve_layout
+from .results import read_results, summary_table, write_results
+
+GRACE_S = 10.0  # how long the other ranks get to exit on their own after one died
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    reason: str = ""
+
+
+def external_launcher() -> bool:
+    """True when torchrun or SLURM already started this process as one rank of the job."""
+    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return True
+    tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
+    return tasks > 1 and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+
+
+def num_layers(model_cfg: DictConfig | dict) -> int:
+    """Pipeline layers of a model config: its blocks plus the embedding and the head."""
+    layers = model_cfg.get("n_layer", model_cfg.get("num_hidden_layers"))
+    return int(layers) + 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pump(stream: IO[str], log_path: Path, echo: bool) -> None:
+    with open(log_path, "w") as log:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    except OSError:
+        return ""
+
+
+def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path,
+                   module: str = "recipe.worker", grace_s: float = GRACE_S) -> Outcome:
+    """Start ``devices`` workers (``python -m module job_file``) of this node, stream rank 0's
+    output, stop them all if one dies."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    node_rank = int(os.environ.get("NODE_RANK", 0))
+    base_env = {
+        **os.environ,
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
+        "WORLD_SIZE": str(layout.world_size),
+        "NODE_RANK": str(node_rank),
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+    }
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    logs = []
+    try:
+        for local_rank in range(devices):
+            rank = node_rank * devices + local_rank
+            env = {**base_env, "LOCAL_RANK": str(local_rank), "RANK": str(rank)}
+            proc = subprocess.Popen([sys.executable, "-m", module, str(job_file)], env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            logs.append(log_dir / f"rank{rank}.log")
+            pump = threading.Thread(target=_pump, args=(proc.stdout, logs[-1], rank == 0), daemon=True)
+            pump.start()
+            procs.append(proc)
+            pumps.append(pump)
+        return _watch(procs, logs, node_rank * devices, grace_s)
+    finally:
+        for proc in procs:
+            _stop(proc)
+        for pump in pumps:
+            pump.join(timeout=5)
+
+
+def _watch(procs: list[subprocess.Popen], logs: list[Path], first_rank: int, grace_s: float) -> Outcome:
+    failed_at: float | None = None
+    failure = Outcome(True)
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return Outcome(True)
+        for i, code in enumerate(codes):
+            if code not in (None, 0) and failure.ok:
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                failure = Outcome(False, f"rank {first_rank + i} ended with {how}; last lines of {logs[i]}:\n"
+                                         + _tail(logs[i]))
+                failed_at = time.monotonic()
+        if failed_at is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > grace_s):
+            return failure
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _gpus_on_this_node(trainer_cfg: dict[str, Any]) -> int | None:
+    if trainer_cfg.get("accelerator") not in ("gpu", "cuda"):
+        return None
+    import torch  # only GPU runs pay for the import in the parent
+
+    return torch.cuda.device_count()
+
+
+def _group(cfg: DictConfig, multirun: bool, sweep_dir: str) -> str:
+    if cfg.get("experiment"):
+        return str(cfg.experiment)
+    return "sweep-" + "_".join(Path(sweep_dir).parts[-2:]) if multirun else "runs"
+
+
+def _skipped_fields(cfg: DictConfig, reason: str) -> dict[str, Any]:
+    strategy = cfg.strategy
+    return {"status": "skipped", "reason": reason, "strategy": strategy.get("name"), "D": strategy.get("D"),
+            "W": strategy.get("W"), "B": strategy.get("micro_batch_size"),
+            "global_batch_size": cfg.data.get("global_batch_size")}
+
+
+def run(cfg: DictConfig) -> float | None:
+    """The body of ``train.py``: one Hydra job from config to ``results.json``."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    try:
+        layout = resolve_layout(OmegaConf.to_container(cfg.strategy, resolve=True), trainer_cfg,
+                                cfg.data.global_batch_size, num_layers(cfg.model))
+        check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True))
+        check_devices(trainer_cfg, _gpus_on_this_node(trainer_cfg))
+    except ConfigError as err:
+        if not multirun:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        write_results(out_dir, **_skipped_fields(cfg, str(err)))
+        print(f"skipped {out_dir}: {err}", flush=True)
+        return None
+    if is_rank_zero():
+        print(layout.describe(), flush=True)
+    spec = JobSpec(OmegaConf.to_container(cfg, resolve=True), layout, str(out_dir),
+                   _group(cfg, multirun, hydra_cfg.sweep.dir))
+    job_file = spec.save()
+    if external_launcher():
+        from .job import run_job
+
+        try:
+            run_job(spec)
+        except Exception as err:  # record it, then let the launcher see the failure
+            reason = f"rank {os.environ.get('RANK', '?')} raised {type(err).__name__}: {err}"
+            write_results(out_dir, status="failed", reason=reason, **layout.result_fields())
+            raise
+        outcome = Outcome(True)
+    else:
+        outcome = launch_workers(job_file, layout, int(trainer_cfg.get("devices", 1)), out_dir / "logs")
+    if not outcome.ok:
+        write_results(out_dir, status="failed", reason=outcome.reason, **layout.result_fields())
+        print(f"error: job failed: {outcome.reason}", file=sys.stderr, flush=True)
+        if not multirun:
+            sys.exit(1)
+        return None
+    if not is_rank_zero():
+        return None
+    result = read_results(out_dir / "results.json")
+    print(summary_table([result]), flush=True)
+    if result.final_loss is not None:
+        print(f"final train/loss = {result.final_loss:.4f} after {len(result.loss_history)} steps ({out_dir})",
+              flush=True)
+    return result.final_loss

@@ -1,0 +1,178 @@
+"""What a run measures: throughput per replica, iteration time, bubbles, memory, the timeline.
+
+* Throughput comes from Lightning's :class:`ThroughputMonitor`, counting the W data-parallel
+  replicas that consume distinct samples, not the W·D processes (each of a replica's D ranks sees
+  the same mini-batch).
+* The measured bubble ratio follows Chimera §2's definition (idle time / (workers × iteration
+  time)) from the per-action wall times every rank's executor records; the theoretical one is the
+  simulator's for the schedule that was executed (t_b = 2·t_f).
+* Peak memory per rank: CUDA max allocated on GPU, the process's peak RSS on CPU.
+
+At the end rank 0 draws the last step's measured timeline (rows = ranks, like the paper's
+figures), writes ``results.json`` and puts the summary into the W&B run.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from strategies.lightning import PipelineStrategy
+from strategies.schedules import simulate
+
+from .layout import Layout
+from .results import write_results
+
+
+def samples_in(batch: dict[str, Any]) -> int:
+    return int(next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor)))
+
+
+def tokens_in(batch: dict[str, Any]) -> int:
+    return int(batch["input_ids"].numel())
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """One row per rank (a collective: every rank takes part); a single process gives one row."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return local.reshape(1, -1)
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, local)
+    return torch.stack(rows)
+
+
+class ReplicaThroughputMonitor(ThroughputMonitor):
+    """Lightning's throughput monitor, scaled by the ``replicas`` (W) instead of the world size.
+
+    Rank 0 also keeps every windowed rate, so the run can report medians after warm-up.
+    """
+
+    def __init__(self, replicas: int, window_size: int = 3) -> None:
+        super().__init__(batch_size_fn=samples_in, length_fn=tokens_in, window_size=window_size)
+        self.replicas = replicas
+        self.history: list[dict[str, float]] = []
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        for key in self._throughputs:
+            self._throughputs[key] = Throughput(available_flops=self.available_flops, world_size=self.replicas,
+                                                **self.kwargs)
+
+    @override
+    @rank_zero_only
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
+        rates = self._throughputs[RunningStage.TRAINING].compute()
+        if "device/samples_per_sec" in rates:  # the window is full
+            self.history.append({
+                "samples_per_s": rates["device/samples_per_sec"] * self.replicas,
+                "tokens_per_s": rates.get("device/items_per_sec", 0.0) * self.replicas,
+                "iteration_s": 1.0 / rates["device/batches_per_sec"],
+            })
+
+    def median(self, key: str, warmup: int = 0) -> float | None:
+        values = [h[key] for h in self.history[warmup:]] or [h[key] for h in self.history]
+        return statistics.median(values) if values else None
+
+
+class PipelineMetrics(Callback):
+    """Loss history, measured bubble ratio, peak memory per rank, timeline picture and results.json."""
+
+    def __init__(self, layout: Layout, out_dir: str | Path, throughput: ReplicaThroughputMonitor,
+                 warmup_steps: int = 1) -> None:
+        self.layout, self.out_dir, self.throughput, self.warmup_steps = layout, Path(out_dir), throughput, warmup_steps
+        self.loss_history: list[float] = []
+        self.bubbles: list[float] = []
+        self.peak_memory: list[int] = []
+
+    @staticmethod
+    def _engine(trainer: pl.Trainer):  # noqa: ANN205 - PipelineEngine | None
+        strategy = trainer.strategy
+        return strategy.engine if isinstance(strategy, PipelineStrategy) else None
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        engine = self._engine(trainer)
+        record = engine.last_record if engine is not None else None
+        busy = span = 0.0
+        if record is not None and record.timeline:
+            busy = sum(end - start for _, start, end in record.timeline)
+            span = record.timeline[-1][2] - record.timeline[0][1]
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        local = torch.tensor([float(loss), busy, span, float(peak_memory_bytes(trainer.strategy.root_device))],
+                             dtype=torch.float64)
+        gathered = _all_gather_rows(local.to(trainer.strategy.root_device)).cpu()
+        self.loss_history.append(float(gathered[:, 0].mean()))  # equal on pipeline ranks; mean over DDP replicas
+        self.peak_memory = [int(m) for m in gathered[:, 3]]
+        if record is not None and float(gathered[:, 2].max()) > 0:
+            ratio = 1.0 - float(gathered[:, 1].sum()) / (len(gathered) * float(gathered[:, 2].max()))
+            self.bubbles.append(ratio)
+            pl_module.log("train/bubble_ratio_measured", ratio, on_step=True, rank_zero_only=True)
+        pl_module.log("memory/peak_bytes_max", float(gathered[:, 3].max()), on_step=True, rank_zero_only=True)
+
+    def theory_bubble_ratio(self, trainer: pl.Trainer) -> float:
+        engine = self._engine(trainer)
+        if engine is None:
+            return 0.0
+        return simulate(engine.schedule_for(self.layout.N), t_f=1.0, t_b=2.0).bubble_ratio
+
+    def _gather_timeline(self, trainer: pl.Trainer) -> list | None:
+        engine = self._engine(trainer)
+        if engine is None or engine.last_record is None or not dist.is_initialized():
+            return None
+        rows: list = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, engine.last_record.timeline)
+        origin = min((row[0][1] for row in rows if row), default=0.0)  # one host: perf_counter is shared
+        return [[(a, start - origin, end - origin) for a, start, end in row] for row in rows]
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rows = self._gather_timeline(trainer)
+        if not trainer.is_global_zero:
+            return
+        picture = None
+        if rows is not None:
+            from strategies.schedules.render import save_png
+
+            picture = self.out_dir / "timeline.png"
+            save_png(rows, self._engine(trainer).schedule_for(self.layout.N), str(picture),
+                     title=f"{self.layout.run_name}: measured step (rows = ranks)")
+        warm = self.bubbles[self.warmup_steps:] or self.bubbles
+        summary = {
+            "samples_per_s": self.throughput.median("samples_per_s", self.warmup_steps),
+            "tokens_per_s": self.throughput.median("tokens_per_s", self.warmup_steps),
+            "iteration_s": self.throughput.median("iteration_s", self.warmup_steps),
+            "bubble_ratio_measured": statistics.median(warm) if warm else None,
+            "bubble_ratio_theory": self.theory_bubble_ratio(trainer),
+        }
+        write_results(
+            self.out_dir, status="ok", reason="", **self.layout.result_fields(), **summary,
+            peak_memory_bytes=self.peak_memory, loss_history=self.loss_history,
+            final_loss=self.loss_history[-1] if self.loss_history else None,
+        )
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.experiment.summary.update({k: v for k, v in summary.items() if v is not None})
+                if picture is not None:
+                    logger.log_image("timeline", [str(picture)])

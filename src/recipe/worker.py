@@ -1,0 +1,27 @@
+"""Entry point of one training process: ``python -m recipe.worker <job.yaml>``.
+
+:mod:`recipe.launch` starts one per rank with Lightning's environment variables (``LOCAL_RANK``,
+``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning joins them instead
+of re-launching the script, which is what breaks Hydra multiruns (Lightning #15737, #18175).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs; nothing waits on the network
+
+
+def main(argv: list[str]) -> int:
+    from .job import JobSpec, run_job
+
+    if len(argv) != 1:
+        print("usage: python -m recipe.worker <job.yaml>", file=sys.stderr)
+        return 2
+    run_job(JobSpec.load(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,87 @@
+"""Emulated-compute pipeline models for schedule benchmarks (Chimera §3.4's cost model, measured).
+
+Each stage is one layer whose forward and backward take a set time (``time.sleep``: no CPU is
+used, so D = 8 ranks on a 2-core machine still run their stages "in parallel") while real tensors
+flow: the stage output is a real activation of ``activation_numel`` floats per sample sent over
+p2p, the backward returns a real activation gradient of the same size, and each stage holds a
+real parameter of ``param_numel`` floats whose (zero) gradient takes part in the real gradient
+all-reduce. Costs are per micro-batch of ``micro_batch_size`` samples and scale with the samples a
+call sees, so a doubled forward takes ``2 t_f`` and a halved backward ``t_b / 2``, exactly as
+:func:`strategies.schedules.simulate` charges them. By default ``t_b = 2 t_f`` (§3.4).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .pipeline_model import Batch, PipelineModel
+
+
+class _Timed(torch.autograd.Function):
+    """Identity (a copy) whose forward sleeps ``t_f`` and whose backward sleeps ``t_b``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, t_f: float, t_b: float) -> Tensor:
+        ctx.t_b = t_b
+        time.sleep(t_f)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        time.sleep(ctx.t_b)
+        grad_x = grad.clone() if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None  # no weight gradient is computed; the sync fills zeros
+
+
+class EmulatedStage(nn.Module):
+    """One pipeline stage of emulated cost (seconds per micro-batch of ``micro_batch_size``)."""
+
+    def __init__(self, t_f: float, t_b: float, param_numel: int, micro_batch_size: int) -> None:
+        super().__init__()
+        if t_f < 0 or t_b < 0:
+            raise ValueError(f"stage times must be non-negative, got t_f={t_f}, t_b={t_b}")
+        self.t_f, self.t_b, self.micro_batch_size = t_f, t_b, micro_batch_size
+        self.weight = nn.Parameter(torch.zeros(max(int(param_numel), 1)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = x.shape[0] / self.micro_batch_size
+        return _Timed.apply(x, self.weight, self.t_f * scale, self.t_b * scale)
+
+
+class EmulatedPipeline(nn.Module, PipelineModel):
+    """``stages`` emulated stages (one layer each); batches are ``{"x": (samples, activation_numel)}``."""
+
+    def __init__(
+        self,
+        stages: int,
+        t_f: float = 0.02,
+        t_b: float | None = None,
+        activation_numel: int = 16384,
+        param_numel: int = 65536,
+        micro_batch_size: int = 1,
+    ) -> None:
+        super().__init__()
+        if stages < 1 or micro_batch_size < 1 or activation_numel < 1:
+            raise ValueError("stages, micro_batch_size and activation_numel must be positive")
+        t_b = 2.0 * t_f if t_b is None else t_b
+        self.activation_numel = int(activation_numel)
+        self.layers = nn.ModuleList(
+            EmulatedStage(t_f, t_b, param_numel, micro_batch_size) for _ in range(stages)
+        )
+
+    def pipeline_layers(self) -> nn.ModuleList:
+        return self.layers
+
+    def pipeline_input(self, batch: Batch) -> Tensor:
+        return batch["x"]
+
+    def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
+        return output.mean()
+
+    def batch(self, samples: int) -> dict[str, Tensor]:
+        """A mini-batch of ``samples`` inputs of the configured activation size."""
+        return {"x": torch.ones(samples, self.activation_numel)}

@@ -1,0 +1,79 @@
+"""Run a function on N local CPU processes over gloo and collect each rank's return value.
+
+For benchmarks and scripts (``scripts/bench.py``): ``run_world(4, fn, *args)`` spawns 4 ranks
+(``torch.multiprocessing``, spawn context), each with one intra-op thread by default, runs
+``fn(rank, world_size, *args)`` inside an initialised gloo process group and returns the results
+by rank. The group ends with a barrier and ``destroy_process_group`` (gloo aborts some plain
+exits otherwise). ``fn`` must be importable by the children (a module-level function).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class WorldError(RuntimeError):
+    """A rank raised, or the world did not answer in time."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # report, then let the others time out
+        queue.put((rank, "error", traceback.format_exc()))
+        raise
+    finally:
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 600, threads: int = 1) -> list[Any]:
+    """Spawn ``world_size`` ranks running ``fn(rank, world_size, *args)``; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, threads, fn, args, queue)) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+    except Exception as err:  # queue.Empty: a rank hung or died without reporting
+        errors.append(f"no answer within {timeout:.0f}s from ranks {sorted(set(range(world_size)) - set(results))}: {err!r}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise WorldError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

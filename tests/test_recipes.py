@@ -1,0 +1,221 @@
+"""Config groups, recipes, sweeps, launching and W&B logging (issue: Hydra recipes and sweeps).
+
+Composition tests are fast (Hydra's compose API, no processes); the multirun, torchrun and
+dead-rank tests start real processes and are marked slow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from recipe.launch import launch_workers, num_layers
+from recipe.layout import ConfigError, resolve_layout
+from recipe.results import find_results
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF, RECIPES = ROOT / "conf", ROOT / "recipes"
+GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+          for group in ("strategy", "model", "data", "trainer", "logger")}
+RECIPE_NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _compose(name: str = "config", overrides: list[str] = (), hydra: bool = False):
+    """Compose like ``train.py [--config-dir recipes --config-name name] overrides``."""
+    primary, extra = (CONF, RECIPES) if name == "config" else (RECIPES, CONF)
+    with initialize_config_dir(config_dir=str(primary), version_base="1.3"):
+        return compose(name, overrides=[f"hydra.searchpath=[file://{extra}]", *overrides], return_hydra_config=hydra)
+
+
+def _layout(cfg):
+    return resolve_layout(OmegaConf.to_container(cfg.strategy, resolve=True),
+                          OmegaConf.to_container(cfg.trainer, resolve=True), cfg.data.global_batch_size,
+                          num_layers(cfg.model))
+
+
+@pytest.mark.parametrize("group, option", [(g, o) for g, options in GROUPS.items() for o in options])
+def test_every_group_option_composes_and_resolves(group: str, option: str) -> None:
+    overrides = [f"{group}={option}"]
+    if option == "single":
+        overrides.append("trainer.devices=1")
+    if option == "ddp":
+        overrides.append("strategy.D=1")
+    cfg = _compose(overrides=overrides)
+    resolved = OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    assert resolved[group]
+    if group in ("strategy", "trainer"):
+        layout = _layout(cfg)
+        assert layout.W * layout.D == layout.world_size
+
+
+def test_strategies_instantiate_from_config() -> None:
+    from hydra.utils import instantiate
+    from lightning.pytorch.strategies import Strategy
+
+    from strategies.lightning import PipelineStrategy
+
+    for option in GROUPS["strategy"]:
+        cfg = _compose(overrides=[f"strategy={option}"])
+        strategy = instantiate(cfg.strategy)
+        assert isinstance(strategy, Strategy), option
+        if isinstance(strategy, PipelineStrategy):
+            assert strategy.pipeline_config.schedule == cfg.strategy.name
+            assert strategy.pipeline_config.concat == cfg.strategy.get("concat", "direct")
+
+
+def _sweep_jobs(cfg, grid: bool) -> list[list[str]]:
+    """Every job of the sweep (``grid``), or each swept value once (enough to check composition)."""
+    params = cfg.hydra.sweeper.params or {}
+    keys = list(params)
+    values = [str(params[k]).split(",") for k in keys]
+    if grid:
+        return [[f"{k}={v}" for k, v in zip(keys, combo)] for combo in itertools.product(*values)]
+    return [[f"{k}={v}"] for k, vs in zip(keys, values) for v in vs]
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_every_recipe_composes_and_every_cpu_job_is_valid(recipe: str) -> None:
+    cfg = _compose(recipe, hydra=True)
+    assert cfg.hydra.mode.name == "MULTIRUN" and cfg.experiment == recipe
+    jobs = _sweep_jobs(cfg, grid=recipe.endswith("-cpu"))
+    assert len(jobs) >= 2
+    for job in jobs:
+        job_cfg = _compose(recipe, job)
+        if recipe.endswith("-cpu"):
+            layout = _layout(job_cfg)  # a CPU recipe never skips a job
+            assert job_cfg.trainer.accelerator == "cpu" and layout.world_size <= 8
+        else:  # paper grids may hold combinations a sweep records as skipped
+            assert job_cfg.trainer.accelerator == "gpu" and job_cfg.trainer.num_nodes > 1
+
+
+def test_layout_names_variants() -> None:
+    cfg = _compose(overrides=["strategy=chimera_forward_doubling", "trainer.devices=4", "strategy.D=4",
+                              "strategy.pipelines=4"])
+    layout = _layout(cfg)
+    assert layout.label == "chimera+forward_doubling+4pipes"
+    assert layout.run_name == "chimera+forward_doubling+4pipes-W1-D4-B1"
+    assert layout.result_fields()["strategy"] == layout.label
+
+
+def test_baseline_layouts() -> None:
+    ddp = _layout(_compose(overrides=["strategy=ddp", "trainer.devices=4", "data.global_batch_size=16"]))
+    assert (ddp.W, ddp.D, ddp.B, ddp.N) == (4, 1, 4, 1)
+    single = _layout(_compose(overrides=["strategy=single", "trainer.devices=1"]))
+    assert (single.W, single.D, single.B, single.N, single.world_size) == (1, 1, 32, 1, 1)
+    with pytest.raises(ConfigError, match="strategy=single runs one process"):
+        _layout(_compose(overrides=["strategy=single", "trainer.devices=2"]))
+    with pytest.raises(ConfigError, match="set strategy.D=1"):
+        _layout(_compose(overrides=["strategy=ddp", "strategy.D=2"]))
+
+
+def _run(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_multirun_sweep_runs_every_job_once_and_logs_offline(tmp_path: Path) -> None:
+    """3 valid jobs and 3 invalid ones in one command: 3 × ok with W&B runs, 3 × skipped."""
+    sweep = tmp_path / "sweep"
+    result = _run([str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={sweep}", "strategy=gpipe,dapple,chimera",
+                   "strategy.D=2,3", "trainer.devices=2", "trainer.max_steps=4", "data.global_batch_size=8",
+                   "experiment=test-sweep"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = find_results([sweep])
+    assert len(results) == 6
+    ok = [r for r in results if r.status == "ok"]
+    skipped = [r for r in results if r.status == "skipped"]
+    assert sorted(r.strategy for r in ok) == ["chimera", "dapple", "gpipe"]
+    assert all("strategy.D = 3 does not divide the 2 processes" in r.reason for r in skipped)
+    for r in ok:
+        assert (r.W, r.D, r.B, r.N, r.world_size, r.global_batch_size) == (1, 2, 1, 8, 2, 8)
+        assert r.samples_per_s > 0 and r.tokens_per_s == pytest.approx(32 * r.samples_per_s)
+        assert r.iteration_s > 0 and 0 <= r.bubble_ratio_measured < 1 and 0 <= r.bubble_ratio_theory < 1
+        assert len(r.peak_memory_bytes) == 2 and min(r.peak_memory_bytes) > 0
+        assert len(r.loss_history) == 4 and r.final_loss == r.loss_history[-1]
+        assert (Path(r.path).parent / "timeline.png").stat().st_size > 0
+    # synchronous schedules are equivalent: the same losses, whatever the order of the actions
+    assert ok[0].loss_history == pytest.approx(ok[1].loss_history, abs=1e-5)
+    assert ok[0].loss_history == pytest.approx(ok[2].loss_history, abs=1e-5)
+
+    from recipe.wandb_offline import find_offline_runs
+
+    runs = find_offline_runs(sweep)
+    assert sorted(r.name for r in runs) == ["chimera-W1-D2-B1", "dapple-W1-D2-B1", "gpipe-W1-D2-B1"]
+    for run in runs:
+        assert run.group == "test-sweep" and run.job_type == run.name.split("-")[0]
+        assert run.summary["samples_per_s"] > 0 and run.summary["tokens_per_s"] > 0
+        assert "bubble_ratio_measured" in run.summary and "iteration_s" in run.summary
+        assert run.config["derived"]["N"] == 8 and run.config["strategy"]["name"] == run.job_type
+
+    compare = _run([str(ROOT / "scripts" / "compare.py"), str(sweep), "--json", str(tmp_path / "rows.json")],
+                   cwd=tmp_path)
+    assert compare.returncode == 0, compare.stderr
+    assert (sweep / "compare.png").stat().st_size > 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [row["status"] for row in rows] == ["ok"] * 3 + ["skipped"] * 3
+
+
+@pytest.mark.slow
+def test_train_py_under_torchrun_does_not_relaunch(tmp_path: Path) -> None:
+    result = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+                   f"hydra.run.dir={tmp_path / 'run'}", "strategy=dapple", "trainer.devices=2", "trainer.max_steps=3",
+                   "data.global_batch_size=8", "logger=csv", "trainer.log_every_n_steps=1"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("final train/loss") == 1  # rank 0 reports, once
+    assert not (tmp_path / "run" / "logs").exists()  # no workers of our own were started
+    (res,) = find_results([tmp_path / "run"])
+    assert res.status == "ok" and res.world_size == 2 and len(res.loss_history) == 3
+    assert "train/loss" in (tmp_path / "run" / "metrics.csv").read_text()
+
+
+def test_a_dead_rank_ends_the_job_with_its_log(tmp_path: Path) -> None:
+    """Rank 1 dies; rank 0 would wait forever: the launcher stops it and names rank 1."""
+    worker = tmp_path / "fake_worker.py"
+    worker.write_text(
+        "import os, sys, time\n"
+        "print('rank', os.environ['RANK'], 'started', flush=True)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    print('boom: simulated crash', flush=True); sys.exit(3)\n"
+        "time.sleep(600)\n"
+    )
+    layout = resolve_layout({"name": "gpipe", "D": 2, "micro_batch_size": 1}, {"devices": 2}, 8, num_layers=6)
+    sys.path.insert(0, str(tmp_path))
+    env_path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = f"{tmp_path}:{env_path}"
+    try:
+        start = time.monotonic()
+        outcome = launch_workers(tmp_path / "job.yaml", layout, 2, tmp_path / "logs", module="fake_worker",
+                                 grace_s=1.0)
+    finally:
+        os.environ["PYTHONPATH"] = env_path
+        sys.path.remove(str(tmp_path))
+    assert not outcome.ok
+    assert "rank 1 ended with exit code 3" in outcome.reason and "boom: simulated crash" in outcome.reason
+    assert time.monotonic() - start < 20
+    assert "boom" in (tmp_path / "logs" / "rank1.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["model.seq_len=100"], "sequence length 100 (model.seq_len / data.seq_len) exceeds the model's 64 positions"),
+        (["trainer=gpu", "trainer.devices=2"], "trainer.devices = 2 GPUs but this node has no GPU; use trainer=cpu"),
+        (["strategy=chimera", "strategy.D=3", "trainer.devices=3"], "chimera needs an even strategy.D"),
+        (["strategy.micro_batch_size=5"], "not divisible by W·B"),
+    ],
+)
+def test_bad_settings_stop_before_launch(tmp_path: Path, overrides: list[str], fragment: str) -> None:
+    result = _run([str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}", *overrides], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert fragment in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "logs").exists()  # no process was started
