@@ -67,6 +67,27 @@ def _timed_steps(step: Callable[[], Any], steps: int, warmup: int) -> list[float
     return times
 
 
+def _rounds(runners: dict[str, Callable[[], Any]], rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Step times of every runner, ``rounds`` times, one step each per round in a rotating order.
+
+    Comparing runners within a round (paired ratios) cancels most of the drift of a shared
+    machine's background load.
+    """
+    names = list(runners)
+    for name in names:
+        _timed_steps(runners[name], 0, warmup)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name] += _timed_steps(runners[name], 1, 0)
+    return times
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over rounds of numerator / denominator measured in the same round."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
 def _gpt2(size: dict[str, int]) -> Any:
     from models import build_model
 
@@ -94,21 +115,23 @@ def _by_rank(value: float) -> list[float]:
 # -- part workers (module level: the spawned ranks import them) ---------------------------------
 
 
-def _efficiency_worker(rank: int, world: int, cases: list[tuple[str, int]], t_f: float, steps: int,
-                       warmup: int, act: int, params: int) -> list[dict]:
+def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: int, warmup: int,
+                       act: int, params: int) -> list[dict]:
     from strategies.emulated import EmulatedPipeline
     from strategies.engine import PipelineConfig, PipelineEngine
     from strategies.schedules import simulate
 
     rows = []
-    for name, N in cases:
-        model = EmulatedPipeline(world, t_f=t_f, activation_numel=act, param_numel=params)
-        engine = PipelineEngine(model, PipelineConfig(name, world, 1), 1, torch.device("cpu"))
-        batch = model.batch(N)
-        times = _timed_steps(lambda: engine.train_step(batch), steps, warmup)
-        simulated = simulate(engine.schedule_for(N), t_f, 2 * t_f).makespan
-        rows.append({"schedule": name, "D": world, "N": N, "measured_s": statistics.median(times),
-                     "simulated_s": simulated})
+    for N in Ns:
+        runners, simulated = {}, {}
+        for name in ("gpipe", "dapple", "chimera"):
+            model = EmulatedPipeline(world, t_f=t_f, activation_numel=act, param_numel=params)
+            engine = PipelineEngine(model, PipelineConfig(name, world, 1), 1, torch.device("cpu"))
+            runners[name] = (lambda e, b: lambda: e.train_step(b))(engine, model.batch(N))
+            simulated[name] = simulate(engine.schedule_for(N), t_f, 2 * t_f).makespan
+        times = _rounds(runners, steps, warmup)
+        rows += [{"schedule": name, "D": world, "N": N, "measured_s": statistics.median(times[name]),
+                  "simulated_s": simulated[name], "times_s": times[name]} for name in runners]
     return rows
 
 
@@ -120,27 +143,23 @@ def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, step
     rows = []
     for case in cases:
         D, N = case["D"], case["N"]
-        medians = {}
-        engines = {}
+        runners = {}
         for mode in ("end", "eager", "eager_opt"):
             model = EmulatedPipeline(D, t_f=t_f, activation_numel=act, param_numel=params)
-            engines[mode] = (model, PipelineEngine(model, PipelineConfig(case["schedule"], D, 1, grad_sync=mode),
-                                                   world // D, torch.device("cpu")))
-        samples: dict[str, list[float]] = {m: [] for m in engines}
-        for _ in range(steps):  # interleave the modes against background load
-            for mode, (model, engine) in engines.items():
-                batch = model.batch(N)
-                samples[mode] += _timed_steps(lambda: engine.train_step(batch), 1, warmup if not samples[mode] else 0)
-        for mode in engines:
-            medians[mode] = statistics.median(samples[mode])
-        for mode in engines:
+            engine = PipelineEngine(model, PipelineConfig(case["schedule"], D, 1, grad_sync=mode), world // D,
+                                    torch.device("cpu"))
+            batch = model.batch(N)
+            runners[mode] = (lambda e, b: lambda: e.train_step(b))(engine, batch)
+        times = _rounds(runners, steps, warmup)
+        for mode in runners:
             rows.append({**case, "W": world // D, "param_numel": params, "mode": mode,
-                         "measured_s": medians[mode], "ratio_vs_end": medians[mode] / medians["end"]})
+                         "measured_s": statistics.median(times[mode]),
+                         "ratio_vs_end": paired_ratio(times[mode], times["end"])})
     return rows
 
 
 def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, mbs: int, steps: int,
-                     warmup: int) -> list[dict]:
+                     warmup: int, ours: tuple[str, ...], theirs: tuple[str, ...]) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch import nn
@@ -150,11 +169,13 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
 
     batch = _gpt2_batch(size, samples)
     runners: dict[str, Callable[[], Any]] = {}
-    for name in ("gpipe", "dapple", "chimera"):
+    for name in ours:
         model = _gpt2(size)
         engine = PipelineEngine(model, PipelineConfig(name, world, samples // mbs), 1, torch.device("cpu"))
         runners[f"ours:{name}"] = (lambda e: lambda: e.train_step(batch))(engine)
-    for label, cls in (("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)):
+    classes = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}
+    for label in theirs:
+        cls = classes[label]
         model = _gpt2(size)
         layers = model.pipeline_layers()
         part = even_partition(len(layers), world)[rank]
@@ -172,14 +193,9 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
                 schedule.step(target=batch["input_ids"], return_outputs=False)
 
         runners[f"theirs:{label}"] = step
-    samples_s: dict[str, list[float]] = {k: [] for k in runners}
-    for k, run in runners.items():
-        _timed_steps(run, 0, warmup)
-    for _ in range(steps):
-        for k, run in runners.items():
-            samples_s[k] += _timed_steps(run, 1, 0)
+    times = _rounds(runners, steps, warmup)
     dist.barrier()
-    return [{"system": k, "median_s": statistics.median(v)} for k, v in samples_s.items()]
+    return [{"system": k, "median_s": statistics.median(v), "times_s": v} for k, v in times.items()]
 
 
 def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, steps: int, warmup: int) -> dict:
@@ -198,13 +214,9 @@ def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, 
     def ours() -> None:
         engine.train_step(batch)
 
-    plain_t, ours_t = [], []
-    _timed_steps(plain, 0, warmup)
-    _timed_steps(ours, 0, warmup)
-    for _ in range(steps):
-        plain_t += _timed_steps(plain, 1, 0)
-        ours_t += _timed_steps(ours, 1, 0)
-    return {"plain_s": statistics.median(plain_t), "engine_s": statistics.median(ours_t)}
+    times = _rounds({"plain": plain, "engine": ours}, steps, warmup)
+    return {"plain_s": statistics.median(times["plain"]), "engine_s": statistics.median(times["engine"]),
+            "ratio": paired_ratio(times["engine"], times["plain"])}
 
 
 def _recompute_worker(rank: int, world: int, size: dict[str, int], schedule: str, samples: int, mbs: int,
@@ -216,17 +228,13 @@ def _recompute_worker(rank: int, world: int, size: dict[str, int], schedule: str
     for mode in ("none", "except_last", "always"):
         engines[mode] = PipelineEngine(_gpt2(size), PipelineConfig(schedule, world, samples // mbs, recompute=mode),
                                        1, torch.device("cpu"))
-    times: dict[str, list[float]] = {m: [] for m in engines}
-    for engine in engines.values():
-        _timed_steps(lambda: engine.train_step(batch), 0, warmup)
-    for _ in range(steps):
-        for mode, engine in engines.items():
-            times[mode] += _timed_steps(lambda: engine.train_step(batch), 1, 0)
+    times = _rounds({m: (lambda e: lambda: e.train_step(batch))(e) for m, e in engines.items()}, steps, warmup)
     rows = []
     for mode, engine in engines.items():
         peaks = [int(b) for b in _by_rank(engine.last_record.peak_stored_bytes)]
         rows.append({"mode": mode, "schedule": schedule, "D": world, "N": mbs, "peak_stored_bytes_by_rank": peaks,
-                     "peak_stored_bytes_max_rank": max(peaks), "measured_s": statistics.median(times[mode])})
+                     "peak_stored_bytes_max_rank": max(peaks), "measured_s": statistics.median(times[mode]),
+                     "time_ratio": paired_ratio(times[mode], times["none"])})
     return rows
 
 
@@ -234,22 +242,21 @@ def _recompute_worker(rank: int, world: int, size: dict[str, int], schedule: str
 
 
 def part_efficiency(quick: bool) -> dict[str, list[dict]]:
-    t_f, steps, warmup = (0.005, 3, 1) if quick else (0.02, 7, 2)
+    t_f, steps, warmup = (0.005, 3, 1) if quick else (0.02, 9, 2)
     depths = (2,) if quick else (2, 4, 8)
     rows = []
     for D in depths:
-        Ns = (D,) if quick else (D, 2 * D)
-        cases = [(name, N) for N in Ns for name in ("gpipe", "dapple", "chimera")]
-        rows += run_world(D, _efficiency_worker, cases, t_f, steps, warmup, 16384, 65536)[0]
+        rows += run_world(D, _efficiency_worker, [D] if quick else [D, 2 * D], t_f, steps, warmup, 16384, 65536)[0]
+    times = {(r["schedule"], r["D"], r["N"]): r.pop("times_s") for r in rows}
     for row in rows:
         row["ratio"] = row["measured_s"] / row["simulated_s"]
     by = {(r["schedule"], r["D"], r["N"]): r for r in rows}
     versus = []
     for (name, D, N), chimera in by.items():
         if name == "chimera" and ("dapple", D, N) in by:
-            dapple = by[("dapple", D, N)]
-            versus.append({"D": D, "N": N, "measured_ratio": chimera["measured_s"] / dapple["measured_s"],
-                           "theory_ratio": chimera["simulated_s"] / dapple["simulated_s"]})
+            versus.append({"D": D, "N": N,
+                           "measured_ratio": paired_ratio(times[(name, D, N)], times[("dapple", D, N)]),
+                           "theory_ratio": chimera["simulated_s"] / by[("dapple", D, N)]["simulated_s"]})
     return {"schedule_efficiency": rows, "chimera_vs_dapple": versus}
 
 
@@ -258,20 +265,24 @@ GPT2_QUICK = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 1000, "seq": 32}
 
 
 def part_vs_torch(quick: bool) -> dict[str, list[dict]]:
-    size, samples, mbs, steps, warmup = (GPT2_QUICK, 4, 2, 2, 1) if quick else (GPT2_BENCH, 16, 4, 9, 2)
-    rows = run_world(2, _vs_torch_worker, size, samples, mbs, steps, warmup)[0]
-    t = {r["system"]: r["median_s"] for r in rows}
+    size, samples, mbs, steps, warmup = (GPT2_QUICK, 4, 2, 2, 1) if quick else (GPT2_BENCH, 16, 4, 11, 2)
     pairs = [("gpipe", "ScheduleGPipe"), ("dapple", "Schedule1F1B"), ("chimera", "Schedule1F1B"),
              ("chimera", "ScheduleGPipe")]
-    out = [{"ours": ours, "theirs": theirs, "throughput_ratio": t[f"theirs:{theirs}"] / t[f"ours:{ours}"]}
-           for ours, theirs in pairs]
+    if quick:
+        pairs = pairs[1:2]
+    ours = tuple(dict.fromkeys(p[0] for p in pairs))
+    theirs = tuple(dict.fromkeys(p[1] for p in pairs))
+    rows = run_world(2, _vs_torch_worker, size, samples, mbs, steps, warmup, ours, theirs)[0]
+    t = {r["system"]: r.pop("times_s") for r in rows}
+    out = [{"ours": o, "theirs": th, "throughput_ratio": paired_ratio(t[f"theirs:{th}"], t[f"ours:{o}"])}
+           for o, th in pairs]
     return {"vs_torch": out, "_vs_torch_times": rows}
 
 
 def part_overhead(quick: bool) -> dict[str, Any]:
     size, samples, steps, warmup = (GPT2_QUICK, 2, 3, 1) if quick else (GPT2_BENCH, 8, 15, 3)
     r = run_world(1, _overhead_worker, size, samples, steps, warmup)[0]
-    return {"overhead_d1": r["engine_s"] / r["plain_s"], "_overhead_times": r}
+    return {"overhead_d1": r["ratio"], "_overhead_times": r}
 
 
 def part_grad_sync(quick: bool) -> dict[str, list[dict]]:
@@ -288,7 +299,6 @@ def part_recompute(quick: bool) -> dict[str, list[dict]]:
     base = next(r for r in rows if r["mode"] == "none")
     for r in rows:
         r["memory_ratio"] = r["peak_stored_bytes_max_rank"] / base["peak_stored_bytes_max_rank"]
-        r["time_ratio"] = r["measured_s"] / base["measured_s"]
     return {"recompute": rows}
 
 
@@ -316,7 +326,8 @@ def report(data: dict[str, Any]) -> str:
         out += ["schedule efficiency (emulated compute; ratio = measured / simulated)",
                 _table(data["schedule_efficiency"], ["schedule", "D", "N", "measured_s", "simulated_s", "ratio"]), ""]
     if data.get("chimera_vs_dapple"):
-        out += ["chimera / dapple step time", _table(data["chimera_vs_dapple"], ["D", "N", "measured_ratio", "theory_ratio"]), ""]
+        out += ["chimera / dapple step time",
+                _table(data["chimera_vs_dapple"], ["D", "N", "measured_ratio", "theory_ratio"]), ""]
     if data.get("vs_torch"):
         out += ["vs torch.distributed.pipelining (throughput_ratio > 1: ours faster)",
                 _table(data["vs_torch"], ["ours", "theirs", "throughput_ratio"]), ""]
@@ -327,7 +338,8 @@ def report(data: dict[str, Any]) -> str:
                 _table(data["grad_sync"], ["schedule", "D", "W", "N", "mode", "measured_s", "ratio_vs_end"]), ""]
     if data.get("recompute"):
         out += ["activation recomputation (GPT-2, DAPPLE)",
-                _table(data["recompute"], ["mode", "peak_stored_bytes_by_rank", "memory_ratio", "measured_s", "time_ratio"]), ""]
+                _table(data["recompute"],
+                       ["mode", "peak_stored_bytes_by_rank", "memory_ratio", "measured_s", "time_ratio"]), ""]
     return "\n".join(out)
 
 

@@ -219,3 +219,44 @@ def test_bad_settings_stop_before_launch(tmp_path: Path, overrides: list[str], f
     assert result.returncode == 2, result.stderr[-2000:]
     assert fragment in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "logs").exists()  # no process was started
+
+
+@pytest.mark.slow
+def test_two_nodes_over_loopback_equal_one_node(tmp_path: Path) -> None:
+    """2 "nodes" × 2 processes (NODE_RANK, MASTER_ADDR/PORT as on a cluster) = 4 processes on one node."""
+    from recipe.launch import _free_port
+
+    common = ["strategy=dapple", "strategy.D=2", "trainer.max_steps=3", "data.global_batch_size=8", "logger=none"]
+    port = str(_free_port())
+    nodes = [
+        subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / f'node{n}'}",
+                          "trainer.devices=2", "trainer.num_nodes=2", *common], cwd=tmp_path, text=True,
+                         env={**ENV, "NODE_RANK": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for n in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    single = _run([str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'single'}", "trainer.devices=4", *common],
+                  cwd=tmp_path)
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    (two_nodes,) = find_results([tmp_path / "node0"])
+    (one_node,) = find_results([tmp_path / "single"])
+    assert (two_nodes.world_size, two_nodes.W, len(two_nodes.peak_memory_bytes)) == (4, 2, 4)
+    assert two_nodes.loss_history == pytest.approx(one_node.loss_history, abs=1e-6)
+    assert not (tmp_path / "node1" / "results.json").exists()  # rank 0 (node 0) reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_nonfinite_loss_stops_or_skips(tmp_path: Path, mode: str) -> None:
+    result = _run([str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}", "optim.lr=1e30", "trainer.max_steps=3",
+                   "trainer.gradient_clip_val=null", "data.global_batch_size=8", "logger=none",
+                   f"nonfinite_loss={mode}"], cwd=tmp_path)
+    (res,) = find_results([tmp_path])
+    if mode == "stop":
+        assert result.returncode == 1 and res.status == "failed"
+        assert "training loss is nan at step 1" in result.stderr and "nonfinite_loss=skip" in res.reason
+    else:
+        assert result.returncode == 0 and res.status == "ok"
+        assert res.loss_history[0] is not None and list(res.loss_history[1:]) == [None, None]

@@ -1,5 +1,6 @@
 """Runtime features of issue 6: eager gradient sync (Chimera §3.2), activation recomputation
-(GPipe §2.3), receive prefetching, emulated-compute stages, and the benchmark script's contract."""
+(GPipe re-materialization), receive prefetching, emulated-compute stages, and the benchmark
+script's contract."""
 
 from __future__ import annotations
 
@@ -41,6 +42,22 @@ def test_config_defaults_keep_current_behaviour() -> None:
     assert (config.grad_sync, config.recompute) == ("end", "none")
 
 
+@pytest.mark.parametrize("name", ["gpipe", "dapple", "chimera"])
+def test_strategy_configs_and_strategy_pass_the_modes(name: str) -> None:
+    import yaml
+
+    from strategies.grad_sync import GRAD_SYNC_MODES
+    from strategies.lightning import PipelineStrategy
+    from strategies.recompute import RECOMPUTE_MODES
+
+    conf = yaml.safe_load((ROOT / "conf" / "strategy" / f"{name}.yaml").read_text())
+    assert conf["grad_sync"] in GRAD_SYNC_MODES and conf["recompute"] in RECOMPUTE_MODES
+    strategy = PipelineStrategy(D=2, schedule=name, grad_sync="eager_opt", recompute="except_last")
+    assert (strategy.pipeline_config.grad_sync, strategy.pipeline_config.recompute) == ("eager_opt", "except_last")
+    with pytest.raises(ValueError, match="grad_sync"):
+        PipelineStrategy(D=2, schedule=name, grad_sync="later")
+
+
 def test_recompute_stages() -> None:
     assert recompute_stages("none", 4) == frozenset()
     assert recompute_stages("always", 4) == {0, 1, 2, 3}
@@ -70,7 +87,8 @@ def test_eager_opt_keeps_only_stage_copies_followed_by_a_bubble() -> None:
         schedule = build_schedule("chimera", D, N)
         for w in range(D):
             opt, eager = launch_plan(schedule, w, "eager_opt"), launch_plan(schedule, w, "eager")
-            assert {s for ss in opt.values() for s in ss} == {s for s, idle in bubble_after(schedule, w).items() if idle > 0}
+            idle = bubble_after(schedule, w)
+            assert {s for ss in opt.values() for s in ss} == {s for s, t in idle.items() if t > 0}
             assert all(eager[a] == stages for a, stages in opt.items())
     for name in ("gpipe", "dapple"):  # one stage per worker, its last backward is the last action
         schedule = build_schedule(name, 4, 8)
@@ -181,7 +199,8 @@ FEATURE_CASES = [
     {"schedule": "dapple", "D": 4, "N": 4, "width": 32, "memory": "none"},
     {"schedule": "dapple", "D": 4, "N": 4, "width": 32, "recompute": "always", "memory": "always"},
     {"schedule": "dapple", "D": 4, "N": 4, "width": 32, "recompute": "except_last", "memory": "except_last"},
-    {"schedule": "chimera", "D": 4, "N": 8, "recompute": "always", "grad_sync": "eager_opt", "concat": "forward_doubling"},
+    {"schedule": "chimera", "D": 4, "N": 8, "recompute": "always", "grad_sync": "eager_opt",
+     "concat": "forward_doubling"},
     {"schedule": "chimera", "D": 2, "N": 4, "recompute": "except_last", "concat": "backward_halving", "tied": True},
     {"schedule": "gpipe", "D": 2, "N": 2, "recompute": "always", "grad_sync": "eager", "tied": True},
 ]
@@ -242,7 +261,8 @@ def test_bench_quick_writes_the_json_contract(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
-    assert set(data) == {"schedule_efficiency", "chimera_vs_dapple", "vs_torch", "overhead_d1", "grad_sync", "recompute"}
+    assert set(data) == {"schedule_efficiency", "chimera_vs_dapple", "vs_torch", "overhead_d1", "grad_sync",
+                         "recompute"}
     assert data["schedule_efficiency"] and set(data["schedule_efficiency"][0]) == {
         "schedule", "D", "N", "measured_s", "simulated_s", "ratio"}
     assert data["chimera_vs_dapple"] and set(data["chimera_vs_dapple"][0]) == {

@@ -7,9 +7,10 @@ count, :func:`worker_peak` walks the worker's actions in schedule order, as the 
 
 * a forward adds the bytes its stage keeps per micro-batch (CAPTURE's M_i + Σ M_a at ``B``; two
   half-size graphs for a halved micro-batch; with recomputation only the stage's boundary input);
-* a backward first allocates the stage's gradients (on its first backward), peaks at the kept bytes
-  plus its transient (the largest layer transient; with recomputation, the re-materialised stage),
-  then frees the micro-batch's bytes;
+* a backward walks the stage's layers last to first: each layer's gradients appear (on the stage's
+  first backward), the layer's transient (activation gradients, temporaries) peaks on top of what is
+  kept, then the layer's kept bytes are freed; with recomputation the stage's graph is first
+  re-materialised;
 * on gloo (CPU) a sent tensor stays referenced until the end of the step (:mod:`strategies.p2p`), so
   sent activations and activation gradients stay counted until the end (``keep_sends``);
 * at the end, each all-reduce flattens its stage's gradients into one more buffer.
@@ -78,10 +79,11 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
             return 2 * costs.stage_stored(st, B / 2)
         return costs.stage_stored(st, B)
 
-    recv_ahead = prefetch * max((costs.stage_in_bytes(ranges[s], B) for s in stages), default=0.0)
+    recv_ahead = prefetch * max((max(costs.stage_in_bytes(ranges[s], B), costs.stage_out_bytes(ranges[s], B))
+                                 for s in stages), default=0.0)
     live = states
     peak = live
-    grads_for: set[int] = set()
+    grads_for: set[int] = set()  # layers whose gradients exist
     retained = 0.0
     for action in schedule.workers[worker]:
         s, st = action.stage, ranges[action.stage]
@@ -96,15 +98,20 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
             peak = max(peak, live + recv_ahead)
             continue
         frac = 0.5 if action.half is not None else 1.0
-        if s not in grads_for:
-            before = _grad_bytes(costs, {i for t in grads_for for i in ranges[t]})
-            grads_for.add(s)
-            live += _grad_bytes(costs, {i for t in grads_for for i in ranges[t]}) - before
-        work = costs.stage_transient(st, B * frac)
+        graph = B / 2 if action.mb in halved else B  # the micro-batch size of the graph this backward frees
+        if s in recompute:  # re-materialise the stage's graph, then free it layer by layer
+            live += costs.stage_stored(st, graph)
+        for k in reversed(range(len(st))):  # backward runs the layers last to first
+            layer = st[k]
+            if layer not in grads_for:
+                before = _grad_bytes(costs, grads_for)
+                grads_for.add(layer)
+                live += _grad_bytes(costs, grads_for) - before
+            peak = max(peak, live + costs.layers[layer].transient.clamp(graph) + recv_ahead)
+            fit = costs.layers[layer].stored_alone if k == 0 else costs.layers[layer].stored_added
+            live -= fit.clamp(graph)
         if s in recompute:
-            work += costs.stage_stored(st, B * frac)
-        peak = max(peak, live + work + recv_ahead)
-        live -= kept(s, action.mb) * frac
+            live -= kept(s, action.mb) * frac  # the kept input goes last
         if keep_sends:
             sent = frac * in_b + (frac * out_b if s not in recompute and action.mb not in halved else 0.0)
             live += sent

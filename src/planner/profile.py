@@ -3,7 +3,10 @@
 For each batch size ``B`` in ``batch_sizes`` (two by default, CAPTURE §III-A2) and each pipeline
 layer, the profiler measures, the way :class:`strategies.executor.StageExecutor` runs a stage:
 
-* the forward (under the executor's saved-tensor accounting) and backward times, median of ``reps``;
+* the forward (under the executor's saved-tensor accounting) and backward times: the median of
+  ``reps`` rounds over all layers (round-robin, so a burst of background load hits every layer
+  alike); identical layers (transformer blocks) pool their samples, the others run extra rounds, so
+  every median rests on at least ``MIN_SAMPLES`` samples;
 * the bytes autograd keeps for the backward, alone (CAPTURE's M_i) and after the previous layer
   (M_a = PM(l−1, l) − PM(l−1), §III-A1), with :class:`strategies.recompute.SavedBytes`;
 * the peak allocation above those bytes while forward and backward run (the transient), from the
@@ -35,7 +38,8 @@ from .costs import fit_line
 from .model_costs import CommCosts, LayerCosts, ModelCosts
 
 DEFAULT_CACHE = Path(os.environ.get("PIPELINE_RECIPES_CACHE", Path.home() / ".cache" / "pipeline-recipes")) / "planner"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+MIN_SAMPLES = 24  # timed samples per group of identical layers and batch size
 
 
 def model_config_dict(model_cfg: Any) -> dict[str, Any]:
@@ -96,6 +100,12 @@ def _unique(params: Iterator[nn.Parameter]) -> list[nn.Parameter]:
     for p in params:
         seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+def layer_signature(layer: nn.Module, index: int, count: int) -> tuple:
+    """Layers with equal signatures cost the same: type and parameter shapes (first/last kept apart)."""
+    position = "first" if index == 0 else "last" if index == count - 1 else "middle"
+    return (position, type(layer).__name__, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
 
 
 class _LayerRunner:
@@ -207,10 +217,17 @@ def _measure_size(runner: _LayerRunner, batch: dict[str, Tensor], reps: int, war
                      "in_saved": in_bytes, "transient": 0.0})
         with torch.no_grad():
             prev_x, x = x, call_layer(layers[i], x, batch)
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):  # identical layers (transformer blocks) pool their samples: robust medians
+        groups.setdefault(layer_signature(layers[i], i, n), []).append(i)
+    # every group gets at least MIN_SAMPLES samples: layers without twins run extra rounds
+    rounds = [max(reps, -(-MIN_SAMPLES // len(groups[layer_signature(layers[i], i, n)]))) for i in range(n)]
     fwd_t: list[list[float]] = [[] for _ in range(n)]
     bwd_t: list[list[float]] = [[] for _ in range(n)]
-    for r in range(warmup + reps):
+    for r in range(warmup + max(rounds)):
         for i in range(n):
+            if r >= warmup + rounds[i]:
+                continue
             holder: dict[str, Any] = {}
 
             def fwd(i: int = i) -> None:
@@ -222,9 +239,11 @@ def _measure_size(runner: _LayerRunner, batch: dict[str, Tensor], reps: int, war
             if r >= warmup:
                 fwd_t[i].append(t_f)
                 bwd_t[i].append(t_b)
-    for i in range(n):
-        rows[i]["fwd"] = statistics.median(fwd_t[i])
-        rows[i]["bwd"] = statistics.median(bwd_t[i])
+    for members in groups.values():
+        fwd = statistics.median([t for i in members for t in fwd_t[i]])
+        bwd = statistics.median([t for i in members for t in bwd_t[i]])
+        for i in members:
+            rows[i]["fwd"], rows[i]["bwd"] = fwd, bwd
     if memory:
         for i, peak in enumerate(_transients(runner, inputs, grads, batch)):
             rows[i]["transient"] = max(0.0, peak - (rows[i]["stored_alone"] - rows[i]["in_saved"]))

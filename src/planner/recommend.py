@@ -55,22 +55,34 @@ def plan_one(costs: ModelCosts, cand: Candidate, budget: Budget | None = None, *
 def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget | None = None, *,
              ranks_per_node: int | None = None, schedules: Sequence[str] = SCHEDULE_NAMES,
              recompute: Sequence[str] = RECOMPUTE, grad_sync: str = "end",
-             partition: str = "runtime") -> list[Plan]:
+             partition: str = "runtime", refine: int = 10) -> list[Plan]:
     """Every candidate predicted and ranked (fitting first, then by predicted samples/s).
 
-    ``partition``: ``runtime`` (what ``train.py`` runs: ``model.partition(D)``), ``time`` or ``memory``
-    (:func:`planner.partition.recommend_partition` per candidate).
+    ``partition``: ``runtime`` (what ``train.py`` runs: ``model.partition(D)``), ``time`` or ``memory``:
+    the ``refine`` best candidates (and every one that does not fit) are re-predicted with
+    :func:`planner.partition.recommend_partition`'s split, then all are ranked again.
     """
     if grad_sync not in GRAD_SYNC:
         raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNC)}, got {grad_sync!r}")
     from .partition import recommend_partition
 
-    plans = []
-    for cand in candidates(devices, global_batch_size, costs.num_layers, schedules=schedules,
-                           recompute=recompute, grad_sync=grad_sync):
-        part = None if partition == "runtime" else recommend_partition(costs, cand, partition)
-        plans.append(plan_one(costs, cand, budget, ranks_per_node=ranks_per_node, partition=part))
-    return sorted(plans, key=lambda p: (not p.fits, -p.samples_per_s, max(p.memory.per_rank)))
+    if partition not in ("runtime", "time", "memory"):
+        raise ValueError(f"partition must be runtime, time or memory, got {partition!r}")
+
+    def order(p: Plan) -> tuple:
+        return (not p.fits, -p.samples_per_s, max(p.memory.per_rank))
+
+    plans = sorted((plan_one(costs, cand, budget, ranks_per_node=ranks_per_node)
+                    for cand in candidates(devices, global_batch_size, costs.num_layers, schedules=schedules,
+                                           recompute=recompute, grad_sync=grad_sync)), key=order)
+    if partition != "runtime":
+        chosen = [k for k, p in enumerate(plans) if k < refine or (partition == "memory" and not p.fits)]
+        for k in chosen:
+            cand = plans[k].candidate
+            plans[k] = plan_one(costs, cand, budget, ranks_per_node=ranks_per_node,
+                                partition=recommend_partition(costs, cand, partition))
+        plans.sort(key=order)
+    return plans
 
 
 def plan_rows(plans: Sequence[Plan]) -> list[dict[str, Any]]:
@@ -94,9 +106,15 @@ def format_table(plans: Sequence[Plan], top: int | None = 20) -> str:
     return "\n".join(lines)
 
 
-def best_config(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget | None = None,
-                **kwargs: Any) -> list[str]:
-    """The top recommendation as ``train.py`` Hydra overrides (raises if nothing fits)."""
+def best_config(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget | None = None, *,
+                num_nodes: int = 1, **kwargs: Any) -> list[str]:
+    """The top recommendation as ``train.py`` Hydra overrides (raises ``ValueError`` if nothing fits).
+
+    ``devices``: all processes (W·D); ``num_nodes`` splits them into ``trainer.devices`` per node.
+    """
+    if devices % num_nodes:
+        raise ValueError(f"{devices} processes cannot be split evenly over {num_nodes} nodes")
+    kwargs.setdefault("ranks_per_node", devices // num_nodes)
     plans = plan_all(costs, devices, global_batch_size, budget, **kwargs)
     if not plans:
         raise ValueError(f"no layout of {devices} processes divides the global batch {global_batch_size}")
@@ -105,4 +123,5 @@ def best_config(costs: ModelCosts, devices: int, global_batch_size: int, budget:
         need = min(max(p.memory.per_rank) for p in plans)
         raise ValueError(f"no layout of {devices} processes fits {budget.describe() if budget else ''}: the smallest "
                          f"predicted peak per rank is {format_bytes(need)}; add devices or lower data.global_batch_size")
-    return [*best.candidate.overrides(), f"trainer.devices={devices}", f"data.global_batch_size={global_batch_size}"]
+    return [*best.candidate.overrides(), f"trainer.devices={devices // num_nodes}", f"trainer.num_nodes={num_nodes}",
+            f"data.global_batch_size={global_batch_size}"]

@@ -82,7 +82,8 @@ def run_job(spec: JobSpec) -> float | None:
         print(model.partition_table(model.partition(layout.D)), flush=True)
     data = instantiate(cfg["data"], batch_size=layout.global_batch_size // layout.W)
     optim = cfg["optim"]
-    module = PipelineModule(model, lr=optim["lr"], weight_decay=optim["weight_decay"])
+    module = PipelineModule(model, lr=optim["lr"], weight_decay=optim["weight_decay"],
+                            nonfinite_loss=cfg.get("nonfinite_loss", "stop"))
     strategy = instantiate(cfg["strategy"])
     metrics_cfg = cfg.get("metrics", {})
     throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))

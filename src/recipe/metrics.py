@@ -120,7 +120,7 @@ class PipelineMetrics(Callback):
             busy = sum(end - start for _, start, end in record.timeline)
             span = record.timeline[-1][2] - record.timeline[0][1]
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        local = torch.tensor([float(loss), busy, span, float(peak_memory_bytes(trainer.strategy.root_device))],
+        local = torch.tensor([float("nan") if loss is None else float(loss), busy, span, float(peak_memory_bytes(trainer.strategy.root_device))],
                              dtype=torch.float64)
         gathered = _all_gather_rows(local.to(trainer.strategy.root_device)).cpu()
         self.loss_history.append(float(gathered[:, 0].mean()))  # equal on pipeline ranks; mean over DDP replicas

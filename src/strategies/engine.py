@@ -5,7 +5,7 @@ keeps this rank's stages of a :class:`~strategies.pipeline_model.PipelineModel`,
 step: split the replica's mini-batch into N micro-batches, execute this rank's actions of the
 schedule, all-reduce stage gradients (at the end, or eagerly as stage copies finish: Chimera
 §3.2, :mod:`strategies.grad_sync`), and return the mini-batch loss on every rank. Stage
-forwards may be recomputed in backward to save activation memory (GPipe §2.3,
+forwards may be recomputed in backward to save activation memory (GPipe re-materialization,
 :mod:`strategies.recompute`).
 """
 
@@ -26,6 +26,7 @@ from .p2p import Messenger
 from .pipeline_model import Batch, PipelineModel, split_batch
 from .recompute import RECOMPUTE_MODES, recompute_stages
 from .schedules import Action, Schedule, build_schedule, validate
+from .schedules.messages import fifo_violations
 from .topology import Topology
 
 
@@ -178,7 +179,14 @@ class PipelineEngine:
 
     @cache  # noqa: B019 - one engine per process
     def schedule_for(self, micro_batches: int) -> Schedule:
-        return self.config.build(micro_batches)
+        schedule = self.config.build(micro_batches)
+        if dist.get_backend() == "nccl" and (pairs := fifo_violations(schedule)):
+            raise ValueError(  # NCCL ignores tags and matches each pair's messages in order
+                f"{schedule.name} with D = {schedule.stages}, N = {micro_batches}, concat = {self.config.concat} "
+                f"sends messages between workers {pairs} in another order than they are consumed, which NCCL "
+                "cannot match; use concat=direct or forward_doubling, or another N"
+            )
+        return schedule
 
     @cache  # noqa: B019 - one engine per process
     def launch_plan(self, micro_batches: int) -> dict[Action, tuple[int, ...]]:

@@ -13,8 +13,9 @@ halved backward's forward runs two half-micro-batch graphs so each half backward
 
 Communication overlap: the receives of the next ``prefetch`` actions are posted before the
 current action runs, sends are non-blocking, and no host synchronisation (``.item()``) happens
-inside the step. With recomputation (:mod:`strategies.recompute`, GPipe §2.3) a stage keeps only
-its input between forward and backward; the step record reports the peak bytes kept.
+inside the step. With recomputation (:mod:`strategies.recompute`, GPipe re-materialization) a
+stage keeps only its input between forward and backward; the step record reports the peak bytes
+kept.
 """
 
 from __future__ import annotations
@@ -141,14 +142,15 @@ class StageExecutor:
                 for j in range(i, min(i + 1 + self.prefetch, len(actions))):
                     if j not in posted:
                         posted[j] = [self.messenger.post_recv(*r) for r in receives[j]]
-                start = time.perf_counter()
+                waited, start = self.messenger.recv_wait_s, time.perf_counter()
                 if action.kind == "F":
                     self._forward(action, posted.pop(i))
                 else:
                     self._backward(action, posted.pop(i))
                     if after_backward is not None:
                         after_backward(action)
-                record.timeline.append((action, start, time.perf_counter()))
+                # the box starts when its inputs have arrived: waiting for a peer is a bubble
+                record.timeline.append((action, start + self.messenger.recv_wait_s - waited, time.perf_counter()))
         self.messenger.flush()
         if self._graphs:
             raise RuntimeError(f"rank {self.rank}: activations left after the step: {sorted(self._graphs)}")
@@ -204,7 +206,7 @@ class StageExecutor:
                 part = batch if half is None else half_of(batch, half)
                 inp = x if half is None else x.chunk(2)[half]
                 key = (action.pipe, stage, mb, half)
-                if recompute:  # keep the input and the RNG state only (GPipe §2.3)
+                if recompute:  # keep the input and the RNG state only (GPipe re-materialization)
                     rng = RngState.capture(inp.device)
                     with torch.no_grad():
                         out = self._stage_forward(stage, inp, part)
@@ -228,7 +230,8 @@ class StageExecutor:
                 dst = self.topology.peer(self.rank, action.pipe, stage + 1)
                 sent = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
                 signature = batch_signature(batch)
-                self.messenger.send(sent, dst, ctx.tag("act", action.pipe, stage, mb), ("act", action.pipe, stage, signature))
+                tag = ctx.tag("act", action.pipe, stage, mb)
+                self.messenger.send(sent, dst, tag, ("act", action.pipe, stage, signature))
 
     def _backward(self, action: Action, inbox: list[PendingRecv]) -> None:
         ctx, D, stage = self._ctx, self.topology.stages, action.stage
@@ -250,7 +253,8 @@ class StageExecutor:
         if stage > 0:
             dst = self.topology.peer(self.rank, action.pipe, stage - 1)
             signature = (batch_signature(ctx.micro_batches[mb]), half)
-            self.messenger.send(inp.grad, dst, ctx.tag("grad", action.pipe, stage, mb, half), ("grad", action.pipe, stage, signature))
+            tag = ctx.tag("grad", action.pipe, stage, mb, half)
+            self.messenger.send(inp.grad, dst, tag, ("grad", action.pipe, stage, signature))
 
 
 @dataclass

@@ -134,10 +134,13 @@ class PipelineModule(pl.LightningModule):
 
     flops_per_batch: int | None = None  # read by Lightning's ThroughputMonitor; None: no MFU reported
 
-    def __init__(self, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0) -> None:
+    def __init__(self, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0,
+                 nonfinite_loss: str = "stop") -> None:
         super().__init__()
+        if nonfinite_loss not in ("stop", "skip"):
+            raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
         self.model = model
-        self.lr, self.weight_decay = lr, weight_decay
+        self.lr, self.weight_decay, self.nonfinite_loss = lr, weight_decay, nonfinite_loss
 
     def partition(self, stages: int) -> list[range] | None:
         """Layers per stage; ``None`` splits by layer count. Override to balance by cost."""
@@ -152,6 +155,16 @@ class PipelineModule(pl.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         engine = self.pipeline
         loss = engine.train_step(batch) if engine else sequential_loss(self.model, batch)
+        if not torch.isfinite(loss.detach()):  # the pipeline's loss is global: every rank decides alike
+            if self.nonfinite_loss == "stop" or engine is None:
+                raise FloatingPointError(
+                    f"training loss is {loss.item()} at step {self.global_step}: lower optim.lr, keep "
+                    "trainer.gradient_clip_val, or (pipeline strategies) set nonfinite_loss=skip to skip such steps"
+                )
+            rank_zero_info(f"skipping the update of step {self.global_step}: training loss is {loss.item()}")
+            for p in engine.local_parameters():
+                p.grad = None  # the optimizer leaves parameters without gradients (and their state) alone
+            return loss.detach()
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=_batch_size(batch))
         return loss
 

@@ -15,6 +15,7 @@ identically because every rank of a replica reads the same micro-batches.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,6 +55,7 @@ class Messenger:
         self._sent_shapes: set[Hashable] = set()
         self._known_shapes: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}
         self._header_posted: set[Hashable] = set()
+        self.recv_wait_s = 0.0  # total time spent waiting for receives (a measured timeline leaves it out)
 
     def send(self, tensor: Tensor, dst: int, tag: int, shape_key: Hashable) -> None:
         tensor = tensor.detach().contiguous()
@@ -88,6 +90,13 @@ class Messenger:
         return pending
 
     def wait_recv(self, pending: PendingRecv) -> Tensor:
+        start = time.perf_counter()
+        try:
+            return self._wait_recv(pending)
+        finally:
+            self.recv_wait_s += time.perf_counter() - start
+
+    def _wait_recv(self, pending: PendingRecv) -> Tensor:
         if pending.work is None:
             if pending.header_work is not None:
                 self._wait(pending.header_work, f"shape header from rank {pending.src}")

@@ -1,4 +1,4 @@
-"""Activation recomputation (GPipe §2.3 re-materialization) and activation-memory accounting.
+"""Activation recomputation (GPipe re-materialization) and activation-memory accounting.
 
 With recomputation a stage's forward runs without building a graph; only its input (the
 boundary activation received from the previous stage) and the RNG state are kept. Its backward

@@ -68,7 +68,8 @@ def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 600, t
             else:
                 errors.append(f"rank {rank}:\n{value}")
     except Exception as err:  # queue.Empty: a rank hung or died without reporting
-        errors.append(f"no answer within {timeout:.0f}s from ranks {sorted(set(range(world_size)) - set(results))}: {err!r}")
+        silent = sorted(set(range(world_size)) - set(results))
+        errors.append(f"no answer within {timeout:.0f}s from ranks {silent}: {err!r}")
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Plan a run: profile the model here, predict time and memory of every layout, recommend one.
+
+    python scripts/plan.py model=gpt2-small trainer.devices=8 data.global_batch_size=64
+    python scripts/plan.py model=gpt2-tiny trainer.devices=4 --json plan.json --budget 2GiB
+    python scripts/plan.py model=gpt2-tiny --partition memory --schedules chimera,dapple
+
+Positional arguments are ``train.py``'s Hydra overrides (same ``conf/``); options:
+
+* ``--json FILE``: write every candidate as ``{"strategy", "W", "D", "B", "N", "pipelines", "concat",
+  "recompute", "predicted_iteration_s", "predicted_peak_bytes_per_rank", "fits"}``, best first;
+* ``--cache DIR``: profile cache (default ``~/.cache/pipeline-recipes/planner``); ``--refresh`` re-profiles;
+* ``--profile-batches 1,4``, ``--reps 5``: profiling micro-batch sizes and repetitions;
+* ``--comm measure|default|none``: 2-process gloo micro-benchmarks (cached), built-in constants, or none;
+* ``--budget 8GiB``: memory budget (per rank on GPU, per node on CPU) instead of the device's;
+* ``--partition runtime|time|memory``: the split used for predictions (``runtime``: what train.py runs);
+* ``--schedules``, ``--recompute``, ``--grad-sync``, ``--top``: the search space and the table length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import planner  # noqa: F401
+except ImportError:  # not installed: run from the checkout
+    sys.path.insert(0, str(ROOT / "src"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", dest="json_path", help="write the ranked candidates to this JSON file")
+    p.add_argument("--cache", help="profile cache directory")
+    p.add_argument("--refresh", action="store_true", help="re-profile even if cached")
+    p.add_argument("--profile-batches", default="1,4", help="micro-batch sizes to profile at (two or more)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per layer and size")
+    p.add_argument("--comm", default="measure", choices=("measure", "default", "none"))
+    p.add_argument("--budget", help="memory budget, e.g. 16GiB (per rank on GPU, per node on CPU)")
+    p.add_argument("--partition", default="runtime", choices=("runtime", "time", "memory"))
+    p.add_argument("--schedules", default="gpipe,dapple,chimera")
+    p.add_argument("--recompute", default="none,always")
+    p.add_argument("--grad-sync", default="end", choices=("end", "eager", "eager_opt"))
+    p.add_argument("--top", type=int, default=15, help="rows of the table (0: all)")
+    return p
+
+
+def compose_config(overrides: list[str]):  # -> DictConfig
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        _parser().error(f"unknown option(s) {bad}")
+    from omegaconf import OmegaConf
+
+    from models.partition import format_partition_table
+    from planner.costs import format_bytes, parse_bytes
+    from planner.memory import device_budget
+    from planner.partition import partition_overrides, recommend_partition
+    from planner.profile import load_or_profile
+    from planner.recommend import format_table, plan_all, plan_rows
+
+    cfg = compose_config(overrides)
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    accelerator = str(trainer.get("accelerator", "cpu"))
+    per_node, nodes = int(trainer.get("devices", 1)), int(trainer.get("num_nodes", 1))
+    devices = per_node * nodes
+    global_batch = int(cfg.data.global_batch_size)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    costs = load_or_profile(cfg.model, cache_dir=args.cache, refresh=args.refresh, comm=args.comm,
+                            batch_sizes=[int(b) for b in args.profile_batches.split(",")], reps=args.reps,
+                            device="cuda" if accelerator in ("gpu", "cuda") else "cpu", log=log)
+    budget = device_budget(accelerator, override=parse_bytes(args.budget) if args.budget else None,
+                           process_bytes=costs.comm.process_bytes)
+    plans = plan_all(costs, devices, global_batch, budget, ranks_per_node=per_node,
+                     schedules=[s for s in args.schedules.split(",") if s],
+                     recompute=[r for r in args.recompute.split(",") if r], grad_sync=args.grad_sync,
+                     partition=args.partition)
+    c = costs.comm
+    print(f"model {costs.model}: {costs.num_layers} pipeline layers on {costs.device}; p2p α={c.p2p.alpha * 1e6:.0f} µs "
+          f"β={c.p2p.beta * 1e9:.3f} s/GB, all-reduce α={c.allreduce.alpha * 1e6:.0f} µs β={c.allreduce.beta * 1e9:.3f} s/GB"
+          f", runtime {c.action_s * 1e6:.0f} µs/action")
+    print(f"{len(plans)} layouts of {devices} processes for global batch {global_batch}; budget {budget.describe()}")
+    print(format_table(plans, args.top or None))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(plan_rows(plans), indent=1))
+        print(f"wrote {len(plans)} rows to {args.json_path}")
+    if not plans:
+        print("no layout: the global batch must be divisible by the replicas W")
+        return 1
+    best = plans[0]
+    if best.candidate.D > 1:
+        names = [layer.name for layer in costs.layers]
+        counts = [layer.params for layer in costs.layers]
+        for objective in ("time", "memory"):
+            part = recommend_partition(costs, best.candidate, objective)
+            peaks = " ".join(format_bytes(p) for p in _peaks(costs, best.candidate, part))
+            print(f"\npartition by {objective} for #1 (peak per worker: {peaks}):")
+            print(format_partition_table(part, names, counts))
+            hint = partition_overrides(part, costs.meta.get("layer_costs") or [1.0] * costs.num_layers)
+            if hint:
+                print("  train.py: " + " ".join(hint))
+    if best.fits:
+        extra = []
+        if args.partition != "runtime" and best.candidate.D > 1:
+            hint = partition_overrides(best.partition, costs.meta.get("layer_costs") or [1.0] * costs.num_layers)
+            extra = hint or []
+            if not hint:
+                print(f"(the {args.partition}-balanced split above has no model.embedding_cost/head_cost equivalent; "
+                      "the command runs train.py's own split)")
+        print("\nbest: python train.py " + " ".join(overrides + best.candidate.overrides() + extra))
+        return 0
+    print(f"\nnothing fits {budget.describe()}; smallest predicted peak per rank "
+          f"{format_bytes(min(p.memory.max_rank for p in plans))}")
+    return 1
+
+
+def _peaks(costs, cand, part) -> list[float]:
+    from planner.partition import rank_peaks
+
+    return rank_peaks(costs, cand, part, keep_sends=not costs.device.startswith("cuda"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""``strategy=auto``: replace it by the planner's best layout before Hydra composes the job.
+
+:func:`auto_overrides` composes the config the rest of the overrides describe, profiles the model on
+this device (cached, :func:`planner.profile.load_or_profile`), predicts every layout of the configured
+processes and global batch (:func:`planner.recommend.best_config`, Chimera §3.4) and returns the
+overrides with ``strategy=auto`` replaced by the best one's ``strategy=…``, ``strategy.D=…`` and so on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+AUTO = "strategy=auto"
+
+
+def auto_overrides(overrides: Sequence[str], config_dir: str | Path, *, cache_dir: str | Path | None = None,
+                   comm: str = "measure", budget_bytes: int | None = None,
+                   log: Callable[[str], None] | None = None) -> list[str]:
+    """``overrides`` with ``strategy=auto`` replaced by the recommended layout (unchanged without it)."""
+    rest = [o for o in overrides if o != AUTO]
+    if len(rest) == len(overrides):
+        return list(overrides)
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from .memory import device_budget
+    from .profile import load_or_profile
+    from .recommend import best_config
+
+    with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[o for o in rest if not o.startswith("strategy")])
+    trainer: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
+    accelerator = str(trainer.get("accelerator", "cpu"))
+    per_node, nodes = int(trainer.get("devices", 1)), int(trainer.get("num_nodes", 1))
+    costs = load_or_profile(cfg.model, cache_dir=cache_dir, comm=comm, log=log,
+                            device="cuda" if accelerator in ("gpu", "cuda") else "cpu")
+    budget = device_budget(accelerator, override=budget_bytes, process_bytes=costs.comm.process_bytes)
+    best = best_config(costs, per_node * nodes, int(cfg.data.global_batch_size), budget, num_nodes=nodes)
+    chosen = [o for o in best if o.startswith("strategy")]
+    if log:
+        log("strategy=auto -> " + " ".join(chosen))
+    return [o for o in rest if not o.startswith("strategy")] + chosen

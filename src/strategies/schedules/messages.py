@@ -1,0 +1,62 @@
+"""The point-to-point messages a schedule implies, per ordered pair of workers (Chimera §3.1-3.2).
+
+A forward of stage s < D-1 sends one activation per micro-batch to the worker of stage s+1; a
+backward of stage s > 0 sends one activation gradient (per half, for backward halving) to the
+worker of stage s-1. gloo matches messages by tag, but NCCL ignores tags and matches a pair's
+sends and receives in order (first in, first out): a schedule is safe for NCCL only if, for every
+pair, the sender sends in the order the receiver consumes. :func:`fifo_violations` checks that.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import NamedTuple
+
+from .actions import Action, Schedule
+
+
+class Message(NamedTuple):
+    kind: str  # "act" (forward) or "grad" (backward)
+    pipe: int
+    stage: int  # the sending stage
+    mb: int
+    half: int | None = None
+
+
+def _sent(action: Action, stages: int) -> list[tuple[int, Message]]:
+    """(receiving stage, message) for every message ``action`` sends."""
+    if action.kind == "F":
+        return [(action.stage + 1, Message("act", action.pipe, action.stage, m))
+                for m in action.mbs] if action.stage < stages - 1 else []
+    return [(action.stage - 1, Message("grad", action.pipe, action.stage, action.mb, action.half))
+            ] if action.stage > 0 else []
+
+
+def _received(action: Action, stages: int) -> list[tuple[int, Message]]:
+    """(sending stage, message) for every message ``action`` consumes."""
+    if action.kind == "F":
+        return [(action.stage - 1, Message("act", action.pipe, action.stage - 1, m))
+                for m in action.mbs] if action.stage > 0 else []
+    return [(action.stage + 1, Message("grad", action.pipe, action.stage + 1, action.mb, action.half))
+            ] if action.stage < stages - 1 else []
+
+
+def pair_messages(schedule: Schedule) -> tuple[dict[tuple[int, int], list[Message]], dict[tuple[int, int], list[Message]]]:
+    """(sends, receives): for each (source worker, destination worker), messages in program order
+    of the source (sends) and of the destination (receives)."""
+    place, D = schedule.placement, schedule.stages
+    sends: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    receives: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    for worker, actions in enumerate(schedule.workers):
+        for a in actions:
+            for stage, msg in _sent(a, D):
+                sends[(worker, place[a.pipe][stage])].append(msg)
+            for stage, msg in _received(a, D):
+                receives[(place[a.pipe][stage], worker)].append(msg)
+    return dict(sends), dict(receives)
+
+
+def fifo_violations(schedule: Schedule) -> list[tuple[int, int]]:
+    """Worker pairs (src, dst) whose send order differs from dst's consumption order."""
+    sends, receives = pair_messages(schedule)
+    return sorted(pair for pair in set(sends) | set(receives) if sends.get(pair, []) != receives.get(pair, []))

@@ -1,0 +1,328 @@
+"""Planner (issue 7): cost formulas, memory arithmetic, simulate-based prediction, partition
+recommender, the plan CLI's JSON, the memory pre-flight and the profile cache. No timed assertions."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from planner.costs import AlphaBeta, LinearFit, fit_line, parse_bytes, rabenseifner, robust_line
+from planner.memory import Budget, predict_memory, worker_peak
+from planner.model_costs import CommCosts, LayerCosts, ModelCosts, uniform_costs
+from planner.partition import minmax_partition, recommend_partition
+from planner.predict import Candidate, candidates, predict_time
+from planner.recommend import JSON_KEYS, best_config, plan_all
+from strategies.schedules import peak_activations
+
+ROOT = Path(__file__).resolve().parents[1]
+FREE = CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0))
+
+
+# -- formulas ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("r", [2, 4, 8, 16])
+def test_rabenseifner_formula(r: int) -> None:
+    alpha, beta, L = 1e-5, 1e-9, 4e6
+    expected = 2 * math.log2(r) * alpha + 2 * (r - 1) / r * beta * L
+    assert rabenseifner(r, L, alpha, beta) == pytest.approx(expected)
+    assert rabenseifner(2, L, alpha, beta) == pytest.approx(2 * alpha + beta * L)
+
+
+def test_rabenseifner_single_replica_is_free() -> None:
+    assert rabenseifner(1, 1e9, 1.0, 1.0) == 0.0
+    with pytest.raises(ValueError):
+        rabenseifner(0, 1.0, 1.0, 1.0)
+
+
+def test_fit_line_two_points_exact_and_least_squares() -> None:
+    fit = fit_line([1, 4], [3.0, 9.0])
+    assert (fit.a, fit.b) == pytest.approx((1.0, 2.0))
+    assert fit(8) == pytest.approx(17.0)
+    ls = fit_line([1, 2, 3], [1.0, 2.0, 4.0])
+    assert ls.b == pytest.approx(1.5) and ls.a == pytest.approx(-2 / 3)
+    assert LinearFit(-5.0, 1.0).clamp(1) == 0.0
+    with pytest.raises(ValueError, match="two distinct"):
+        fit_line([2, 2], [1.0, 1.0])
+
+
+def test_robust_line_ignores_one_outlier() -> None:
+    xs = [1, 2, 3, 4, 5]
+    ys = [1 + 2 * x for x in xs]
+    ys[2] = 100.0
+    fit = robust_line(xs, ys)
+    assert (fit.a, fit.b) == pytest.approx((1.0, 2.0))
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("8GiB") == 8 * 2**30
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("1e3") == 1000
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes("lots")
+
+
+# -- memory -----------------------------------------------------------------------------------------
+
+
+def toy(num_layers: int = 4, *, params: int = 100, stored: float = 1000.0, out: float = 100.0,
+        transient: float = 0.0) -> ModelCosts:
+    return uniform_costs(num_layers, params=params, stored=stored, out=out, transient=transient, comm=FREE)
+
+
+def test_peak_memory_toy_by_hand() -> None:
+    """4 layers of 100 fp32 parameters, 1000 B stored per layer and sample, D = 2, GPipe, N = 2, B = 1."""
+    costs = toy()
+    cand = Candidate("gpipe", 1, 2, 1, 2)
+    mem = predict_memory(costs, cand, [range(0, 2), range(2, 4)], keep_sends=False, prefetch=0)
+    # weights 800 + AdamW 2·800 + 2 micro-batches × 2 layers × 1000 bytes in flight, when the first
+    # backward allocates its last layer's gradient (400) before freeing that layer's activations
+    assert [w.peak for w in mem.workers] == [800 + 1600 + 2 * 2 * 1000 + 400] * 2
+    assert mem.per_rank == [6800, 6800]
+    # recompute: stage 0 keeps nothing, stage 1 its 100-byte input per micro-batch; a backward
+    # re-materialises one micro-batch of the stage (2000 bytes): the peak is the second backward, with
+    # every gradient (800) allocated and, on stage 1, that micro-batch's input still kept
+    rec = predict_memory(costs, replace(cand, recompute="always"), [range(0, 2), range(2, 4)],
+                         keep_sends=False, prefetch=0)
+    assert [w.peak for w in rec.workers] == [3200 + 2000, 3200 + 100 + 2000]
+
+
+def test_peak_memory_tied_weights_counted_once_per_rank() -> None:
+    costs = replace(toy(), tied=((0, 3, 400),))
+    one = predict_memory(costs, Candidate("gpipe", 1, 1, 1, 1), [range(0, 4)], keep_sends=False, prefetch=0)
+    # 4 layers × 400 bytes, minus the tied copy: 1200 bytes of weights, ×4 with gradients and AdamW
+    assert one.workers[0].states == 1200 * 4
+
+
+@pytest.mark.parametrize("name,D,N,pipes", [("gpipe", 4, 8, 1), ("dapple", 4, 8, 1), ("chimera", 4, 4, 2),
+                                            ("chimera", 4, 8, 2), ("dapple", 2, 6, 1)])
+def test_activation_peak_matches_in_flight_count(name: str, D: int, N: int, pipes: int) -> None:
+    """Equal stages: activation peak = bytes per micro-batch × peak in-flight micro-batches
+    (:func:`strategies.schedules.peak_activations`); no parameters, so the peak is activations only."""
+    costs = toy(D * 2, params=0)
+    cand = Candidate(name, 1, D, 1, N, pipes)
+    schedule = cand.schedule()
+    part = [range(2 * s, 2 * s + 2) for s in range(D)]
+    inflight = peak_activations(schedule)
+    for w in range(D):
+        mem = worker_peak(costs, cand, schedule, w, part, keep_sends=False, prefetch=0)
+        assert mem.peak == pytest.approx(inflight[w] * 2 * 1000)
+
+
+def test_budget_cpu_is_shared_and_gpu_per_rank() -> None:
+    assert Budget(per_rank=100).fits([100, 90], 2)
+    assert not Budget(per_rank=100).fits([101, 1], 2)
+    host = Budget(host=1000, process_bytes=100)
+    assert host.fits([400, 400], 2)  # 800 + 2 processes × 100 = 1000: exactly fits
+    assert host.need([400, 400], 2) == 1000
+    assert not host.fits([400, 401], 2)
+
+
+# -- time -------------------------------------------------------------------------------------------
+
+
+def test_chimera_not_slower_than_dapple_at_n_equals_d() -> None:
+    costs = toy(8)
+    for D in (2, 4, 8):
+        part = [range(s * 8 // D, (s + 1) * 8 // D) for s in range(D)]
+        t = {name: predict_time(costs, Candidate(name, 1, D, 1, D, 2 if name == "chimera" else 1), part).iteration_s
+             for name in ("gpipe", "dapple", "chimera")}
+        assert t["chimera"] <= t["dapple"] + 1e-12
+        assert t["gpipe"] == pytest.approx(t["dapple"])
+    # D = 4: chimera's bubbles are (D-2) against 2(D-1) (Chimera §2): strictly faster
+    part4 = [range(2 * s, 2 * s + 2) for s in range(4)]
+    assert predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2), part4).iteration_s < \
+        predict_time(costs, Candidate("dapple", 1, 4, 1, 4), part4).iteration_s
+
+
+def test_time_includes_rabenseifner_allreduce_and_recompute() -> None:
+    comm = CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(1e-3, 1e-6))
+    costs = replace(toy(4, params=1000), comm=comm, layers=tuple(replace(x, fwd=LinearFit(0, 0), bwd=LinearFit(0, 0))
+                                                                 for x in toy(4, params=1000).layers))
+    pred = predict_time(costs, Candidate("gpipe", 4, 1, 1, 1), [range(0, 4)])
+    ar = lambda r, n: rabenseifner(r, n, 1e-3, 1e-6)  # noqa: E731
+    # gradients of 4 × 1000 fp32 parameters over W = 4 copies, plus the step's two scalar all-reduces
+    # over the 4 ranks (loss normalisers; the final loss, whose 2-rank cost is in the calibrated step_s)
+    assert pred.sync_s == pytest.approx(ar(4, 4 * 4000))
+    assert pred.iteration_s == pytest.approx(ar(4, 4 * 4000) + ar(4, 8) + ar(4, 8) - ar(2, 8))
+    base = toy(4)
+    none = predict_time(base, Candidate("dapple", 1, 2, 1, 4), [range(0, 2), range(2, 4)])
+    rec = predict_time(base, Candidate("dapple", 1, 2, 1, 4, recompute="always"), [range(0, 2), range(2, 4)])
+    assert rec.t_b == pytest.approx(tuple(b + f for b, f in zip(none.t_b, none.t_f)))
+
+
+def test_eager_sync_hides_allreduce_behind_bubbles() -> None:
+    comm = CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 1e-4))
+    costs = replace(toy(8), comm=comm)
+    part = [range(2 * s, 2 * s + 2) for s in range(4)]
+    end = predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="end"), part)
+    eager = predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="eager"), part)
+    assert eager.sync_s < end.sync_s
+    assert eager.iteration_s < end.iteration_s
+
+
+def test_candidates_cover_the_search_space() -> None:
+    cands = candidates(4, 16, 6)
+    assert all(c.W * c.D == 4 and c.W * c.B * c.N == 16 for c in cands)
+    assert {c.strategy for c in cands} == {"gpipe", "dapple", "chimera"}
+    assert {c.recompute for c in cands} == {"none", "always"}
+    chimera = [c for c in cands if c.strategy == "chimera"]
+    assert all(c.D % 2 == 0 for c in chimera)
+    assert {c.pipelines for c in chimera if c.D == 4} == {2, 4}
+    assert any(c.concat == "forward_doubling" for c in chimera) and any(c.concat == "backward_halving" for c in chimera)
+    assert all(c.N > c.D for c in chimera if c.concat != "direct")
+    assert all(c.B % 2 == 0 for c in chimera if c.concat == "backward_halving")
+
+
+# -- partition --------------------------------------------------------------------------------------
+
+
+def skewed() -> ModelCosts:
+    """A light embedding, 6 blocks, a head 4× as slow and with a large stored activation."""
+    layers = list(toy(8, stored=1000.0).layers)
+    layers[0] = replace(layers[0], fwd=LinearFit(0, 0.1), bwd=LinearFit(0, 0.2))
+    layers[-1] = replace(layers[-1], fwd=LinearFit(0, 4.0), bwd=LinearFit(0, 8.0), stored_alone=LinearFit(0, 5000.0),
+                         stored_added=LinearFit(0, 5000.0))
+    return replace(toy(8), layers=tuple(layers))
+
+
+def test_minmax_partition_equals_balanced_partition_for_additive_costs() -> None:
+    from models.partition import balanced_partition
+
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    for stages in (1, 2, 3, 4):
+        got = minmax_partition(len(costs), stages, lambda s, i, j: sum(costs[i:j]))
+        assert max(sum(costs[r.start:r.stop]) for r in got) == pytest.approx(
+            max(sum(costs[r.start:r.stop]) for r in balanced_partition(costs, stages)))
+
+
+def test_partition_by_time_isolates_the_slow_head() -> None:
+    part = recommend_partition(skewed(), Candidate("dapple", 1, 4, 1, 4), "time")
+    assert [len(r) for r in part][-1] == 1  # the 12-unit head alone; 3-unit blocks elsewhere
+    assert part[0].start == 0 and part[-1].stop == 8
+
+
+def test_partition_by_memory_unloads_the_first_stage_under_1f1b() -> None:
+    """DAPPLE's first stage keeps D micro-batches in flight, the last one: with equal layers the
+    memory objective gives the first stage fewer layers than the last (CAPTURE §III-C)."""
+    costs = toy(12, params=10)
+    cand = Candidate("dapple", 1, 4, 1, 8)
+    part = recommend_partition(costs, cand, "memory", keep_sends=False)
+    sizes = [len(r) for r in part]
+    assert sizes[0] < sizes[-1]
+    even = [range(3 * s, 3 * s + 3) for s in range(4)]
+    peak = max(w.peak for w in predict_memory(costs, cand, part, keep_sends=False).workers)
+    assert peak < max(w.peak for w in predict_memory(costs, cand, even, keep_sends=False).workers)
+    chimera = recommend_partition(skewed(), Candidate("chimera", 1, 4, 1, 4, 2), "memory")
+    assert [i for r in chimera for i in r] == list(range(8))
+
+
+# -- recommend, CLI, pre-flight, cache ----------------------------------------------------------------
+
+
+def test_plan_all_ranks_fitting_first_and_best_config() -> None:
+    costs = toy(6)
+    plans = plan_all(costs, 4, 16, Budget(per_rank=10**12))
+    assert plans and all(p.fits for p in plans)
+    rates = [p.samples_per_s for p in plans]
+    assert rates == sorted(rates, reverse=True)
+    assert set(plans[0].to_json()) == set(JSON_KEYS)
+    overrides = best_config(costs, 4, 16, Budget(per_rank=10**12))
+    assert overrides[0].startswith("strategy=") and "trainer.devices=4" in overrides
+    tight = plan_all(costs, 4, 16, Budget(per_rank=1))
+    assert not any(p.fits for p in tight)
+    with pytest.raises(ValueError, match="no layout"):
+        best_config(costs, 4, 16, Budget(per_rank=1))
+
+
+def test_plan_script_json_keys(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "plan.py"), "model=gpt2-tiny", "trainer.devices=2",
+         "data.global_batch_size=4", "--cache", str(tmp_path / "cache"), "--comm", "default",
+         "--profile-batches", "1,2", "--reps", "1", "--json", str(out), "--budget", "64GiB"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert rows and all(list(r) == list(JSON_KEYS) for r in rows)
+    assert all(r["W"] * r["D"] == 2 and r["W"] * r["B"] * r["N"] == 4 for r in rows)
+    assert all(len(r["predicted_peak_bytes_per_rank"]) == 2 and isinstance(r["fits"], bool) for r in rows)
+    assert all(r["predicted_iteration_s"] > 0 for r in rows)
+    assert list((tmp_path / "cache").glob("profile-gpt2-tiny-*.json"))
+    assert "best: python train.py" in proc.stdout
+
+
+def test_preflight_refuses_the_paper_gpt2_on_one_small_process() -> None:
+    from models import hydra_config
+    from planner.preflight import PreflightError, preflight
+    from recipe.layout import resolve_layout
+
+    cfg = {"model": hydra_config("gpt2"), "trainer": {"accelerator": "cpu", "devices": 1, "num_nodes": 1},
+           "strategy": {"name": "gpipe", "D": 1, "micro_batch_size": 1, "recompute": "none"},
+           "data": {"global_batch_size": 2}}
+    layout = resolve_layout(cfg["strategy"], cfg["trainer"], 2, 66)
+    with pytest.raises(PreflightError) as err:
+        preflight(cfg, layout, budget_bytes=2 * 2**30)
+    message = str(err.value)
+    assert "2.00 GiB" in message and "GiB weights+gradients+AdamW state" in message
+    assert "no layout of 1 processes" in message
+    # 1.39 B parameters × 16 bytes (weights, gradients, two AdamW moments) alone exceed 20 GiB
+    assert float(message.split("needs ")[1].split(" GiB")[0]) > 20
+
+
+def test_preflight_passes_and_suggests_layouts_that_fit() -> None:
+    from models import hydra_config
+    from planner.preflight import PreflightError, preflight
+
+    cfg = {"model": hydra_config("gpt2-tiny"), "trainer": {"accelerator": "cpu", "devices": 2},
+           "strategy": {"name": "dapple", "recompute": "none"}}
+    layout = {"strategy": "dapple", "W": 1, "D": 2, "B": 16, "N": 4, "pipelines": 1}
+    assert preflight(cfg, layout, budget_bytes=2**30) is None
+    with pytest.raises(PreflightError, match="predicted to fit") as err:
+        preflight(cfg, layout, budget_bytes=30 * 2**20)
+    assert "strategy.micro_batch_size=" in str(err.value)
+
+
+def test_profile_cache_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import planner.profile as prof
+
+    first = prof.load_or_profile("gpt2-tiny", cache_dir=tmp_path, comm="none", batch_sizes=(1, 2), reps=1)
+    assert first.num_layers == 6 and first.layers[1].fwd(2) > 0
+    assert first.layers[1].stored_alone(2) > first.layers[1].stored_alone(1) > 0
+    assert first.tied and first.tied[0][:2] == (0, 5)
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise AssertionError("profiled again instead of reading the cache")
+
+    monkeypatch.setattr(prof, "profile_model", boom)
+    again = prof.load_or_profile("gpt2-tiny", cache_dir=tmp_path, comm="none", batch_sizes=(1, 2), reps=1)
+    assert again.layers == first.layers
+
+
+def test_model_costs_json_round_trip() -> None:
+    costs = replace(skewed(), tied=((0, 7, 40),), meta={"layer_costs": [0.0] + [1.0] * 6 + [0.0]})
+    assert ModelCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+    layer = LayerCosts("x", 1, 4)
+    assert LayerCosts.from_json(layer.to_json()) == layer
+
+
+def test_strategy_auto_overrides(tmp_path: Path) -> None:
+    from planner.auto import auto_overrides
+
+    given = ["model=gpt2-tiny", "trainer.devices=2", "data.global_batch_size=4"]
+    assert auto_overrides(given, ROOT / "conf") == given  # no strategy=auto: unchanged
+    out = auto_overrides([*given, "strategy=auto", "strategy.D=2"], ROOT / "conf", cache_dir=tmp_path, comm="none",
+                         budget_bytes=64 * 2**30)
+    assert out[:3] == given and "strategy=auto" not in out
+    assert sum(o.startswith("strategy.D=") for o in out) == 1  # the user's strategy.D=2 is replaced
+    chosen = dict(o.split("=", 1) for o in out[3:])
+    assert chosen["strategy"] in ("gpipe", "dapple", "chimera")
+    assert int(chosen["strategy.D"]) * int(chosen["strategy.W"]) == 2
