@@ -12,8 +12,28 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs; nothing waits on the network
 
+import sys
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
+
+AUTO = "strategy=auto"
+
+
+def resolve_auto_strategy(argv: list[str]) -> list[str]:
+    """``strategy=auto``: the planner profiles the model (cached), predicts every layout of the
+    configured devices and global batch (Chimera §3.4) and puts its best one in place."""
+    if AUTO not in argv:
+        return argv
+    if "-m" in argv or "--multirun" in argv:
+        sys.exit("error: strategy=auto picks one layout; it cannot be part of a -m sweep")
+    from planner.auto import auto_overrides
+
+    config_overrides = [a for a in argv if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
+    others = [a for a in argv if a not in config_overrides]
+    chosen = auto_overrides(config_overrides, Path(__file__).parent / "conf", log=print)
+    return others + chosen
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -24,4 +44,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = resolve_auto_strategy(sys.argv[1:])
     main()

@@ -67,7 +67,18 @@ def _timed_steps(step: Callable[[], Any], steps: int, warmup: int) -> list[float
     return times
 
 
-def _rounds(runners: dict[str, Callable[[], Any]], rounds: int, warmup: int) -> dict[str, list[float]]:
+class _Step:
+    """One training step of ``engine`` on ``batch`` (callable; keeps the engine reachable)."""
+
+    def __init__(self, engine: Any, batch: Any) -> None:
+        self.engine, self.batch = engine, batch
+
+    def __call__(self) -> Any:
+        return self.engine.train_step(self.batch)
+
+
+def _rounds(runners: dict[str, Callable[[], Any]], rounds: int, warmup: int,
+            on_step: Callable[[str], None] | None = None) -> dict[str, list[float]]:
     """Step times of every runner, ``rounds`` times, one step each per round in a rotating order.
 
     Comparing runners within a round (paired ratios) cancels most of the drift of a shared
@@ -80,6 +91,8 @@ def _rounds(runners: dict[str, Callable[[], Any]], rounds: int, warmup: int) -> 
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             times[name] += _timed_steps(runners[name], 1, 0)
+            if on_step is not None:
+                on_step(name)
     return times
 
 
@@ -127,12 +140,36 @@ def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: 
         for name in ("gpipe", "dapple", "chimera"):
             model = EmulatedPipeline(world, t_f=t_f, activation_numel=act, param_numel=params)
             engine = PipelineEngine(model, PipelineConfig(name, world, 1), 1, torch.device("cpu"))
-            runners[name] = (lambda e, b: lambda: e.train_step(b))(engine, model.batch(N))
+            runners[name] = _Step(engine, model.batch(N))
             simulated[name] = simulate(engine.schedule_for(N), t_f, 2 * t_f).makespan
-        times = _rounds(runners, steps, warmup)
-        rows += [{"schedule": name, "D": world, "N": N, "measured_s": statistics.median(times[name]),
-                  "simulated_s": simulated[name], "times_s": times[name]} for name in runners]
+        durations: dict[str, dict[str, list[float]]] = {name: {"F": [], "B": []} for name in runners}
+        engines = {name: getattr(runner, "engine", None) for name, runner in runners.items()}
+        times = _rounds(runners, steps, warmup, on_step=lambda name: _collect(durations[name], engines[name]))
+        for name in runners:
+            rows.append({"schedule": name, "D": world, "N": N, "measured_s": statistics.median(times[name]),
+                         "simulated_s": simulated[name], "times_s": times[name],
+                         "simulated_actions_s": _simulate_measured(engines[name].schedule_for(N), durations[name])})
     return rows
+
+
+def _collect(into: dict[str, list[float]], engine: Any) -> None:
+    """This rank's per-micro-batch forward and backward durations of the step just run."""
+    for action, start, end in engine.last_record.timeline:
+        into[action.kind].append((end - start) / (len(action.mbs) if action.kind == "F" else 1.0))
+
+
+def _simulate_measured(schedule: Any, durations: dict[str, list[float]]) -> float:
+    """The simulator's makespan with the mean forward/backward durations every rank measured, so
+    measured / this = what scheduling and communication add beyond the actions' own times."""
+    import torch.distributed as dist
+
+    from strategies.schedules import simulate
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, durations)
+    t_f = statistics.mean(d for g in gathered for d in g["F"])
+    t_b = statistics.mean(d for g in gathered for d in g["B"])
+    return simulate(schedule, t_f, t_b).makespan
 
 
 def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, steps: int, warmup: int,
@@ -250,6 +287,7 @@ def part_efficiency(quick: bool) -> dict[str, list[dict]]:
     times = {(r["schedule"], r["D"], r["N"]): r.pop("times_s") for r in rows}
     for row in rows:
         row["ratio"] = row["measured_s"] / row["simulated_s"]
+        row["ratio_actions"] = row["measured_s"] / row["simulated_actions_s"]
     by = {(r["schedule"], r["D"], r["N"]): r for r in rows}
     versus = []
     for (name, D, N), chimera in by.items():
@@ -320,11 +358,22 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+EFFICIENCY_KEYS = ("schedule", "D", "N", "measured_s", "simulated_s", "ratio")
+
+
+def _contract(data: dict[str, Any]) -> dict[str, Any]:
+    """The JSON file's exact keys; the efficiency rows' extra columns (``simulated_actions_s``,
+    ``ratio_actions``) are printed in the table only."""
+    out = {k: data[k] for k in KEYS}
+    out["schedule_efficiency"] = [{k: row[k] for k in EFFICIENCY_KEYS} for row in data["schedule_efficiency"]]
+    return out
+
+
 def report(data: dict[str, Any]) -> str:
     out = []
     if data.get("schedule_efficiency"):
         out += ["schedule efficiency (emulated compute; ratio = measured / simulated)",
-                _table(data["schedule_efficiency"], ["schedule", "D", "N", "measured_s", "simulated_s", "ratio"]), ""]
+                _table(data["schedule_efficiency"], ["schedule", "D", "N", "measured_s", "simulated_s", "ratio", "simulated_actions_s", "ratio_actions"]), ""]
     if data.get("chimera_vs_dapple"):
         out += ["chimera / dapple step time",
                 _table(data["chimera_vs_dapple"], ["D", "N", "measured_ratio", "theory_ratio"]), ""]
@@ -366,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         data.update({k: v for k, v in result.items() if not k.startswith("_")})
         print(f"[{part}: {time.perf_counter() - start:.1f}s]", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({k: data[k] for k in KEYS}, indent=2) + "\n")
+    out.write_text(json.dumps(_contract(data), indent=2) + "\n")
     print(report(data))
     if details:
         print(json.dumps(details, indent=1))

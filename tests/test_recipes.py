@@ -260,3 +260,16 @@ def test_nonfinite_loss_stops_or_skips(tmp_path: Path, mode: str) -> None:
     else:
         assert result.returncode == 0 and res.status == "ok"
         assert res.loss_history[0] is not None and list(res.loss_history[1:]) == [None, None]
+
+
+@pytest.mark.slow
+def test_strategy_auto_takes_the_planners_best_layout(tmp_path: Path) -> None:
+    env = {**ENV, "HOME": str(tmp_path)}  # the profile cache goes to ~/.cache
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "strategy=auto", "trainer.devices=2",
+                             f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_steps=2", "logger=none"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    chosen = next(line for line in result.stdout.splitlines() if line.startswith("strategy=auto -> "))
+    (res,) = find_results([tmp_path / "run"])
+    assert res.status == "ok" and f"strategy.D={res.D}" in chosen and f"strategy.W={res.W}" in chosen
+    assert list((tmp_path / ".cache" / "pipeline-recipes" / "planner").glob("profile-*.json"))

@@ -1,8 +1,10 @@
 """The LightningDataModule of every data source (``conf/data/*.yaml``; Hydra target ``build_datamodule``).
 
-It returns plain DataLoaders of per-replica mini-batches (``batch_size``; ``global_batch_size`` when not
+It returns DataLoaders of per-replica mini-batches (``batch_size``; ``global_batch_size`` when not
 given), ``drop_last=True`` and seeded shuffling; it does not shard: a distributed strategy injects a
-``DistributedSampler`` over the data-parallel replicas. Importing this module imports Lightning (~7 s).
+``DistributedSampler`` over the data-parallel replicas. The training loader resumes mid-epoch from a
+checkpoint (:mod:`datamodules.resumable`, position read by :class:`TrainingPosition`). Importing this
+module imports Lightning (~7 s).
 """
 
 from __future__ import annotations
@@ -10,9 +12,28 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
 from .factory import build_datasets, make_dataloader
+
+
+class TrainingPosition:
+    """Where training stands in the data (epoch, batches of it trained on): what a resumable training
+    loader saves in checkpoints. Read from the datamodule's trainer when the checkpoint is written."""
+
+    def __init__(self, datamodule: L.LightningDataModule, global_batch_size: int) -> None:
+        self.datamodule, self.global_batch_size = datamodule, int(global_batch_size)
+
+    def __call__(self) -> dict[str, int]:
+        trainer = getattr(self.datamodule, "trainer", None)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return {}
+        loop = trainer.fit_loop
+        per_epoch = trainer.num_training_batches
+        return {"epoch": int(trainer.current_epoch), "batches": int(loop.epoch_loop.batch_progress.current.processed),
+                "epoch_batches": int(per_epoch) if per_epoch != float("inf") else 2**62,
+                "global_batch_size": self.global_batch_size}
 
 
 class PipelineDataModule(L.LightningDataModule):
@@ -50,7 +71,8 @@ class PipelineDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup()
         return make_dataloader(self.train_set, self.batch_size, shuffle=True, seed=self.seed,
-                               num_workers=self.num_workers, pin_memory=self.pin_memory)
+                               num_workers=self.num_workers, pin_memory=self.pin_memory,
+                               position=TrainingPosition(self, self.global_batch_size))
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation batches, or ``[]`` when the source has no validation split (Lightning then skips it)."""

@@ -7,7 +7,7 @@ pairs. ``make_dataloader`` never shards: the distributed strategy injects its ow
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .corpus import (BertPairDataset, LMBlockDataset, TokenizedCorpus, all_files, load_rows, make_nsp_instances,
                      normalize_data_files, tokenize_corpus)
+from .resumable import ResumableDataLoader
 from .synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
 from .tokenizer import file_digest, text_digest
 
@@ -125,16 +126,22 @@ def build_datasets(name: str = "synthetic", *, family: str, seq_len: int, vocab_
 
 
 def make_dataloader(dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int = 0, num_workers: int = 0,
-                    drop_last: bool = True, pin_memory: bool = False) -> DataLoader:
-    """A plain DataLoader (no distributed sampler: the strategy injects one); shuffling is seeded."""
+                    drop_last: bool = True, pin_memory: bool = False,
+                    position: Callable[[], dict[str, int]] | None = None) -> DataLoader:
+    """A DataLoader (no distributed sampler: the strategy injects one); shuffling is seeded. With
+    ``position`` (the training position, read when a checkpoint is saved) it resumes mid-epoch
+    (:class:`~datamodules.resumable.ResumableDataLoader`)."""
     n = len(dataset)  # type: ignore[arg-type]
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if drop_last and n < batch_size:
         raise ValueError(f"the dataset has {n} samples, fewer than one batch of {batch_size}")
     generator = torch.Generator().manual_seed(int(seed)) if shuffle else None
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, drop_last=drop_last,
-                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0)
+    kwargs = dict(batch_size=batch_size, shuffle=shuffle, generator=generator, drop_last=drop_last,
+                  num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0)
+    if position is not None:
+        return ResumableDataLoader(dataset, position=position, **kwargs)
+    return DataLoader(dataset, **kwargs)
 
 
 def build_dataloaders(name: str = "synthetic", *, family: str, seq_len: int, vocab_size: int,

@@ -62,6 +62,37 @@ def build_loggers(spec: JobSpec) -> list[Any]:
     return [logger]
 
 
+CHECKPOINT_DIR = "checkpoints"
+
+
+def checkpoint_callbacks(spec: JobSpec) -> list[Any]:
+    """The ``checkpoint`` section: a ModelCheckpoint saving every ``every_n_steps`` training steps into
+    ``<job dir>/checkpoints/step-NNNNNN.ckpt`` (sharded directories under the pipeline strategies),
+    keeping the latest or all of them; none when ``every_n_steps`` is null."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cfg = dict(spec.config.get("checkpoint") or {})
+    every = cfg.get("every_n_steps")
+    if not every:
+        return []
+    keep = cfg.get("keep", "latest")
+    if keep not in ("latest", "all"):
+        raise ValueError(f"checkpoint.keep must be 'latest' or 'all', got {keep!r}")
+    return [ModelCheckpoint(dirpath=str(Path(spec.out_dir) / CHECKPOINT_DIR), filename="step-{step:06d}",
+                            auto_insert_metric_name=False, every_n_train_steps=int(every),
+                            save_top_k=-1 if keep == "all" else 1, save_last=False, enable_version_counter=False)]
+
+
+def resolve_ckpt_path(value: str | None) -> str | None:
+    """``ckpt_path``: a sharded checkpoint directory, a consolidated or Lightning file, or null."""
+    if not value:
+        return None
+    path = Path(value).expanduser().absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={value}: {path} does not exist")
+    return str(path)
+
+
 def run_job(spec: JobSpec) -> float | None:
     """Train as configured; return the final training loss (every rank) or None."""
     import lightning.pytorch as pl
@@ -83,16 +114,21 @@ def run_job(spec: JobSpec) -> float | None:
     data = instantiate(cfg["data"], batch_size=layout.global_batch_size // layout.W)
     optim = cfg["optim"]
     module = PipelineModule(model, lr=optim["lr"], weight_decay=optim["weight_decay"],
-                            nonfinite_loss=cfg.get("nonfinite_loss", "stop"))
+                            nonfinite_loss=cfg.get("nonfinite_loss", "stop"), model_config=cfg["model"])
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"))
+    checkpointing = checkpoint_callbacks(spec)
+    if checkpointing:
+        trainer_cfg["enable_checkpointing"] = True
     strategy = instantiate(cfg["strategy"])
     metrics_cfg = cfg.get("metrics", {})
     throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))
     metrics = PipelineMetrics(layout, spec.out_dir, throughput, warmup_steps=int(metrics_cfg.get("warmup_steps", 1)))
     loggers = build_loggers(spec)
-    trainer = pl.Trainer(**trainer_cfg, strategy=strategy, logger=loggers or False, callbacks=[throughput, metrics],
-                         default_root_dir=spec.out_dir, enable_progress_bar=False)
+    trainer = pl.Trainer(**trainer_cfg, strategy=strategy, logger=loggers or False,
+                         callbacks=[throughput, metrics, *checkpointing], default_root_dir=spec.out_dir,
+                         enable_progress_bar=False)
     try:
-        trainer.fit(module, datamodule=data)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     finally:
         if trainer.is_global_zero and any(type(lg).__name__ == "WandbLogger" for lg in loggers):
             import wandb

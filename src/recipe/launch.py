@@ -181,7 +181,11 @@ def run(cfg: DictConfig) -> float | None:
                                 cfg.data.global_batch_size, num_layers(cfg.model))
         check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True))
         check_devices(trainer_cfg, _gpus_on_this_node(trainer_cfg))
-    except ConfigError as err:
+        if cfg.get("preflight", True):
+            from planner.preflight import preflight  # estimates on fake tensors: no memory is allocated
+
+            preflight(OmegaConf.to_container(cfg, resolve=True), layout)
+    except ValueError as err:  # ConfigError, or the planner's PreflightError (does not fit in memory)
         if not multirun:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)

@@ -105,6 +105,14 @@ class PipelineMetrics(Callback):
         self.bubbles: list[float] = []
         self.peak_memory: list[int] = []
 
+    @override
+    def state_dict(self) -> dict[str, Any]:  # kept in checkpoints: a resumed run reports the whole history
+        return {"loss_history": list(self.loss_history)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loss_history = [float(x) for x in state_dict.get("loss_history", [])]
+
     @staticmethod
     def _engine(trainer: pl.Trainer):  # noqa: ANN205 - PipelineEngine | None
         strategy = trainer.strategy

@@ -7,11 +7,18 @@ its parameters, and :class:`PipelineModule.training_step` runs the whole schedul
 own backward becomes a no-op (the schedule already ran every backward), the sampler is sharded
 by replica (W), not by rank, and teardown ends the process group cleanly (gloo aborts some
 plain exits otherwise).
+
+Checkpoints are sharded (:mod:`strategies.checkpoint`): ``Trainer.save_checkpoint`` and
+``ModelCheckpoint`` write a directory where each stage is saved once, by a rank holding it, beside
+Lightning's loop, callback and scheduler state; ``fit(ckpt_path=...)`` restores after ``setup``, each
+rank reading only its stages, from a sharded directory of any layout or a consolidated file.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from . import checkpoint as ckpt
 from .engine import PipelineConfig, PipelineEngine
 from .pipeline_model import Batch, sequential_loss
 
@@ -53,6 +61,8 @@ class PipelineStrategy(DDPStrategy):
         )
         self.requested_W = W
         self.engine: PipelineEngine | None = None
+        self.model_index: ckpt.ModelIndex | None = None
+        self._rng_to_restore: dict[str, Any] | None = None
 
     @property
     def D(self) -> int:
@@ -87,6 +97,7 @@ class PipelineStrategy(DDPStrategy):
         if not isinstance(module, PipelineModule):
             raise TypeError(f"{type(module).__name__} must subclass strategies.lightning.PipelineModule")
         self.precision_plugin.convert_module(module)
+        self.model_index = ckpt.ModelIndex.of(module, module.model.pipeline_layers())  # before remote layers go
         self.engine = PipelineEngine(
             module.model, self.pipeline_config, self.W, self.root_device, partition=module.partition(self.D)
         )
@@ -104,6 +115,101 @@ class PipelineStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         return closure_loss.detach()  # every backward already ran inside the schedule
+
+    # -- checkpoints (strategies.checkpoint) ------------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # a rank knows its stages (what to read) only once the engine exists
+
+    def checkpoint_meta(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """``meta.json`` of a sharded checkpoint: format, layout, progress, names."""
+        engine, config = self.engine, self.pipeline_config
+        owners = {s: min(engine.topology.stage_group(s)) for s in range(self.D)}
+        return {
+            "format": ckpt.SHARDED_FORMAT, "version": ckpt.VERSION,
+            "schedule": config.schedule, "D": self.D, "W": self.W, "world_size": self.world_size,
+            "micro_batch_size": config.micro_batch_size, "pipelines": config.pipelines, "concat": config.concat,
+            "partition": [[r.start, r.stop] for r in engine.partition],
+            "num_layers": len(self.model_index.prefixes),
+            "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
+            "has_optimizer_states": "optimizer_states" in checkpoint,
+            "files": {str(s): ckpt.stage_file(s) for s in range(self.D)},
+            "owners": {str(s): r for s, r in owners.items()},
+            "index": self.model_index.as_dict(),
+        }
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes the stages it owns (the lowest rank holding a copy), no gathering."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        engine, module = self.engine, self.lightning_module
+        if engine is None or self.model_index is None:
+            raise RuntimeError("the pipeline is not set up yet: save checkpoints during or after fit")
+        rank = self.global_rank
+        owned = [s for s in engine.local_stages if min(engine.topology.stage_group(s)) == rank]
+        optimizers = self.optimizers if "optimizer_states" in checkpoint else []
+        payloads = {s: ckpt.stage_payload(engine.partition[s], module, checkpoint["state_dict"], optimizers,
+                                          self.model_index, with_common=s == 0) for s in owned}
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        ckpt.save_sharded(
+            filepath, rank=rank, payloads=payloads,
+            meta=self.checkpoint_meta(checkpoint) if rank == 0 else None, trainer_state=rest if rank == 0 else None,
+            write_trainer_state=lambda state, path: self.checkpoint_io.save_checkpoint(dict(state), path),
+            barrier=lambda: self.barrier("pipeline checkpoint"),
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """This rank's part of a sharded checkpoint (any layout) or of a consolidated/plain one, as a
+        Lightning checkpoint dict of the local module and optimizers."""
+        path = Path(checkpoint_path)
+        module = self.lightning_module
+        local = module.state_dict()
+        index = self.model_index
+
+        def load_file(p: Path) -> dict[str, Any]:
+            return self.checkpoint_io.load_checkpoint(p, weights_only=weights_only)
+
+        if path.is_dir():
+            meta = ckpt.read_meta(path)
+            stages = ckpt.stages_holding(meta, {index.layer_of(k) for k in local})
+            full = ckpt.read_sharded(path, stages, load_file)
+        else:
+            full = ckpt.read_checkpoint(path, index, load_file=load_file)
+        checkpoint = {**full.trainer_state, "state_dict": ckpt.select_model_state(full, local, module.strict_loading)}
+        if full.optimizers and self.optimizers:
+            if len(full.optimizers) != len(self.optimizers):
+                raise ckpt.CheckpointError(f"{path} holds {len(full.optimizers)} optimizers, this module configures "
+                                           f"{len(self.optimizers)}")
+            names = ckpt.parameter_names(module, index)
+            checkpoint["optimizer_states"] = [ckpt.select_optimizer_state(saved, opt, names, str(path))
+                                              for saved, opt in zip(full.optimizers, self.optimizers)]
+        elif full.optimizers or full.meta.get("has_optimizer_states"):
+            checkpoint["optimizer_states"] = []
+        self._rng_to_restore = self._same_layout_rng(path, full.meta)
+        return checkpoint
+
+    def _same_layout_rng(self, path: Path, meta: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's saved RNG states when the layout is the saved one (dropout continues exactly)."""
+        if not path.is_dir():
+            return None
+        engine = self.engine
+        same = (meta.get("schedule"), meta.get("D"), meta.get("W"), meta.get("partition")) == (
+            self.pipeline_config.schedule, self.D, self.W, [[r.start, r.stop] for r in engine.partition])
+        if not same:
+            rank_zero_info(f"resuming {path} under another layout: random streams (dropout) start afresh")
+            return None
+        return ckpt.read_rng(path, self.global_rank)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._rng_to_restore is not None:  # after the data loader started: it may draw from the RNG
+            ckpt.set_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
 
     @override
     def teardown(self) -> None:
@@ -135,12 +241,18 @@ class PipelineModule(pl.LightningModule):
     flops_per_batch: int | None = None  # read by Lightning's ThroughputMonitor; None: no MFU reported
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0,
-                 nonfinite_loss: str = "stop") -> None:
+                 nonfinite_loss: str = "stop", model_config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
         self.model = model
         self.lr, self.weight_decay, self.nonfinite_loss = lr, weight_decay, nonfinite_loss
+        # how to rebuild the model (a Hydra config with _target_): kept in checkpoints for scripts/export_hf.py
+        self.model_config = dict(model_config) if model_config is not None else None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.model_config is not None:
+            checkpoint[ckpt.MODEL_CONFIG_KEY] = self.model_config
 
     def partition(self, stages: int) -> list[range] | None:
         """Layers per stage; ``None`` splits by layer count. Override to balance by cost."""

@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""Export a trained model as a ``transformers`` directory (``save_pretrained``).
+
+    python scripts/export_hf.py outputs/run/checkpoints/step-000100.ckpt exported/
+    python -c "from transformers import GPT2LMHeadModel; GPT2LMHeadModel.from_pretrained('exported')"
+
+CKPT is a sharded checkpoint directory (merged in memory), a consolidated file
+(``scripts/consolidate_ckpt.py``) or a Lightning checkpoint of the unsplit model. The model is
+rebuilt from the ``model_config`` the checkpoint carries (the job's ``model`` config), its weights
+are loaded, and its unsplit ``transformers`` model (``reference()``: ``GPT2LMHeadModel`` or
+``BertForPreTraining``) is saved with its config. Tied word embeddings stay tied (saved once);
+BERT's deduplicated output bias (:func:`models.bert.dedupe_decoder_bias`) is written under both of
+HF's names, so ``from_pretrained`` gives the trained bias whether or not the config ties them. No
+tokenizer is written (the data configs train or name their own). Errors exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from strategies.checkpoint import MODEL_CONFIG_KEY, CheckpointError, model_state, read_checkpoint  # noqa: E402
+
+
+def build_model(model_config: dict[str, Any]) -> nn.Module:
+    from hydra.utils import instantiate
+
+    return instantiate({k: v for k, v in model_config.items() if k != "device"})
+
+
+def load_trained(ckpt: str | Path) -> nn.Module:
+    """The pipeline model of ``ckpt`` (an ``HFPipelineModel``) with its trained weights, on the CPU."""
+    full = read_checkpoint(ckpt)
+    config = full.trainer_state.get(MODEL_CONFIG_KEY)
+    if not config:
+        raise CheckpointError(f"{ckpt} carries no {MODEL_CONFIG_KEY!r} (how to rebuild the model): it was not "
+                              "written by train.py; build the model yourself and load strategies.checkpoint.model_state")
+    model = build_model(dict(config))
+    state = model_state(full)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt} does not fit its model config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.eval()
+
+
+def _untie_bert_bias(hf: nn.Module) -> None:
+    """Give ``cls.predictions.bias`` its own copy of the decoder bias (HF's untied BERT reads the decoder's)."""
+    pred = getattr(getattr(hf, "cls", None), "predictions", None)
+    if pred is not None and getattr(pred, "bias", None) is not None and pred.bias is pred.decoder.bias:
+        pred.bias = nn.Parameter(pred.decoder.bias.detach().clone())
+
+
+def export(ckpt: str | Path, out_dir: str | Path) -> Path:
+    model = load_trained(ckpt)
+    hf = model.reference()
+    _untie_bert_bias(hf)  # the exported copy only: the pipeline model is thrown away
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="export_hf.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("ckpt", help="sharded checkpoint directory, consolidated file or Lightning checkpoint")
+    parser.add_argument("out_dir", help="where to write the transformers model (config.json + weights)")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.ckpt, args.out_dir)
+    except (CheckpointError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.ckpt} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(main())

@@ -1,0 +1,500 @@
+"""Sharded checkpoints of pipelined models: every stage saved once, by a rank holding it; no gathering.
+
+A checkpoint written under a pipeline strategy (``Trainer.save_checkpoint``, ``ModelCheckpoint``) is
+a directory::
+
+    step-000003.ckpt/
+      meta.json       format, layout (schedule, D, W, partition), epoch, step, parameter names/aliases
+      trainer.pt      Lightning's checkpoint dict without model and optimizer: loop progress (with the
+                      data loader position), callbacks, LR schedulers, precision plugin, hyper-parameters
+      stage0.pt ...   one file per pipeline stage, written by the lowest rank holding a copy of it:
+                      {"model": {state-dict key: tensor},
+                       "optimizers": [{"state": {parameter name: state}, "param_groups": [...]}]}
+      rng/rank0.pt    each rank's RNG states (restored when the layout is unchanged)
+
+Keys are the LightningModule's state-dict keys (``model.layers.3.block.attn.c_attn.weight``); the
+optimizer state is keyed by parameter name, not by position, so a rank of any other layout (other
+D, W, schedule or partition) picks exactly its parameters from the stage files that hold its layers:
+a sharded checkpoint resumes under any layout of the same model. A parameter shared by several
+layers (tied embeddings; BERT's deduplicated decoder bias) has one canonical name, its first name in
+the unsplit model's ``named_parameters()``; the other names are aliases (``meta.json: index.aliases``).
+
+:func:`consolidate` merges the stages into one ordinary Lightning checkpoint file of the unsplit
+model (``scripts/consolidate_ckpt.py``): ``state_dict`` holds every key, ``optimizer_states`` are in
+torch's positional format for the unsplit model's trainable parameters in module order (what
+``PipelineModule.configure_optimizers`` builds), so it also resumes under ``strategy=single`` or
+``ddp``; ``pipeline.param_names`` names each position. :func:`read_checkpoint` reads all three kinds
+(sharded directory, consolidated file, plain Lightning checkpoint of the same module).
+
+This module needs torch only (no Lightning, no process group): the strategy passes its barrier.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+SHARDED_FORMAT = "pipeline-sharded"
+CONSOLIDATED_FORMAT = "pipeline-consolidated"
+VERSION = 1
+META_FILE = "meta.json"
+TRAINER_FILE = "trainer.pt"
+MODEL_CONFIG_KEY = "model_config"  # how to rebuild the model (a Hydra config), stored by PipelineModule
+PIPELINE_KEY = "pipeline"  # the consolidated file's own section
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or does not fit the model being trained."""
+
+
+def stage_file(stage: int) -> str:
+    return f"stage{stage}.pt"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng/rank{rank}.pt"
+
+
+# -- names ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelIndex:
+    """Where a module's state lives: each pipeline layer's key prefix, tied aliases, parameter order.
+
+    Built from the unsplit module (before a pipeline drops remote layers) by :meth:`of`.
+    """
+
+    prefixes: tuple[str, ...]  # layer i -> "model.layers.i."
+    aliases: Mapping[str, str]  # alias name -> canonical name (a parameter shared by several names)
+    param_order: tuple[str, ...]  # canonical names of the trainable parameters, in module order
+
+    @classmethod
+    def of(cls, root: nn.Module, layers: Sequence[nn.Module]) -> ModelIndex:
+        names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        missing = [i for i, layer in enumerate(layers) if id(layer) not in names]
+        if missing:
+            raise ValueError(f"pipeline layers {missing} are not submodules of {type(root).__name__}")
+        prefixes = tuple(names[id(layer)] + "." for layer in layers)
+        first: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        for name, p in root.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                aliases[name] = first[id(p)]
+            else:
+                first[id(p)] = name
+        order = tuple(n for n, p in root.named_parameters() if p.requires_grad)
+        return cls(prefixes, aliases, order)
+
+    def layer_of(self, key: str) -> int | None:
+        """The pipeline layer holding ``key``, or None (state outside the layers)."""
+        lookup = self._lookup
+        parts = key.split(".")
+        for j in range(len(parts) - 1, 0, -1):
+            layer = lookup.get(".".join(parts[:j]) + ".")
+            if layer is not None:
+                return layer
+        return None
+
+    @property
+    def _lookup(self) -> dict[str, int]:
+        cached = self.__dict__.get("_lookup_cache")
+        if cached is None:
+            cached = {p: i for i, p in enumerate(self.prefixes)}
+            object.__setattr__(self, "_lookup_cache", cached)
+        return cached
+
+    def canonical(self, name: str) -> str:
+        return self.aliases.get(name, name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prefixes": list(self.prefixes), "aliases": dict(self.aliases), "param_order": list(self.param_order)}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ModelIndex:
+        return cls(tuple(raw["prefixes"]), dict(raw["aliases"]), tuple(raw["param_order"]))
+
+
+def parameter_names(module: nn.Module, index: ModelIndex) -> dict[int, str]:
+    """``id(parameter)`` -> canonical name, for the parameters ``module`` holds now (any subset of layers)."""
+    return {id(p): index.canonical(n) for n, p in module.named_parameters()}
+
+
+# -- saving -----------------------------------------------------------------------------------
+
+
+def _group_hparams(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def stage_payload(
+    layers: Iterable[int],
+    module: nn.Module,
+    module_state: Mapping[str, Tensor],
+    optimizers: Sequence[torch.optim.Optimizer],
+    index: ModelIndex,
+    with_common: bool,
+) -> dict[str, Any]:
+    """One stage's file: the state-dict entries of its ``layers`` (and, ``with_common``, the entries
+    outside every layer) and, per optimizer, the state of the parameters of those layers by name."""
+    layers = set(layers)
+
+    def mine(key: str) -> bool:
+        layer = index.layer_of(key)
+        return layer in layers if layer is not None else with_common
+
+    model = {k: v.detach() for k, v in module_state.items() if mine(k)}
+    owned = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if mine(n)}
+    names = parameter_names(module, index)
+    out: list[dict[str, Any]] = []
+    for optimizer in optimizers:
+        packed = optimizer.state_dict()  # positional: index i is the i-th parameter over the groups
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        state: dict[str, Any] = {}
+        groups: list[dict[str, Any]] = []
+        position = 0
+        for group, packed_group in zip(optimizer.param_groups, packed["param_groups"]):
+            group_names = []
+            for p in group["params"]:
+                if id(p) in owned:
+                    name = names[id(p)]
+                    group_names.append(name)
+                    if position in packed["state"]:
+                        state[name] = packed["state"][position]
+                position += 1
+            groups.append({**_group_hparams(packed_group), "params": group_names})
+        assert position == len(params)
+        out.append({"state": state, "param_groups": groups})
+    return {"model": model, "optimizers": out}
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def read_rng(path: str | Path, rank: int) -> dict[str, Any] | None:
+    file = Path(path) / rng_file(rank)
+    return torch.load(file, weights_only=False) if file.is_file() else None
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def save_sharded(
+    path: str | Path,
+    *,
+    rank: int,
+    payloads: Mapping[int, Mapping[str, Any]],
+    meta: Mapping[str, Any] | None,
+    trainer_state: Mapping[str, Any] | None,
+    write_trainer_state: Callable[[Mapping[str, Any], Path], None],
+    barrier: Callable[[], None],
+) -> Path:
+    """Write one sharded checkpoint; every rank calls it (a collective through ``barrier``).
+
+    Each rank writes the stage files in ``payloads`` (the stages it owns) and its RNG file into
+    ``<path>.partial``; rank 0 then writes ``trainer.pt`` and ``meta.json`` and renames the directory
+    into place, replacing an older checkpoint of that name. The directory must be on a file system
+    every rank sees.
+    """
+    final = Path(path)
+    partial = final.with_name(final.name + ".partial")
+    if rank == 0:
+        if partial.exists():
+            shutil.rmtree(partial)
+        (partial / "rng").mkdir(parents=True)
+    barrier()
+    for stage, payload in payloads.items():
+        torch.save(dict(payload), partial / stage_file(stage))
+    torch.save(rng_state(), partial / rng_file(rank))  # not weights-only (numpy's state): read with read_rng
+    barrier()
+    if rank == 0:
+        assert meta is not None and trainer_state is not None
+        write_trainer_state(trainer_state, partial / TRAINER_FILE)
+        (partial / META_FILE).write_text(json.dumps(meta, indent=1))
+        if final.is_symlink() or final.is_file():
+            final.unlink()
+        elif final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+    barrier()
+    return final
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+@dataclass
+class OptimizerState:
+    """One optimizer's state by canonical parameter name, and its groups (hyper-parameters + names)."""
+
+    state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+
+    def merge(self, other: Mapping[str, Any]) -> None:
+        """Add one stage's part (stages sharing a tied parameter hold the same state for it)."""
+        for name, value in other["state"].items():
+            self.state.setdefault(name, value)
+        for g, group in enumerate(other["param_groups"]):
+            if g == len(self.param_groups):
+                self.param_groups.append({**_group_hparams(group), "params": []})
+            known = set(self.param_groups[g]["params"])
+            self.param_groups[g]["params"].extend(n for n in group["params"] if n not in known)
+
+
+@dataclass
+class FullState:
+    """What a checkpoint holds (or the part of it read): model entries, optimizers, everything else."""
+
+    model: dict[str, Tensor]
+    optimizers: list[OptimizerState]
+    trainer_state: dict[str, Any]
+    source: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def tensor(self, key: str) -> Tensor | None:
+        """The entry of ``key`` or of another name of the same parameter."""
+        if key in self.model:
+            return self.model[key]
+        canonical = self.aliases.get(key, key)
+        for name in [canonical, *(a for a, c in self.aliases.items() if c == canonical)]:
+            if name in self.model:
+                return self.model[name]
+        return None
+
+
+def is_sharded(path: str | Path) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not is_sharded(path):
+        hint = " (a '.partial' directory is a save that did not finish)" if path.name.endswith(".partial") else ""
+        raise CheckpointError(f"{path} is not a sharded pipeline checkpoint: it has no {META_FILE}{hint}")
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("format") != SHARDED_FORMAT or int(meta.get("version", 0)) > VERSION:
+        raise CheckpointError(f"{path}: unknown checkpoint format {meta.get('format')!r} version {meta.get('version')}")
+    return meta
+
+
+def stages_holding(meta: Mapping[str, Any], layers: Iterable[int | None]) -> list[int]:
+    """Stage files holding ``layers`` (None: state outside the layers, kept in stage 0's file)."""
+    owner = {i: s for s, (start, stop) in enumerate(meta["partition"]) for i in range(start, stop)}
+    stages = set()
+    for layer in layers:
+        if layer is None:
+            stages.add(0)
+        elif layer not in owner:
+            raise CheckpointError(f"layer {layer} is not in the checkpoint, which has {meta['num_layers']} layers: "
+                                  "it was saved from another model")
+        else:
+            stages.add(owner[layer])
+    return sorted(stages)
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+def read_sharded(path: str | Path, stages: Iterable[int] | None = None,
+                 load_trainer_state: Callable[[Path], dict[str, Any]] | None = None) -> FullState:
+    """Read the stage files ``stages`` (default: all) of a sharded checkpoint (memory-mapped)."""
+    path = Path(path)
+    meta = read_meta(path)
+    wanted = range(len(meta["partition"])) if stages is None else stages
+    model: dict[str, Tensor] = {}
+    optimizers: list[OptimizerState] = []
+    for stage in wanted:
+        payload = _load(path / stage_file(stage))
+        model.update(payload["model"])
+        for i, part in enumerate(payload["optimizers"]):
+            if i == len(optimizers):
+                optimizers.append(OptimizerState())
+            optimizers[i].merge(part)
+    trainer_path = path / TRAINER_FILE
+    trainer_state = (load_trainer_state or (lambda p: torch.load(p, map_location="cpu", weights_only=False)))(trainer_path)
+    index = meta["index"]
+    return FullState(model, optimizers, dict(trainer_state), str(path), meta, dict(index["aliases"]))
+
+
+def _by_name(packed: Mapping[str, Any], names: Sequence[str]) -> OptimizerState:
+    """Torch's positional optimizer state -> state by name (``names[i]`` is position i)."""
+    total = sum(len(g["params"]) for g in packed["param_groups"])
+    if total != len(names):
+        raise CheckpointError(f"the checkpoint's optimizer holds {total} parameters but the model has "
+                              f"{len(names)} trainable ones: it was saved from another model or optimizer set-up")
+    out = OptimizerState()
+    for group in packed["param_groups"]:
+        out.param_groups.append({**_group_hparams(group), "params": [names[i] for i in group["params"]]})
+    out.state = {names[i]: value for i, value in packed["state"].items()}
+    return out
+
+
+def from_lightning_checkpoint(checkpoint: Mapping[str, Any], source: str, index: ModelIndex | None) -> FullState:
+    """A consolidated file, or a plain Lightning checkpoint of the unsplit module (single, DDP)."""
+    section = checkpoint.get(PIPELINE_KEY) or {}
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", PIPELINE_KEY)}
+    if "state_dict" not in checkpoint:
+        raise CheckpointError(f"{source} has no 'state_dict': not a Lightning checkpoint")
+    optimizers: list[OptimizerState] = []
+    packed_all = checkpoint.get("optimizer_states") or []
+    for i, packed in enumerate(packed_all):
+        if section:
+            names = section["param_names"][i]
+        elif index is not None:
+            names = list(index.param_order)
+        else:  # a plain checkpoint read without the model: its optimizer state cannot be named
+            optimizers = []
+            break
+        optimizers.append(_by_name(packed, names))
+    aliases = dict(section.get("aliases") or (index.aliases if index is not None else {}))
+    return FullState(dict(checkpoint["state_dict"]), optimizers, rest, source, dict(section.get("meta") or {}), aliases)
+
+
+def read_checkpoint(path: str | Path, index: ModelIndex | None = None, stages: Iterable[int] | None = None,
+                    load_file: Callable[[Path], dict[str, Any]] | None = None) -> FullState:
+    """Any checkpoint: a sharded directory (only ``stages`` of it), a consolidated or a plain Lightning file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    load_file = load_file or (lambda p: torch.load(p, map_location="cpu", weights_only=False))
+    if path.is_dir():
+        return read_sharded(path, stages, load_file)
+    return from_lightning_checkpoint(load_file(path), str(path), index)
+
+
+# -- fitting a checkpoint to the model being trained ------------------------------------------
+
+
+def select_model_state(full: FullState, local: Mapping[str, Tensor], strict: bool = True) -> dict[str, Tensor]:
+    """The entries of ``local``'s keys (this rank's layers), checked against the local shapes."""
+    out: dict[str, Tensor] = {}
+    missing: list[str] = []
+    for key, value in local.items():
+        tensor = full.tensor(key)
+        if tensor is None:
+            missing.append(key)
+            continue
+        if tensor.shape != value.shape:
+            raise CheckpointError(f"{key} has shape {tuple(tensor.shape)} in {full.source} but {tuple(value.shape)} "
+                                  "in this model: the checkpoint was saved from another model configuration")
+        out[key] = tensor
+    if missing and strict:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{full.source} lacks {len(missing)} entries of this model ({shown}): it was saved "
+                              "from another model")
+    return out
+
+
+def select_optimizer_state(saved: OptimizerState, optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+                           source: str) -> dict[str, Any]:
+    """Torch's positional state dict for ``optimizer`` (this rank's parameters) from state by name.
+
+    Hyper-parameters (learning rate, betas, ...) come from the checkpoint's group of the same index.
+    """
+    if len(saved.param_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{source} has {len(saved.param_groups)} optimizer parameter groups, this optimizer "
+                              f"{len(optimizer.param_groups)}: configure_optimizers must build the same groups")
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    position = 0
+    for g, group in enumerate(optimizer.param_groups):
+        known = set(saved.param_groups[g]["params"])
+        ids = []
+        for p in group["params"]:
+            name = names[id(p)]
+            if name not in known:
+                raise CheckpointError(f"{source} has no optimizer entry for {name} in parameter group {g}: it was "
+                                      "saved with another model or optimizer set-up")
+            if name in saved.state:
+                state[position] = saved.state[name]
+            ids.append(position)
+            position += 1
+        groups.append({**_group_hparams(group), **_group_hparams(saved.param_groups[g]), "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+# -- consolidation ----------------------------------------------------------------------------
+
+
+def consolidate(path: str | Path) -> dict[str, Any]:
+    """Merge a sharded checkpoint into one Lightning checkpoint dict of the unsplit model (see the
+    module docstring); ``pipeline`` holds the names of the optimizer positions and the source meta."""
+    full = read_sharded(path)
+    meta = full.meta
+    index = ModelIndex.from_dict(meta["index"])
+    # every name of every parameter, as the unsplit module's state dict has them
+    state_dict = dict(full.model)
+    for alias, canonical in index.aliases.items():
+        if alias not in state_dict and canonical in state_dict:
+            state_dict[alias] = state_dict[canonical]
+    order = {name: i for i, name in enumerate(index.param_order)}
+    optimizer_states, param_names = [], []
+    for saved in full.optimizers:
+        names: list[str] = []
+        groups = []
+        for group in saved.param_groups:
+            canon = sorted(dict.fromkeys(index.canonical(n) for n in group["params"]),
+                           key=lambda n: (order.get(n, len(order)), n))
+            groups.append({**_group_hparams(group), "params": list(range(len(names), len(names) + len(canon)))})
+            names.extend(canon)
+        state = {i: saved.state[n] for i, n in enumerate(names) if n in saved.state}
+        optimizer_states.append({"state": state, "param_groups": groups})
+        param_names.append(names)
+    return {
+        **full.trainer_state,
+        "state_dict": state_dict,
+        "optimizer_states": optimizer_states,
+        PIPELINE_KEY: {"format": CONSOLIDATED_FORMAT, "version": VERSION, "param_names": param_names,
+                       "aliases": dict(index.aliases), "meta": meta},
+    }
+
+
+def save_consolidated(path: str | Path, out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(consolidate(path), out)
+    return out
+
+
+def model_state(checkpoint: str | Path | FullState, prefix: str = "model.") -> dict[str, Tensor]:
+    """The full model's state dict (keys of the pipeline model, ``prefix`` removed) from any checkpoint."""
+    full = checkpoint if isinstance(checkpoint, FullState) else read_checkpoint(checkpoint)
+    state = dict(full.model)
+    for alias, canonical in full.aliases.items():
+        if alias not in state and canonical in state:
+            state[alias] = state[canonical]
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def optimizer_state_by_name(checkpoint: str | Path | FullState, optimizer: int = 0) -> dict[str, dict[str, Any]]:
+    """One optimizer's state keyed by canonical parameter name, from any checkpoint."""
+    full = checkpoint if isinstance(checkpoint, FullState) else read_checkpoint(checkpoint)
+    return dict(full.optimizers[optimizer].state)
