@@ -42,12 +42,14 @@ def load_trained(ckpt: str | Path) -> nn.Module:
     config = full.trainer_state.get(MODEL_CONFIG_KEY)
     if not config:
         raise CheckpointError(f"{ckpt} carries no {MODEL_CONFIG_KEY!r} (how to rebuild the model): it was not "
-                              "written by train.py; build the model yourself and load strategies.checkpoint.model_state")
+                              "written by train.py; build the model yourself and load "
+                              "strategies.checkpoint.model_state(ckpt) into it")
     model = build_model(dict(config))
     state = model_state(full)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise CheckpointError(f"{ckpt} does not fit its model config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(f"{ckpt} does not fit its model config: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
     return model.eval()
 
 

@@ -1,61 +1,7 @@
-"""Run a function on N local CPU processes over gloo and collect each rank's return value."""
+"""Run a function on N local CPU processes over gloo (tests use the package's spawn helper)."""
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
-from collections.abc import Callable
-from datetime import timedelta
-from typing import Any
+from strategies.spawn import WorldError, free_port, run_world
 
-import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    try:
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
-    except BaseException:  # report, then let the others time out
-        queue.put((rank, "error", traceback.format_exc()))
-        raise
-    finally:
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-
-
-def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> list[Any]:
-    """Spawn ``world_size`` ranks running ``fn(rank, world_size, *args)``; return results by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors = []
-    try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
-            (results.__setitem__(rank, value) if status == "ok" else errors.append(f"rank {rank}:\n{value}"))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+__all__ = ["WorldError", "free_port", "run_world"]

@@ -1,11 +1,13 @@
 """Sharded checkpoints, resuming (same and other layouts), consolidation and the transformers export.
 
 Fast tests work in-process on ``strategies.checkpoint`` and the resumable loader. The slow ones run
-``train.py`` on CPU: one uninterrupted 6-step GPipe (D=2) run that also saves checkpoints at steps 3
-and 6 (saving does not change training), then three resumes from step 3, started together since each
-spends most of its time importing Lightning: GPipe D=2 from the sharded checkpoint, DAPPLE W=2 D=1
-from its consolidated file, Chimera D=2 from the sharded checkpoint directly. Same global batch, so
-the resumed losses must be the uninterrupted ones.
+``train.py`` on CPU: uninterrupted 6-step GPipe (D=2) runs, without and with dropout, that also save
+checkpoints at steps 3 and 6 (saving does not change training), then three resumes from step 3,
+started together since each spends most of its time importing Lightning: GPipe D=2 with dropout
+from its sharded checkpoint (data position and random streams continue), DAPPLE W=2 D=1 from the
+consolidated file, Chimera D=2 from the sharded checkpoint directly. Same global batch, so
+the resumed losses must be the uninterrupted ones, and the step-6 checkpoints the DAPPLE and Chimera
+runs save must consolidate to the uninterrupted run's step-6 state.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from strategies.pipeline_model import sequential_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-COMMON = ["data.global_batch_size=8", "logger=none", "trainer.devices=2"]
+COMMON = ["data.global_batch_size=8", "logger=none", "trainer.devices=2", "preflight=false"]  # no memory estimate
+DROPOUT = ["model.resid_pdrop=0.1", "model.attn_pdrop=0.1", "model.embd_pdrop=0.1"]
 
 
 def _script(name: str):
@@ -114,7 +117,9 @@ def test_stages_consolidate_to_the_unsplit_state_and_load_into_any_split(tmp_pat
         assert all(torch.equal(full["optimizer_states"][0]["state"][i][k], v) for k, v in state.items())
     # a rank holding layers {2, 3} (the tied head among them) of another split reads its part by name
     torch.save(full, tmp_path / "full.ckpt")
-    for source in (path, tmp_path / "full.ckpt"):
+    plain = {k: v for k, v in full.items() if k != ckpt.PIPELINE_KEY}  # as strategy=single/ddp save it
+    torch.save(plain, tmp_path / "plain.ckpt")
+    for source in (path, tmp_path / "full.ckpt", tmp_path / "plain.ckpt"):
         local = _drop(module, {2, 3})
         with torch.no_grad():
             for p in local.parameters():
@@ -149,6 +154,18 @@ def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
         ckpt.read_meta(tmp_path / "b.ckpt.partial")
     consolidate = _script("consolidate_ckpt")
     assert consolidate.main([str(tmp_path), str(tmp_path / "out.ckpt")]) == 2
+
+
+def test_ddp_and_single_ask_for_a_consolidated_checkpoint(tmp_path: Path) -> None:
+    from recipe.job import resolve_ckpt_path
+
+    module, optimizer, _ = _trained_module()
+    path = _save_two_stages(module, optimizer, tmp_path / "s.ckpt")
+    assert resolve_ckpt_path(str(path)) == str(path)
+    with pytest.raises(ValueError, match="consolidate it first: python scripts/consolidate_ckpt.py"):
+        resolve_ckpt_path(str(path), pipeline=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_ckpt_path(str(tmp_path / "missing.ckpt"))
 
 
 def test_resumable_loader_continues_the_epoch_on_any_number_of_replicas() -> None:
@@ -228,19 +245,23 @@ def _losses(out: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
-    _finish(_train(root / "full", "strategy=gpipe", "strategy.D=2", "trainer.max_steps=6",
-                   "checkpoint.every_n_steps=3", "checkpoint.keep=all"))
+    full = ("strategy=gpipe", "strategy.D=2", "trainer.max_steps=6", "checkpoint.every_n_steps=3",
+            "checkpoint.keep=all")
+    for proc in [_train(root / "full", *full), _train(root / "full_dropout", *full, *DROPOUT)]:
+        _finish(proc)
     step3 = root / "full" / "checkpoints" / "step-000003.ckpt"
     assert _script("consolidate_ckpt").main([str(step3), str(root / "step3.ckpt")]) == 0
-    resumes = {
-        "gpipe": ("strategy=gpipe", "strategy.D=2", f"ckpt_path={step3}"),
-        "dapple": ("strategy=dapple", "strategy.D=1", f"ckpt_path={root / 'step3.ckpt'}"),
-        "chimera": ("strategy=chimera", "strategy.D=2", f"ckpt_path={step3}"),
+    resumes = {  # the same layout with dropout: each rank's random stream must continue too
+        "gpipe": ("strategy=gpipe", "strategy.D=2", *DROPOUT,
+                  f"ckpt_path={root / 'full_dropout' / 'checkpoints' / 'step-000003.ckpt'}"),
+        "dapple": ("strategy=dapple", "strategy.D=1", f"ckpt_path={root / 'step3.ckpt'}", "checkpoint.every_n_steps=6"),
+        "chimera": ("strategy=chimera", "strategy.D=2", f"ckpt_path={step3}", "checkpoint.every_n_steps=6"),
     }
     procs = {name: _train(root / name, "trainer.max_steps=6", *args) for name, args in resumes.items()}
     for proc in procs.values():
         _finish(proc)
-    return {"root": root, "full": root / "full", "step3": step3, **{name: root / name for name in resumes}}
+    return {"root": root, "full": root / "full", "full_dropout": root / "full_dropout", "step3": step3,
+            **{name: root / name for name in resumes}}
 
 
 @pytest.mark.slow
@@ -259,7 +280,7 @@ def test_sharded_checkpoint_is_one_file_per_stage_plus_state(runs: dict[str, Pat
 @pytest.mark.slow
 @pytest.mark.parametrize("resumed", ["gpipe", "dapple", "chimera"])
 def test_resuming_gives_the_uninterrupted_losses(runs: dict[str, Path], resumed: str) -> None:
-    full, losses = _losses(runs["full"]), _losses(runs[resumed])
+    full, losses = _losses(runs["full_dropout" if resumed == "gpipe" else "full"]), _losses(runs[resumed])
     assert len(full) == len(losses) == 6
     assert losses[:3] == full[:3]  # the history before the checkpoint comes with it
     tolerance = 1e-6 if resumed == "gpipe" else 1e-5  # other layouts sum in another order
@@ -267,6 +288,25 @@ def test_resuming_gives_the_uninterrupted_losses(runs: dict[str, Path], resumed:
     result = json.loads((runs[resumed] / "results.json").read_text())
     assert (result["strategy"], result["D"], result["W"]) == {"gpipe": ("gpipe", 2, 1), "dapple": ("dapple", 1, 2),
                                                               "chimera": ("chimera", 2, 1)}[resumed]
+
+
+@pytest.mark.slow
+def test_other_layouts_save_the_same_state(runs: dict[str, Path]) -> None:
+    """Step 6 as saved by GPipe D=2 (uninterrupted), DAPPLE W=2 D=1 (two copies of one stage) and
+    Chimera D=2 (every rank holds both stages): the same model and optimizer state once consolidated."""
+    states = {name: ckpt.consolidate(runs[name] / "checkpoints" / "step-000006.ckpt")
+              for name in ("full", "dapple", "chimera")}
+    reference = states.pop("full")
+    for name, state in states.items():
+        assert state["state_dict"].keys() == reference["state_dict"].keys()
+        for key, value in reference["state_dict"].items():
+            torch.testing.assert_close(state["state_dict"][key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
+        assert state["pipeline"]["param_names"] == reference["pipeline"]["param_names"]
+        for i, entry in reference["optimizer_states"][0]["state"].items():
+            torch.testing.assert_close(state["optimizer_states"][0]["state"][i]["exp_avg"], entry["exp_avg"],
+                                       rtol=0, atol=1e-6)
+    meta = json.loads((runs["dapple"] / "checkpoints" / "step-000006.ckpt" / "meta.json").read_text())
+    assert (meta["W"], meta["D"], meta["owners"]) == (2, 1, {"0": 0})
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """One training job inside one process of the job's world (launched by :mod:`recipe.launch`, by
-torchrun or by SLURM): build model, data, strategy, loggers and metrics from the resolved config,
-then ``Trainer.fit``.
+torchrun or by SLURM): build model, data, strategy, loggers, metrics and checkpointing from the
+resolved config, then ``Trainer.fit`` (resuming from ``ckpt_path`` when given).
 
 The job file (``job.yaml`` in the job's output directory) holds the resolved Hydra config, the
 derived layout and the W&B group, so a worker needs no Hydra context.
@@ -83,13 +83,23 @@ def checkpoint_callbacks(spec: JobSpec) -> list[Any]:
                             save_top_k=-1 if keep == "all" else 1, save_last=False, enable_version_counter=False)]
 
 
-def resolve_ckpt_path(value: str | None) -> str | None:
-    """``ckpt_path``: a sharded checkpoint directory, a consolidated or Lightning file, or null."""
+def resolve_ckpt_path(value: str | None, pipeline: bool = True) -> str | None:
+    """``ckpt_path``: a sharded checkpoint directory, a consolidated or Lightning file, or null.
+
+    Only the pipeline strategies read sharded directories; ``ddp`` and ``single`` need the
+    consolidated file (``scripts/consolidate_ckpt.py``).
+    """
+    from strategies.checkpoint import is_sharded
+
     if not value:
         return None
     path = Path(value).expanduser().absolute()
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={value}: {path} does not exist")
+    if not pipeline and is_sharded(path):
+        raise ValueError(f"ckpt_path={value} is a sharded pipeline checkpoint, which only the pipeline strategies "
+                         f"read; consolidate it first: python scripts/consolidate_ckpt.py {value} full.ckpt, then "
+                         "pass ckpt_path=full.ckpt")
     return str(path)
 
 
@@ -99,7 +109,7 @@ def run_job(spec: JobSpec) -> float | None:
     import torch
     from hydra.utils import instantiate
 
-    from strategies.lightning import PipelineModule
+    from strategies.lightning import PipelineModule, PipelineStrategy
 
     from .metrics import PipelineMetrics, ReplicaThroughputMonitor
 
@@ -115,11 +125,11 @@ def run_job(spec: JobSpec) -> float | None:
     optim = cfg["optim"]
     module = PipelineModule(model, lr=optim["lr"], weight_decay=optim["weight_decay"],
                             nonfinite_loss=cfg.get("nonfinite_loss", "stop"), model_config=cfg["model"])
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"))
     checkpointing = checkpoint_callbacks(spec)
     if checkpointing:
         trainer_cfg["enable_checkpointing"] = True
     strategy = instantiate(cfg["strategy"])
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), pipeline=isinstance(strategy, PipelineStrategy))
     metrics_cfg = cfg.get("metrics", {})
     throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))
     metrics = PipelineMetrics(layout, spec.out_dir, throughput, warmup_steps=int(metrics_cfg.get("warmup_steps", 1)))

@@ -116,19 +116,23 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
         if pipelines not in valid:
             raise ConfigError(f"strategy.pipelines = {pipelines} must be 2f for a divisor f of D/2 = {D // 2}; choose one of {valid}")
     N = global_batch_size // (W * B)
-    _check_schedule(name, D, N, pipelines, str(strategy.get("concat") or "direct"))
+    _check_schedule(name, D, N, B, pipelines, str(strategy.get("concat") or "direct"))
     return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, name, pipelines))
 
 
-def _check_schedule(name: str, D: int, N: int, pipelines: int, concat: str) -> None:
+def _check_schedule(name: str, D: int, N: int, B: int, pipelines: int, concat: str) -> None:
     """Build (and validate) the schedule the workers will run, so a bad combination stops here."""
     from strategies.schedules import build_schedule, validate
 
     try:
-        validate(build_schedule(name, D, N, pipelines if name == "chimera" else None,
-                                concat if name == "chimera" else "direct"))
+        schedule = validate(build_schedule(name, D, N, pipelines if name == "chimera" else None,
+                                           concat if name == "chimera" else "direct"))
     except ValueError as err:
         raise ConfigError(f"strategy={name} with D = {D}, N = {N} micro-batches, concat = {concat}: {err}") from err
+    halved = any(a.half is not None for acts in schedule.workers for a in acts)
+    if halved and B % 2:
+        raise ConfigError(f"concat = backward_halving splits micro-batches in two halves, but strategy.micro_batch_size "
+                          f"= {B} is odd; use an even micro_batch_size (e.g. {B + 1}) or concat = direct")
 
 
 def _variant(strategy: dict[str, Any], name: str, pipelines: int) -> str:

@@ -138,6 +138,8 @@ class PipelineMetrics(Callback):
             self.bubbles.append(ratio)
             pl_module.log("train/bubble_ratio_measured", ratio, on_step=True, rank_zero_only=True)
         pl_module.log("memory/peak_bytes_max", float(gathered[:, 3].max()), on_step=True, rank_zero_only=True)
+        for rank, peak in enumerate(self.peak_memory):
+            pl_module.log(f"memory/peak_bytes_rank{rank}", float(peak), on_step=True, rank_zero_only=True)
 
     def theory_bubble_ratio(self, trainer: pl.Trainer) -> float:
         engine = self._engine(trainer)

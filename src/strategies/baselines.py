@@ -10,16 +10,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
-
-def end_process_group() -> None:
-    """Barrier, then destroy the default group: gloo aborts some plain process exits otherwise."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+from .process_group import end_process_group
 
 
 class DDPBaseline(DDPStrategy):

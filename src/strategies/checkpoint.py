@@ -183,7 +183,8 @@ def rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss)  # weights-only
     except ImportError:
         pass
     return state
@@ -191,7 +192,7 @@ def rng_state() -> dict[str, Any]:
 
 def read_rng(path: str | Path, rank: int) -> dict[str, Any] | None:
     file = Path(path) / rng_file(rank)
-    return torch.load(file, weights_only=False) if file.is_file() else None
+    return torch.load(file, weights_only=True) if file.is_file() else None
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
@@ -202,7 +203,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
 def save_sharded(
@@ -231,7 +233,7 @@ def save_sharded(
     barrier()
     for stage, payload in payloads.items():
         torch.save(dict(payload), partial / stage_file(stage))
-    torch.save(rng_state(), partial / rng_file(rank))  # not weights-only (numpy's state): read with read_rng
+    torch.save(rng_state(), partial / rng_file(rank))
     barrier()
     if rank == 0:
         assert meta is not None and trainer_state is not None
@@ -323,6 +325,10 @@ def _load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 
+def _load_file(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)  # as Lightning loads checkpoints by default
+
+
 def read_sharded(path: str | Path, stages: Iterable[int] | None = None,
                  load_trainer_state: Callable[[Path], dict[str, Any]] | None = None) -> FullState:
     """Read the stage files ``stages`` (default: all) of a sharded checkpoint (memory-mapped)."""
@@ -338,8 +344,7 @@ def read_sharded(path: str | Path, stages: Iterable[int] | None = None,
             if i == len(optimizers):
                 optimizers.append(OptimizerState())
             optimizers[i].merge(part)
-    trainer_path = path / TRAINER_FILE
-    trainer_state = (load_trainer_state or (lambda p: torch.load(p, map_location="cpu", weights_only=False)))(trainer_path)
+    trainer_state = (load_trainer_state or _load_file)(path / TRAINER_FILE)
     index = meta["index"]
     return FullState(model, optimizers, dict(trainer_state), str(path), meta, dict(index["aliases"]))
 
@@ -384,7 +389,7 @@ def read_checkpoint(path: str | Path, index: ModelIndex | None = None, stages: I
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    load_file = load_file or (lambda p: torch.load(p, map_location="cpu", weights_only=False))
+    load_file = load_file or _load_file
     if path.is_dir():
         return read_sharded(path, stages, load_file)
     return from_lightning_checkpoint(load_file(path), str(path), index)
@@ -433,8 +438,8 @@ def select_optimizer_state(saved: OptimizerState, optimizer: torch.optim.Optimiz
             if name not in known:
                 raise CheckpointError(f"{source} has no optimizer entry for {name} in parameter group {g}: it was "
                                       "saved with another model or optimizer set-up")
-            if name in saved.state:
-                state[position] = saved.state[name]
+            if name in saved.state:  # copies: the optimizer updates its state in place, not the checkpoint's pages
+                state[position] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in saved.state[name].items()}
             ids.append(position)
             position += 1
         groups.append({**_group_hparams(group), **_group_hparams(saved.param_groups[g]), "params": ids})

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .engine import PipelineConfig, PipelineEngine
+from .process_group import end_process_group
 from .pipeline_model import Batch, sequential_loss
 
 
@@ -214,9 +215,7 @@ class PipelineStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        end_process_group()
 
 
 class GPipeStrategy(PipelineStrategy):
