@@ -17,6 +17,7 @@ import copy
 import pytest
 
 from distributed import run_world
+from toy_model import train_sgd
 
 STEPS, B, LR, MOMENTUM, TOL = 3, 2, 0.1, 0.9, 1e-5
 SCHEDULES = ("gpipe", "dapple", "chimera")
@@ -83,15 +84,7 @@ def _reference(model, batches: list[dict]) -> tuple[list[float], dict]:
     twin = copy.deepcopy(model)  # shares nothing with ``model``; its layers share with its HF model
     hf = twin.reference()
     assert {id(p) for p in hf.parameters()} == {id(p) for p in twin.parameters()}
-    opt = torch.optim.SGD(hf.parameters(), lr=LR, momentum=MOMENTUM)
-    losses = []
-    for batch in batches:
-        opt.zero_grad()
-        loss = _hf_loss(hf, batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in twin.named_parameters()}
+    return train_sgd(twin, lambda batch: _hf_loss(hf, batch), batches, LR, MOMENTUM, trained=hf)
 
 
 def _mask_sensitivity(model, batch: dict) -> float:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed import run_world
-from toy_model import ToyMLP, toy_batches
+from toy_model import ToyMLP, toy_batches, train_sgd
 
 STEPS, B, LR = 3, 2, 0.05
 
@@ -16,15 +16,7 @@ STEPS, B, LR = 3, 2, 0.05
 def _reference(model: ToyMLP, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
     from strategies.pipeline_model import sequential_loss
 
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for batch in batches:
-        opt.zero_grad()
-        loss = sequential_loss(model, batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return train_sgd(model, lambda batch: sequential_loss(model, batch), batches, LR)
 
 
 def _pipeline_vs_reference(rank: int, world: int, cases: list[dict]) -> list[dict]:

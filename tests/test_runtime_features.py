@@ -22,7 +22,7 @@ from strategies.grad_sync import bubble_after, last_backwards, launch_plan
 from strategies.pipeline_model import PipelineModel
 from strategies.recompute import recompute_stages
 from strategies.schedules import build_schedule
-from toy_model import ToyMLP, toy_batches
+from toy_model import ToyMLP, toy_batches, train_sgd
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, B, LR = 3, 2, 0.05
@@ -130,15 +130,7 @@ def _train(engine, batches, rank, N):
 def _reference(model, batches):
     from strategies.pipeline_model import sequential_loss
 
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for batch in batches:
-        opt.zero_grad()
-        loss = sequential_loss(model, batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return train_sgd(model, lambda batch: sequential_loss(model, batch), batches, LR)
 
 
 def _features(rank: int, world: int, cases: list[dict]) -> dict:

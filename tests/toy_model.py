@@ -38,3 +38,19 @@ def toy_batches(steps: int, samples: int, width: int = 8, seed: int = 1) -> list
     g = torch.Generator().manual_seed(seed)
     return [{"x": torch.randn(samples, width, generator=g), "y": torch.randn(samples, width, generator=g)}
             for _ in range(steps)]
+
+
+def train_sgd(model: nn.Module, loss_fn, batches, lr: float, momentum: float = 0.9,
+              trained: nn.Module | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain single-process mini-batch SGD (the reference every pipeline run must equal): the losses
+    per step and the parameters after the last one, named as in ``model`` (``trained``'s parameters
+    are the ones optimised, default ``model``; they may be shared views such as an HF reference)."""
+    opt = torch.optim.SGD((trained or model).parameters(), lr=lr, momentum=momentum)
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = loss_fn(batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
