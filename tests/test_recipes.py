@@ -224,10 +224,10 @@ def test_bad_settings_stop_before_launch(tmp_path: Path, overrides: list[str], f
 @pytest.mark.slow
 def test_two_nodes_over_loopback_equal_one_node(tmp_path: Path) -> None:
     """2 "nodes" × 2 processes (NODE_RANK, MASTER_ADDR/PORT as on a cluster) = 4 processes on one node."""
-    from recipe.launch import _free_port
+    from distributed import free_port
 
     common = ["strategy=dapple", "strategy.D=2", "trainer.max_steps=3", "data.global_batch_size=8", "logger=none"]
-    port = str(_free_port())
+    port = str(free_port())
     nodes = [
         subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / f'node{n}'}",
                           "trainer.devices=2", "trainer.num_nodes=2", *common], cwd=tmp_path, text=True,

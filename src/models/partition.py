@@ -13,9 +13,9 @@ Pure Python, O(stages * layers^2): microseconds for the few hundred layers of a 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["balanced_partition", "stage_costs", "format_partition_table"]
+__all__ = ["balanced_partition", "format_partition_table", "minmax_partition", "stage_costs"]
 
 
 def _check(costs: Sequence[float], stages: int) -> list[float]:
@@ -45,29 +45,27 @@ def balanced_partition(costs: Sequence[float], stages: int) -> list[range]:
     Raises ``ValueError`` when ``stages > len(costs)`` or a cost is negative or not finite.
     """
     values = _check(costs, stages)
-    n = len(values)
     prefix = [0.0]
     for c in values:
         prefix.append(prefix[-1] + c)
+    return minmax_partition(len(values), stages, lambda s, i, j: prefix[j] - prefix[i])
 
-    def seg(i: int, j: int) -> float:  # cost of layers i..j-1
-        return prefix[j] - prefix[i]
 
-    inf = math.inf
+def minmax_partition(num_layers: int, stages: int, cost: Callable[[int, int, int], float]) -> list[range]:
+    """Contiguous split minimising ``max_s cost(s, i, j)`` (stage ``s`` = layers ``i..j-1``; the cost
+    may depend on the stage's position); ties go to the smallest sum of squared stage costs.
+    ``O(stages · layers²)`` calls of ``cost``: memoise an expensive one."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} non-empty stages")
+    n, inf = num_layers, math.inf
     # Phase 1: best[s][j] = minimal bottleneck splitting the first j layers into s stages.
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for s in range(1, stages + 1):
         for j in range(s, n - (stages - s) + 1):
-            b = inf
-            for i in range(s - 1, j):
-                v = max(best[s - 1][i], seg(i, j))
-                if v < b:
-                    b = v
-            best[s][j] = b
+            best[s][j] = min(max(best[s - 1][i], cost(s - 1, i, j)) for i in range(s - 1, j))
     bound = best[stages][n]
-    tol = 1e-9 * max(1.0, abs(bound))
-    limit = bound + tol
+    limit = bound + 1e-9 * max(1.0, abs(bound))
 
     # Phase 2: among partitions with every stage <= bound, minimise the sum of squared stage costs.
     sq = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -76,7 +74,7 @@ def balanced_partition(costs: Sequence[float], stages: int) -> list[range]:
     for s in range(1, stages + 1):
         for j in range(s, n - (stages - s) + 1):
             for i in range(s - 1, j):
-                c = seg(i, j)
+                c = cost(s - 1, i, j)
                 if c > limit or sq[s - 1][i] == inf:
                     continue
                 v = sq[s - 1][i] + c * c

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable, Sequence
 
 from .memory import worker_peak
@@ -24,45 +24,10 @@ OBJECTIVES = ("time", "memory")
 
 
 def minmax_partition(num_layers: int, stages: int, cost: Callable[[int, int, int], float]) -> list[range]:
-    """Contiguous split minimising ``max_s cost(s, i, j)`` (stage ``s`` = layers ``i..j-1``); ties go to
-    the smallest sum of squared stage costs. ``O(stages · layers²)`` cost calls (memoised)."""
-    if not 1 <= stages <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {stages} non-empty stages")
-    memo: dict[tuple[int, int, int], float] = {}
+    """:func:`models.partition.minmax_partition` with ``cost`` memoised (a stage's predicted peak)."""
+    from models.partition import minmax_partition as solve
 
-    def c(s: int, i: int, j: int) -> float:
-        key = (s, i, j)
-        if key not in memo:
-            memo[key] = float(cost(s, i, j))
-        return memo[key]
-
-    inf = math.inf
-    best = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for j in range(s, num_layers - (stages - s) + 1):
-            best[s][j] = min((max(best[s - 1][i], c(s - 1, i, j)) for i in range(s - 1, j)), default=inf)
-    bound = best[stages][num_layers]
-    limit = bound + 1e-9 * max(1.0, abs(bound))
-    sq = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
-    arg = [[-1] * (num_layers + 1) for _ in range(stages + 1)]
-    sq[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for j in range(s, num_layers - (stages - s) + 1):
-            for i in range(s - 1, j):
-                v = c(s - 1, i, j)
-                if v > limit or sq[s - 1][i] == inf:
-                    continue
-                total = sq[s - 1][i] + v * v
-                if total < sq[s][j]:
-                    sq[s][j], arg[s][j] = total, i
-    bounds = [num_layers]
-    j = num_layers
-    for s in range(stages, 0, -1):
-        j = arg[s][j]
-        bounds.append(j)
-    bounds.reverse()
-    return [range(bounds[k], bounds[k + 1]) for k in range(stages)]
+    return solve(num_layers, stages, functools.cache(lambda s, i, j: float(cost(s, i, j))))
 
 
 def time_costs(costs: ModelCosts, cand: Candidate) -> list[float]:
