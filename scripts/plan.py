@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--comm", default="measure", choices=("measure", "default", "none"))
     p.add_argument("--budget", help="memory budget, e.g. 16GiB (per rank on GPU, per node on CPU)")
     p.add_argument("--partition", default="runtime", choices=("runtime", "time", "memory"))
-    p.add_argument("--schedules", default="gpipe,dapple,chimera")
+    p.add_argument("--schedules", default="gpipe,dapple,gems,chimera")
     p.add_argument("--recompute", default="none,always")
     p.add_argument("--grad-sync", default="end", choices=("end", "eager", "eager_opt"))
     p.add_argument("--top", type=int, default=15, help="rows of the table (0: all)")

@@ -5,6 +5,7 @@
     python scripts/schedule.py dapple --stages 4 --micro-batches 8 --t-f 1 --t-b 1
     python scripts/schedule.py chimera --stages 8 --micro-batches 16 --pipelines 4 --png chimera.png
     python scripts/schedule.py gpipe --stages 4 --micro-batches 4 --json
+    python scripts/schedule.py gems --stages 4 --micro-batches 4
 
 Invalid settings exit with status 2 and an ``error: ...`` line naming the setting and a fix.
 """
@@ -19,7 +20,7 @@ import sys
 from strategies.schedules import CONCAT_METHODS, build_schedule, simulate, validate
 from strategies.schedules.render import ascii_timeline, save_png
 
-NAMES = ("gpipe", "dapple", "chimera")
+NAMES = ("gpipe", "dapple", "gems", "chimera")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,9 +67,11 @@ def check_args(args: argparse.Namespace) -> None:
             f"--pipelines must be a positive integer, got {args.pipelines}; omit it for the default (2 for chimera)"
         )
     if args.schedule != "chimera":
-        if args.pipelines not in (None, 1):
+        fixed = 2 if args.schedule == "gems" else 1
+        if args.pipelines not in (None, fixed):
+            runs = "two opposite pipelines" if fixed == 2 else "a single pipeline"
             raise ValueError(
-                f"--pipelines applies to chimera only: {args.schedule} runs a single pipeline, got --pipelines "
+                f"--pipelines applies to chimera only: {args.schedule} runs {runs}, got --pipelines "
                 f"{args.pipelines}; drop --pipelines, or use 'chimera --pipelines {args.pipelines}'"
             )
         if args.concat is not None:

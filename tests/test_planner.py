@@ -102,7 +102,7 @@ def test_peak_memory_tied_weights_counted_once_per_rank() -> None:
 
 
 @pytest.mark.parametrize("name,D,N,pipes", [("gpipe", 4, 8, 1), ("dapple", 4, 8, 1), ("chimera", 4, 4, 2),
-                                            ("chimera", 4, 8, 2), ("dapple", 2, 6, 1)])
+                                            ("chimera", 4, 8, 2), ("dapple", 2, 6, 1), ("gems", 4, 5, 2)])
 def test_activation_peak_matches_in_flight_count(name: str, D: int, N: int, pipes: int) -> None:
     """Equal stages: activation peak = bytes per micro-batch × peak in-flight micro-batches
     (:func:`strategies.schedules.peak_activations`); no parameters, so the peak is activations only."""
@@ -171,7 +171,8 @@ def test_eager_sync_hides_allreduce_behind_bubbles() -> None:
 def test_candidates_cover_the_search_space() -> None:
     cands = candidates(4, 16, 6)
     assert all(c.W * c.D == 4 and c.W * c.B * c.N == 16 for c in cands)
-    assert {c.strategy for c in cands} == {"gpipe", "dapple", "chimera"}
+    assert {c.strategy for c in cands} == {"gpipe", "dapple", "gems", "chimera"}
+    assert all(c.D % 2 == 0 and c.pipelines == 2 for c in cands if c.strategy == "gems")
     assert {c.recompute for c in cands} == {"none", "always"}
     chimera = [c for c in cands if c.strategy == "chimera"]
     assert all(c.D % 2 == 0 for c in chimera)

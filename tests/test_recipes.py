@@ -205,6 +205,76 @@ def test_a_dead_rank_ends_the_job_with_its_log(tmp_path: Path) -> None:
     assert "boom" in (tmp_path / "logs" / "rank1.log").read_text()
 
 
+def test_a_silent_rank_is_named_by_its_heartbeat(tmp_path: Path) -> None:
+    """Rank 1 beats, then stops itself (alive, silent); nobody else fails: the launcher ends the job
+    once its heartbeat is older than hang_s, names rank 1 and stops both workers."""
+    worker = tmp_path / "silent_worker.py"
+    worker.write_text(
+        "import os, signal, time\n"
+        "from recipe.heartbeat import HEARTBEAT_ENV, start_heartbeat\n"
+        "start_heartbeat(os.environ[HEARTBEAT_ENV], interval_s=0.2)\n"
+        "print('rank', os.environ['RANK'], 'started', flush=True)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(0.5); print('about to hang', flush=True); os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "time.sleep(600)\n"
+    )
+    layout = resolve_layout({"name": "gpipe", "D": 2, "micro_batch_size": 1}, {"devices": 2}, 8, num_layers=6)
+    sys.path.insert(0, str(tmp_path))
+    env_path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = f"{tmp_path}:{env_path}"
+    try:
+        start = time.monotonic()
+        outcome = launch_workers(tmp_path / "job.yaml", layout, 2, tmp_path / "logs", module="silent_worker",
+                                 grace_s=1.0, hang_s=4.0)
+    finally:
+        os.environ["PYTHONPATH"] = env_path
+        sys.path.remove(str(tmp_path))
+    assert not outcome.ok
+    assert outcome.reason.startswith("rank 1 stopped answering: no heartbeat for"), outcome.reason
+    assert "about to hang" in outcome.reason and "rank 0" not in outcome.reason
+    assert 4.0 < time.monotonic() - start < 20
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
+    """Rank 1 stops answering mid-training (SIGSTOP: alive, silent). Rank 0's next wait gives up after
+    strategy.timeout_s, the job fails naming rank 1, and no worker is left behind."""
+    import signal
+
+    import psutil
+
+    timeout_s = 5
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", "strategy=gpipe", "trainer.devices=2",
+         "trainer.max_steps=100000", "data.global_batch_size=4", "logger=none", "checkpoint.every_n_steps=1",
+         f"strategy.timeout_s={timeout_s}"],
+        cwd=tmp_path, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "checkpoints").exists():  # a first step was taken: training is under way
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        workers = {int(p.environ()["RANK"]): p for p in psutil.Process(proc.pid).children()
+                   if "recipe.worker" in " ".join(p.cmdline())}
+        assert sorted(workers) == [0, 1]
+        workers[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        output = proc.communicate(timeout=timeout_s + 60)[0]
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode not in (0, None)
+    assert elapsed < timeout_s + 30, f"the job took {elapsed:.0f}s to end"
+    (res,) = find_results([run_dir])
+    assert res.status == "failed"
+    assert res.reason.startswith("rank 1 stopped answering: no heartbeat for"), res.reason
+    assert "rank 1 stopped answering" in output
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers.values())
+
+
 @pytest.mark.parametrize(
     "overrides, fragment",
     [

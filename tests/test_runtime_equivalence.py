@@ -53,7 +53,7 @@ def _cases(world: int) -> list[dict]:
     for D in (2, 4):
         if world % D:
             continue
-        for schedule in ("gpipe", "dapple", "chimera"):
+        for schedule in ("gpipe", "dapple", "gems", "chimera"):
             for N in (D - 1, D, 2 * D + 1):
                 cases.append({"schedule": schedule, "D": D, "N": N})
     return cases

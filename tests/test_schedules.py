@@ -8,9 +8,10 @@ import sys
 import pytest
 
 from strategies.schedules import (
-    CONCAT_METHODS, Action, DeadlockError, Schedule, build_schedule, chimera, dapple, gpipe, parse_action,
+    CONCAT_METHODS, Action, DeadlockError, Schedule, build_schedule, chimera, dapple, gems, gpipe, parse_action,
     simulate, validate,
 )
+from strategies.schedules.messages import fifo_violations
 
 GRID = [(d, n) for d in (1, 2, 3, 4, 5, 6, 8) for n in (1, 2, 3, 4, 5, 7, 8, 12, 16)]
 EVEN_GRID = [(d, n) for d, n in GRID if d % 2 == 0]
@@ -97,6 +98,45 @@ def test_gpipe_dapple_makespan(d: int, n: int, t_f: float, t_b: float) -> None:
 def test_gpipe_dapple_activations(d: int, n: int) -> None:
     assert simulate(gpipe(d, n)).peak_activations == tuple([float(n)] * d)
     assert simulate(dapple(d, n)).peak_activations == tuple(float(min(d - s, n)) for s in range(d))
+
+
+# --- GEMS (Chimera §2, Table 2) ------------------------------------------------------------
+
+GEMS_D4_N4 = """\
+P0: 0F0 0B0 3F1p1 3B1p1 0F2 0B2 3F3p1 3B3p1
+P1: 1F0 1B0 2F1p1 2B1p1 1F2 1B2 2F3p1 2B3p1
+P2: 2F0 2B0 1F1p1 1B1p1 2F2 2B2 1F3p1 1B3p1
+P3: 3F0 3B0 0F1p1 0B1p1 3F2 3B2 0F3p1 0B3p1"""
+
+
+def test_gems_golden_d4_n4() -> None:
+    s = gems(4, 4)
+    assert s.format() == GEMS_D4_N4
+    assert s.placement == ((0, 1, 2, 3), (3, 2, 1, 0))  # two replicas in opposite directions
+
+
+@pytest.mark.parametrize("d, n", EVEN_GRID)
+def test_gems_table_2(d: int, n: int) -> None:
+    """A micro-batch starts every 2D + 1 units (t_b = 2 t_f): makespan (N - 1)(2D + 1) + 3D, bubble ratio
+    → (D - 1)/(D + 1/2); each worker holds two stages (2 Mθ) and one micro-batch of activations (Ma)."""
+    s = validate(gems(d, n))
+    sim = simulate(s, 1, 2)
+    assert sim.makespan == (n - 1) * (2 * d + 1) + 3 * d
+    assert sim.bubble_ratio == pytest.approx(1 - 3 * n / sim.makespan)
+    assert sim.peak_activations == tuple([1.0] * d)
+    assert all(len(s.stages_of(w)) == 2 for w in range(d))
+    assert not fifo_violations(s)  # runs on NCCL too
+    spans: dict[int, tuple[float, float]] = {}
+    for t in (t for row in sim.timeline for t in row):
+        lo, hi = spans.get(t.action.mb, (t.start, t.end))
+        spans[t.action.mb] = (min(lo, t.start), max(hi, t.end))
+    for start, _ in spans.values():  # at most two micro-batches active at any time
+        assert sum(lo <= start < hi for lo, hi in spans.values()) <= 2
+
+
+@pytest.mark.parametrize("d", [2, 4, 8, 16, 64])
+def test_gems_bubble_ratio_tends_to_table_2(d: int) -> None:
+    assert simulate(gems(d, 400), 1, 2).bubble_ratio == pytest.approx((d - 1) / (d + 0.5), abs=2e-3)
 
 
 # --- Chimera, N = D (Figure 3, Table 2, Table 3) -------------------------------------------
@@ -236,6 +276,8 @@ def test_validate_reports_deadlock_with_marked_grid() -> None:
     "call, fragment",
     [
         (lambda: chimera(3, 4), "must be even"),
+        (lambda: gems(5, 4), "gems: stages \\(D\\) must be even"),
+        (lambda: build_schedule("gems", 4, 4, pipelines=4), "gems: runs exactly 2 pipelines"),
         (lambda: chimera(8, 8, 6), "choose one of [2, 4, 8]"),
         (lambda: chimera(4, 4, 2, "tripling"), "concat must be one of"),
         (lambda: gpipe(0, 4), "stages must be a positive integer"),

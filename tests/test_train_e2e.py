@@ -24,7 +24,8 @@ def _train(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.Co
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, devices, extra",
-    [("gpipe", 2, []), ("dapple", 4, ["strategy.D=2"]), ("chimera", 4, ["strategy.D=4", "model.n_layer=2"])],
+    [("gpipe", 2, []), ("dapple", 4, ["strategy.D=2"]), ("gems", 2, []),
+     ("chimera", 4, ["strategy.D=4", "model.n_layer=2"])],
 )
 def test_train_py_runs_each_strategy(tmp_path: Path, strategy: str, devices: int, extra: list[str]) -> None:
     result = _train(tmp_path, f"strategy={strategy}", f"trainer.devices={devices}", "trainer.max_steps=3", "trainer.log_every_n_steps=1",
@@ -58,6 +59,7 @@ def test_bad_layout_stops_before_launch(tmp_path: Path) -> None:
         ({"name": "gpipe", "D": 2, "W": 3, "micro_batch_size": 1}, {"devices": 8}, 8, "W·D = 3·2 = 6"),
         ({"name": "gpipe", "D": 2, "micro_batch_size": 3}, {"devices": 4}, 8, "not divisible by W·B = 2·3 = 6"),
         ({"name": "chimera", "D": 3, "micro_batch_size": 1}, {"devices": 3}, 6, "chimera needs an even strategy.D"),
+        ({"name": "gems", "D": 3, "micro_batch_size": 1}, {"devices": 3}, 6, "gems needs an even strategy.D"),
         ({"name": "chimera", "D": 4, "pipelines": 3, "micro_batch_size": 1}, {"devices": 4}, 8, "one of [2, 4]"),
         ({"name": "gpipe", "D": 16, "micro_batch_size": 1}, {"devices": 16}, 16, "only 6 pipeline layers"),
         ({"name": "gpipe", "D": 0, "micro_batch_size": 1}, {"devices": 2}, 8, "strategy.D must be a positive integer"),

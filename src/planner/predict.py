@@ -30,7 +30,7 @@ from strategies.schedules import Schedule, build_schedule, simulate, validate
 from .costs import Collective, rabenseifner, sync_timeline
 from .model_costs import ModelCosts
 
-SCHEDULE_NAMES = ("gpipe", "dapple", "chimera")
+SCHEDULE_NAMES = ("gpipe", "dapple", "gems", "chimera")
 RECOMPUTE = ("none", "always")
 GRAD_SYNC = ("end", "eager", "eager_opt")
 
@@ -127,6 +127,10 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
                 if D == 1 and name != "gpipe":
                     continue  # one stage: every schedule is plain gradient accumulation
                 variants: list[tuple[int, str]] = [(1, "direct")]
+                if name == "gems":
+                    if D % 2:
+                        continue  # one stage of each of the two replicas per worker: even D
+                    variants = [(2, "direct")]
                 if name == "chimera":
                     if D % 2:
                         continue

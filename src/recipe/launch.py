@@ -9,6 +9,8 @@ under Hydra, Lightning #15737 and #18175). The parent never imports Lightning or
   with status 2 and the message; in a sweep the job is recorded as ``skipped`` and the sweep goes on.
 * A rank that dies ends the job: the others are stopped, the job is recorded as ``failed`` with
   the rank, its exit code and the tail of its log (``logs/rank<r>.log``).
+* A rank that hangs ends it too: its heartbeat (:mod:`recipe.heartbeat`) older than
+  ``strategy.timeout_s`` names it, also when a peer's timed-out wait ended first.
 * Under an external launcher (torchrun, SLURM) the processes already exist: the job runs in-process.
 """
 
@@ -27,6 +29,7 @@ from typing import IO, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from .heartbeat import HEARTBEAT_ENV, SILENT_S, heartbeat_age
 from .job import JobSpec, is_rank_zero
 from .layout import ConfigError, Layout, check_devices, check_model, resolve_layout
 from .results import read_results, summary_table, write_results
@@ -77,10 +80,10 @@ def _tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
-def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path,
-                   module: str = "recipe.worker", grace_s: float = GRACE_S) -> Outcome:
+def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path, module: str = "recipe.worker",
+                   grace_s: float = GRACE_S, hang_s: float | None = None) -> Outcome:
     """Start ``devices`` workers (``python -m module job_file``) of this node, stream rank 0's
-    output, stop them all if one dies."""
+    output, stop them all if one dies or, with ``hang_s``, stops answering for that long."""
     log_dir.mkdir(parents=True, exist_ok=True)
     node_rank = int(os.environ.get("NODE_RANK", 0))
     base_env = {
@@ -94,11 +97,13 @@ def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path,
     }
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    logs = []
+    logs, beats = [], []
     try:
         for local_rank in range(devices):
             rank = node_rank * devices + local_rank
-            env = {**base_env, "LOCAL_RANK": str(local_rank), "RANK": str(rank)}
+            beats.append(log_dir / f"rank{rank}.heartbeat")
+            beats[-1].unlink(missing_ok=True)
+            env = {**base_env, "LOCAL_RANK": str(local_rank), "RANK": str(rank), HEARTBEAT_ENV: str(beats[-1])}
             proc = subprocess.Popen([sys.executable, "-m", module, str(job_file)], env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             logs.append(log_dir / f"rank{rank}.log")
@@ -106,7 +111,7 @@ def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path,
             pump.start()
             procs.append(proc)
             pumps.append(pump)
-        return _watch(procs, logs, node_rank * devices, grace_s)
+        return _watch(procs, logs, beats, node_rank * devices, grace_s, hang_s)
     finally:
         for proc in procs:
             _stop(proc)
@@ -114,21 +119,32 @@ def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path,
             pump.join(timeout=5)
 
 
-def _watch(procs: list[subprocess.Popen], logs: list[Path], first_rank: int, grace_s: float) -> Outcome:
-    failed_at: float | None = None
-    failure = Outcome(True)
+def _watch(procs: list[subprocess.Popen], logs: list[Path], beats: list[Path], first_rank: int, grace_s: float,
+           hang_s: float | None) -> Outcome:
+    failure: str | None = None
+    failed_at = 0.0
     while True:
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
             return Outcome(True)
-        for i, code in enumerate(codes):
-            if code not in (None, 0) and failure.ok:
-                how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                failure = Outcome(False, f"rank {first_rank + i} ended with {how}; last lines of {logs[i]}:\n"
-                                         + _tail(logs[i]))
+        if failure is None:
+            silent = {i: age for i, (code, beat) in enumerate(zip(codes, beats))
+                      if code is None and (age := heartbeat_age(beat)) is not None and age > SILENT_S}
+            died = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            hung = [i for i, age in silent.items() if hang_s is not None and age > hang_s]
+            if died or hung:
                 failed_at = time.monotonic()
-        if failed_at is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > grace_s):
-            return failure
+                failure = "".join(
+                    f"rank {first_rank + i} stopped answering: no heartbeat for {age:.0f}s (hung, stopped or stuck "
+                    f"in one operation){'' if hung else ', then'}; last lines of {logs[i]}:\n{_tail(logs[i], 8)}"
+                    for i, age in silent.items()
+                )
+                if died:
+                    i, code = died[0], codes[died[0]]
+                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                    failure += f"rank {first_rank + i} ended with {how}; last lines of {logs[i]}:\n" + _tail(logs[i])
+        if failure is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > grace_s):
+            return Outcome(False, failure)
         time.sleep(0.1)
 
 
@@ -208,7 +224,8 @@ def run(cfg: DictConfig) -> float | None:
             raise
         outcome = Outcome(True)
     else:
-        outcome = launch_workers(job_file, layout, int(trainer_cfg.get("devices", 1)), out_dir / "logs")
+        outcome = launch_workers(job_file, layout, int(trainer_cfg.get("devices", 1)), out_dir / "logs",
+                                 hang_s=float(cfg.strategy.get("timeout_s", 120)))
     if not outcome.ok:
         write_results(out_dir, status="failed", reason=outcome.reason, **layout.result_fields())
         print(f"error: job failed: {outcome.reason}", file=sys.stderr, flush=True)

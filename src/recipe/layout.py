@@ -66,7 +66,7 @@ def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> L
     replica's whole mini-batch in one pass (B = B̂/W, N = 1); ``strategy.micro_batch_size`` is unused."""
     if D != 1:
         raise ConfigError(f"strategy={name} has no pipeline stages but strategy.D = {D}; set strategy.D=1 "
-                          "(or pick a pipeline strategy: gpipe, dapple, chimera)")
+                          "(or pick a pipeline strategy: gpipe, dapple, gems, chimera)")
     if name == "single" and world != 1:
         raise ConfigError(f"strategy=single runs one process but trainer.devices × trainer.num_nodes = {world}; "
                           "set trainer.devices=1 trainer.num_nodes=1 (or use strategy=ddp)")
@@ -107,7 +107,10 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
             f"data.global_batch_size = {global_batch_size} is not divisible by W·B = {W}·{B} = {W * B}; "
             f"use a multiple of {W * B} (N = global_batch_size / (W·B) micro-batches per step)"
         )
-    pipelines = 1
+    pipelines = 2 if name == "gems" else 1
+    if name == "gems" and D % 2:
+        raise ConfigError(f"gems needs an even strategy.D (each worker holds one stage of each of its two replicas), "
+                          f"got {D}; use D = {D + 1} or {max(D - 1, 2)}")
     if name == "chimera":
         if D % 2:
             raise ConfigError(f"chimera needs an even strategy.D (two pipelines merge without conflict), got {D}; use D = {D + 1} or {max(D - 1, 2)}")

@@ -14,6 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs; nothin
 
 
 def main(argv: list[str]) -> int:
+    from .heartbeat import HEARTBEAT_ENV, start_heartbeat
+
+    if os.environ.get(HEARTBEAT_ENV):  # before the slow imports: the launcher watches it from the start
+        start_heartbeat(os.environ[HEARTBEAT_ENV])
     from .job import JobSpec, run_job
 
     if len(argv) != 1:

@@ -1,4 +1,4 @@
-"""Lightning strategies for pipeline schedules: GPipe, DAPPLE (alias 1F1B) and Chimera.
+"""Lightning strategies for pipeline schedules: GPipe, DAPPLE (alias 1F1B), GEMS and Chimera.
 
 The strategy only maps Lightning's hooks onto :class:`~strategies.engine.PipelineEngine`:
 process groups come up in ``setup_environment`` (inherited from DDP: launcher, cluster
@@ -226,6 +226,10 @@ class DAPPLEStrategy(PipelineStrategy):
     schedule_name = "dapple"
 
 
+class GEMSStrategy(PipelineStrategy):
+    schedule_name = "gems"
+
+
 class ChimeraStrategy(PipelineStrategy):
     schedule_name = "chimera"
 
@@ -314,9 +318,9 @@ def _batch_size(batch: Batch) -> int:
 
 
 def register_strategies() -> None:
-    """Make ``Trainer(strategy="gpipe" | "dapple" | "1f1b" | "chimera")`` work."""
+    """Make ``Trainer(strategy="gpipe" | "dapple" | "1f1b" | "gems" | "chimera")`` work."""
     for name, cls in (("gpipe", GPipeStrategy), ("dapple", DAPPLEStrategy), ("1f1b", DAPPLEStrategy),
-                      ("chimera", ChimeraStrategy)):
+                      ("gems", GEMSStrategy), ("chimera", ChimeraStrategy)):
         if name not in StrategyRegistry:
             StrategyRegistry.register(name, cls, description=f"{cls.schedule_name} pipeline schedule")
 

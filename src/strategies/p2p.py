@@ -130,12 +130,11 @@ class Messenger:
         self._pending.append(dist.isend(tensor, dst, group=self.group, tag=tag))
 
     def _wait(self, work: dist.Work, what: str) -> None:
+        limit = f"{self.timeout.total_seconds():.0f}s (strategy.timeout_s)"
+        hint = "the peer hung, crashed or was killed, or one pipeline action takes longer than the timeout"
         try:
             completed = work.wait(self.timeout)
         except RuntimeError as err:  # gloo raises on timeout or on a closed peer connection
-            raise PeerTimeoutError(
-                f"rank {dist.get_rank()} waited for {what} longer than {self.timeout.total_seconds():.0f}s "
-                f"or the peer failed: {err}"
-            ) from err
+            raise PeerTimeoutError(f"rank {dist.get_rank()} waited for {what} longer than {limit}: {hint} ({err})") from err
         if completed is False:
-            raise PeerTimeoutError(f"rank {dist.get_rank()} timed out waiting for {what}")
+            raise PeerTimeoutError(f"rank {dist.get_rank()} waited for {what} longer than {limit}: {hint}")

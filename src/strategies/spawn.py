@@ -1,4 +1,4 @@
-"""Run a function on N local CPU processes over gloo and collect each rank's return value.
+"""Run a function on N local processes (gloo on CPU, or NCCL with one GPU per rank) and collect each rank's return value.
 
 For benchmarks and scripts (``scripts/bench.py``): ``run_world(4, fn, *args)`` spawns 4 ranks
 (``torch.multiprocessing``, spawn context), each with one intra-op thread by default, runs
@@ -29,13 +29,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, threads: int, backend: str, fn: Callable, args: tuple, queue: Any
+) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    device_id = None
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120),
+                            device_id=device_id)
     try:
         queue.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:  # report, then let the others time out
@@ -48,13 +55,17 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
             dist.destroy_process_group()
 
 
-def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 600, threads: int = 1) -> list[Any]:
+def run_world(
+    world_size: int, fn: Callable, *args: Any, timeout: float = 600, threads: int = 1, backend: str = "gloo"
+) -> list[Any]:
     """Spawn ``world_size`` ranks running ``fn(rank, world_size, *args)``; return results by rank."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, threads, fn, args, queue)) for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, port, threads, backend, fn, args, queue)) for r in range(world_size)
     ]
     for p in procs:
         p.start()

@@ -1,4 +1,4 @@
-"""Schedule generators: GPipe (seed 001), DAPPLE / 1F1B with flushes, and Chimera (seed 004).
+"""Schedule generators: GPipe (seed 001), DAPPLE / 1F1B with flushes, GEMS and Chimera (seed 004).
 
 Pure functions from sizes to :class:`~strategies.schedules.actions.Schedule` data; no torch.
 
@@ -14,6 +14,11 @@ Pure functions from sizes to :class:`~strategies.schedules.actions.Schedule` dat
   previous unit's tail bubbles (``direct`` concatenation, Figure 7b). ``forward_doubling``
   uses units of 2D micro-batches whose forwards run two at once; ``backward_halving`` units of
   D micro-batches whose backwards run in two halves; residual micro-batches form basic units.
+* GEMS (Chimera §2, Table 2): two replicas in opposite directions on Chimera's placement with
+  f = 1; micro-batches alternate between them and every worker runs micro-batch k's forward and
+  backward before micro-batch k+1's, so at most two micro-batches are active and each worker holds
+  one micro-batch of activations (Ma). With t_b = 2 t_f a micro-batch starts every 2D + 1 units:
+  bubble ratio → (2D − 2)/(2D + 1) = (D − 1)/(D + ½).
 """
 
 from __future__ import annotations
@@ -215,20 +220,45 @@ def chimera(stages: int, micro_batches: int, pipelines: int = 2, concat: str = "
     )
 
 
+def gems(stages: int, micro_batches: int) -> Schedule:
+    """GEMS: two opposite replicas, micro-batches alternating, one micro-batch at a time per worker."""
+    _check_sizes("gems", stages, micro_batches)
+    if stages % 2:
+        raise ValueError(
+            f"gems: stages (D) must be even so that each worker holds two distinct stages, one per replica, "
+            f"got D = {stages}; use an even D such as {sorted({max(stages - 1, 2), stages + 1})}"
+        )
+    placement = chimera_placement(stages, 2)
+    workers = []
+    for w in range(stages):
+        acts: list[Action] = []
+        for m in range(micro_batches):
+            pipe = m % 2
+            stage = placement[pipe].index(w)
+            acts += [Action("F", pipe, stage, (m,)), Action("B", pipe, stage, (m,))]
+        workers.append(tuple(acts))
+    return Schedule("gems", stages, micro_batches, placement, tuple(workers))
+
+
 ScheduleFactory = Callable[..., Schedule]
 
-SCHEDULES: dict[str, ScheduleFactory] = {"gpipe": gpipe, "dapple": dapple, "1f1b": dapple, "chimera": chimera}
+SCHEDULES: dict[str, ScheduleFactory] = {
+    "gpipe": gpipe, "dapple": dapple, "1f1b": dapple, "gems": gems, "chimera": chimera,
+}
 
 
 def build_schedule(
     name: str, stages: int, micro_batches: int, pipelines: int | None = None, concat: str = "direct"
 ) -> Schedule:
-    """Build a schedule by name; ``pipelines``/``concat`` apply to Chimera only."""
+    """Build a schedule by name; ``pipelines``/``concat`` apply to Chimera only (GEMS runs 2 pipelines)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(sorted(SCHEDULES))}")
     if name == "chimera":
         return chimera(stages, micro_batches, 2 if pipelines is None else pipelines, concat)
-    if pipelines not in (None, 1):
+    if name == "gems" and pipelines not in (None, 2):
+        raise ValueError(f"gems: runs exactly 2 pipelines (two opposite replicas), got pipelines = {pipelines}; "
+                         f"leave pipelines unset, or use chimera for 2f pipelines")
+    if name != "gems" and pipelines not in (None, 1):
         raise ValueError(
             f"{name}: runs one pipeline, got pipelines = {pipelines}; leave pipelines unset (or 1), "
             f"or use chimera for several pipelines"
