@@ -7,10 +7,11 @@
 
 Parts (``--parts``, comma-separated; default all):
 
-* ``efficiency``: GPipe, DAPPLE and Chimera on emulated-compute stages
+* ``efficiency``: GPipe, DAPPLE, GEMS, Chimera and PipeDream-2BW on emulated-compute stages
   (:mod:`strategies.emulated`: forward ``t_f``, backward ``2 t_f`` of sleep, real p2p tensors and
   all-reduces) at D ∈ {2, 4, 8}, N ∈ {D, 2D}: median measured step time ÷ simulated makespan
-  (:func:`strategies.schedules.simulate`), and Chimera ÷ DAPPLE measured vs in theory.
+  (:func:`strategies.schedules.simulate`; PipeDream-2BW: its steady no-flush step), and Chimera ÷ DAPPLE
+  measured vs in theory.
 * ``vs_torch``: the same GPT-2, split, micro-batches and D = 2 CPU ranks (one thread each) under
   ours (gpipe, dapple, chimera) and ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B),
   interleaved in one invocation; ``throughput_ratio`` = their step time ÷ ours (> 1: ours faster).
@@ -137,19 +138,30 @@ def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: 
     rows = []
     for N in Ns:
         runners, simulated = {}, {}
-        for name in ("gpipe", "dapple", "chimera"):
+        for name in ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw"):
             model = EmulatedPipeline(world, t_f=t_f, activation_numel=act, param_numel=params)
             engine = PipelineEngine(model, PipelineConfig(name, world, 1), 1, torch.device("cpu"))
             runners[name] = _Step(engine, model.batch(N))
-            simulated[name] = simulate(engine.schedule_for(N), t_f, 2 * t_f).makespan
+            simulated[name] = _step_makespan(engine, N, t_f, 2 * t_f)
         durations: dict[str, dict[str, list[float]]] = {name: {"F": [], "B": []} for name in runners}
         engines = {name: getattr(runner, "engine", None) for name, runner in runners.items()}
         times = _rounds(runners, steps, warmup, on_step=lambda name: _collect(durations[name], engines[name]))
         for name in runners:
             rows.append({"schedule": name, "D": world, "N": N, "measured_s": statistics.median(times[name]),
                          "simulated_s": simulated[name], "times_s": times[name],
-                         "simulated_actions_s": _simulate_measured(engines[name].schedule_for(N), durations[name])})
+                         "simulated_actions_s": _simulate_measured(engines[name], N, durations[name])})
     return rows
+
+
+def _step_makespan(engine: Any, N: int, t_f: float, t_b: float) -> float:
+    """Simulated time of one step: the schedule's makespan, or an asynchronous schedule's steady step."""
+    from strategies.schedules import simulate
+    from strategies.schedules.asynchronous import steady_step_makespan
+
+    config = engine.config
+    if config.is_async:
+        return steady_step_makespan(config.schedule, config.stages, N, t_f, t_b)
+    return simulate(engine.schedule_for(N), t_f, t_b).makespan
 
 
 def _collect(into: dict[str, list[float]], engine: Any) -> None:
@@ -158,18 +170,16 @@ def _collect(into: dict[str, list[float]], engine: Any) -> None:
         into[action.kind].append((end - start) / (len(action.mbs) if action.kind == "F" else 1.0))
 
 
-def _simulate_measured(schedule: Any, durations: dict[str, list[float]]) -> float:
-    """The simulator's makespan with the mean forward/backward durations every rank measured, so
+def _simulate_measured(engine: Any, N: int, durations: dict[str, list[float]]) -> float:
+    """The simulator's step time with the mean forward/backward durations every rank measured, so
     measured / this = what scheduling and communication add beyond the actions' own times."""
     import torch.distributed as dist
-
-    from strategies.schedules import simulate
 
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, durations)
     t_f = statistics.mean(d for g in gathered for d in g["F"])
     t_b = statistics.mean(d for g in gathered for d in g["B"])
-    return simulate(schedule, t_f, t_b).makespan
+    return _step_makespan(engine, N, t_f, t_b)
 
 
 def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, steps: int, warmup: int,

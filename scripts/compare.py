@@ -22,7 +22,7 @@ from pathlib import Path
 
 from recipe.results import RunResult, find_results, sort_results, summary_table
 
-STRATEGY_ORDER = ("gpipe", "dapple", "gems", "chimera", "ddp", "single")
+STRATEGY_ORDER = ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream", "ddp", "single")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@
     python scripts/schedule.py chimera --stages 8 --micro-batches 16 --pipelines 4 --png chimera.png
     python scripts/schedule.py gpipe --stages 4 --micro-batches 4 --json
     python scripts/schedule.py gems --stages 4 --micro-batches 4
+    python scripts/schedule.py pipedream_2bw --stages 4 --micro-batches 4 --steps 3   (asynchronous: no flushes)
 
 Invalid settings exit with status 2 and an ``error: ...`` line naming the setting and a fix.
 """
@@ -17,10 +18,11 @@ import json
 import math
 import sys
 
-from strategies.schedules import CONCAT_METHODS, build_schedule, simulate, validate
+from strategies.schedules import ASYNC_SCHEDULES, CONCAT_METHODS, build_schedule, simulate, validate
+from strategies.schedules.asynchronous import run as async_run
 from strategies.schedules.render import ascii_timeline, save_png
 
-NAMES = ("gpipe", "dapple", "gems", "chimera")
+NAMES = ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--concat", choices=CONCAT_METHODS,
         help="chimera only: how units of D micro-batches are concatenated when N > D (default direct)",
+    )
+    parser.add_argument(
+        "--steps", type=int, metavar="T",
+        help="pipedream_2bw / pipedream only: optimizer steps shown back to back, then the drain (default 3)",
     )
     parser.add_argument(
         "--t-f", type=float, default=1.0, metavar="T",
@@ -66,6 +72,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--pipelines must be a positive integer, got {args.pipelines}; omit it for the default (2 for chimera)"
         )
+    if args.steps is not None and (args.schedule not in ASYNC_SCHEDULES or args.steps < 1):
+        raise ValueError(f"--steps takes a positive number of steps for {' or '.join(ASYNC_SCHEDULES)} (their "
+                         f"windows run without flushes), got --steps {args.steps} for {args.schedule}; drop --steps")
     if args.schedule != "chimera":
         fixed = 2 if args.schedule == "gems" else 1
         if args.pipelines not in (None, fixed):
@@ -85,9 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-        schedule = validate(
-            build_schedule(args.schedule, args.stages, args.micro_batches, args.pipelines, args.concat or "direct")
-        )
+        if args.schedule in ASYNC_SCHEDULES:
+            schedule = validate(async_run(args.schedule, args.stages, args.micro_batches, args.steps or 3))
+        else:
+            schedule = validate(
+                build_schedule(args.schedule, args.stages, args.micro_batches, args.pipelines, args.concat or "direct")
+            )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -107,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     setup = f"D={schedule.stages} N={schedule.micro_batches}"
     if schedule.name == "chimera":
         setup += f" pipelines={schedule.pipelines} concat={schedule.concat}"
+    if "steps" in schedule.meta:
+        setup = (f"D={schedule.stages} N={schedule.meta['micro_batches_per_step']} per update, "
+                 f"{schedule.meta['steps']} updates without flushes, then the drain")
     print(f"{schedule.name}: {setup}, t_f={args.t_f:g} t_b={args.t_b:g}")
     print(ascii_timeline(sim, schedule))
     return 0

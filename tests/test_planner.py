@@ -327,3 +327,41 @@ def test_strategy_auto_overrides(tmp_path: Path) -> None:
     chosen = dict(o.split("=", 1) for o in out[3:])
     assert chosen["strategy"] in ("gpipe", "dapple", "chimera")
     assert int(chosen["strategy.D"]) * int(chosen["strategy.W"]) == 2
+
+
+# -- asynchronous schedules (PipeDream-2BW, PipeDream) ------------------------------------------------
+
+def test_async_candidates_only_when_asked_and_within_their_rules() -> None:
+    assert not {c.strategy for c in candidates(4, 16, 6)} & {"pipedream", "pipedream_2bw"}  # not SGD: opt-in
+    cands = candidates(4, 16, 6, schedules=("pipedream_2bw", "pipedream"))
+    assert {c.strategy for c in cands} == {"pipedream", "pipedream_2bw"}
+    assert all(c.N == 1 for c in cands if c.strategy == "pipedream")
+    assert all(c.N >= c.D for c in cands if c.strategy == "pipedream_2bw")
+    assert all((c.recompute, c.grad_sync) == ("none", "end") for c in cands)
+
+
+@pytest.mark.parametrize("D, N", [(2, 2), (4, 4), (4, 8)])
+def test_async_iteration_is_the_steady_window_without_bubbles(D: int, N: int) -> None:
+    costs = uniform_costs(2 * D, comm=FREE)
+    part = [range(2 * s, 2 * s + 2) for s in range(D)]
+    two_bw = predict_time(costs, Candidate("pipedream_2bw", 1, D, 1, N), part)
+    dapple = predict_time(costs, Candidate("dapple", 1, D, 1, N), part)
+    per_step = N * (two_bw.t_f[0] + two_bw.t_b[0])
+    assert two_bw.compute_s == pytest.approx(per_step)
+    assert two_bw.bubble_ratio == pytest.approx(0.0, abs=1e-9)
+    assert dapple.compute_s == pytest.approx((N + D - 1) / N * per_step)  # the flush costs D - 1 slots
+    one = predict_time(costs, Candidate("pipedream", 1, D, 1, 1), part)
+    assert one.compute_s == pytest.approx(two_bw.t_f[0] + two_bw.t_b[0])
+
+
+def test_async_memory_counts_the_stashed_weight_versions() -> None:
+    costs = toy(4, params=100)  # 100 fp32 parameters (400 bytes) per layer, 2 layers per stage
+    part = [range(0, 2), range(2, 4)]
+    sync = predict_memory(costs, Candidate("dapple", 1, 2, 1, 2), part, keep_sends=False, prefetch=0)
+    two_bw = predict_memory(costs, Candidate("pipedream_2bw", 1, 2, 1, 2), part, keep_sends=False, prefetch=0)
+    one = predict_memory(costs, Candidate("pipedream", 1, 2, 1, 1), part, keep_sends=False, prefetch=0)
+    stage_bytes = 2 * 100 * 4
+    # stage 0 stashes 2 versions under both (PipeDream: D - s = 2), each with its gradient
+    assert two_bw.workers[0].states - sync.workers[0].states == 2 * 2 * stage_bytes
+    assert one.workers[0].states - sync.workers[0].states == 2 * 2 * stage_bytes
+    assert one.workers[1].states - sync.workers[1].states == 2 * 1 * stage_bytes

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from strategies.schedules import Schedule, build_schedule, simulate
+from strategies.schedules.asynchronous import run as async_run
 from strategies.schedules.render import Span, ascii_chart, ascii_timeline, to_spans
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +58,9 @@ def run_script(*args: str) -> subprocess.CompletedProcess[str]:
             ["chimera", "--stages", "4", "--micro-batches", "8", "--concat", "backward_halving"],
             build_schedule("chimera", 4, 8, 2, "backward_halving"),
         ),
+        (["gems", "--stages", "4", "--micro-batches", "6"], build_schedule("gems", 4, 6)),
+        (["pipedream_2bw", "--stages", "4", "--micro-batches", "4", "--steps", "2"], async_run("pipedream_2bw", 4, 4, 2)),
+        (["pipedream", "--stages", "3", "--micro-batches", "1"], async_run("pipedream", 3, 1, 3)),
     ],
 )
 def test_json_round_trips(argv: list[str], expected: Schedule, capsys: pytest.CaptureFixture[str]) -> None:
@@ -141,6 +145,10 @@ def test_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["gpipe", "--stages", "4", "--micro-batches", "0"], "--micro-batches"),
         (["chimera", "--stages", "4", "--micro-batches", "4", "--pipelines", "0"], "--pipelines"),
         (["dapple", "--stages", "4", "--micro-batches", "4", "--t-b", "-1"], "--t-b"),
+        (["gems", "--stages", "4", "--micro-batches", "4", "--pipelines", "4"], "--pipelines"),
+        (["dapple", "--stages", "4", "--micro-batches", "4", "--steps", "2"], "--steps"),
+        (["pipedream_2bw", "--stages", "4", "--micro-batches", "2"], "N ≥ D"),
+        (["pipedream", "--stages", "4", "--micro-batches", "2"], "N must be 1"),
     ],
 )
 def test_invalid_inputs(argv: list[str], setting: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -154,3 +162,10 @@ def test_invalid_input_subprocess() -> None:
     result = run_script("chimera", "--stages", "3", "--micro-batches", "4")
     assert result.returncode == 2 and result.stdout == ""
     assert "stages" in result.stderr and "3" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ascii_asynchronous_names_the_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_main(["pipedream_2bw", "--stages", "2", "--micro-batches", "2", "--steps", "4"], capsys)
+    assert code == 0
+    assert out.startswith("pipedream_2bw: D=2 N=2 per update, 4 updates without flushes, then the drain")
+    assert "bubble ratio: 11.1%" in out  # (D - 1) / (T·N + D - 1): only the first fill and the last drain

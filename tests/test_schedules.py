@@ -282,7 +282,7 @@ def test_validate_reports_deadlock_with_marked_grid() -> None:
         (lambda: chimera(4, 4, 2, "tripling"), "concat must be one of"),
         (lambda: gpipe(0, 4), "stages must be a positive integer"),
         (lambda: dapple(4, 0), "micro_batches must be a positive integer"),
-        (lambda: build_schedule("pipedream", 4, 4), "unknown schedule"),
+        (lambda: build_schedule("zero_bubble", 4, 4), "unknown schedule"),
         (lambda: build_schedule("gpipe", 4, 4, pipelines=2), "leave pipelines unset"),
     ],
 )

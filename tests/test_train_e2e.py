@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,6 +61,10 @@ def test_bad_layout_stops_before_launch(tmp_path: Path) -> None:
         ({"name": "gpipe", "D": 2, "micro_batch_size": 3}, {"devices": 4}, 8, "not divisible by W·B = 2·3 = 6"),
         ({"name": "chimera", "D": 3, "micro_batch_size": 1}, {"devices": 3}, 6, "chimera needs an even strategy.D"),
         ({"name": "gems", "D": 3, "micro_batch_size": 1}, {"devices": 3}, 6, "gems needs an even strategy.D"),
+        ({"name": "pipedream_2bw", "D": 4, "micro_batch_size": 1}, {"devices": 4}, 3, "N ≥ D"),
+        ({"name": "pipedream", "D": 2, "micro_batch_size": 1}, {"devices": 2}, 4, "N must be 1"),
+        ({"name": "pipedream", "D": 2, "micro_batch_size": 1, "grad_sync": "eager"}, {"devices": 2}, 1,
+         "runs with strategy.grad_sync=end and strategy.recompute=none"),
         ({"name": "chimera", "D": 4, "pipelines": 3, "micro_batch_size": 1}, {"devices": 4}, 8, "one of [2, 4]"),
         ({"name": "gpipe", "D": 16, "micro_batch_size": 1}, {"devices": 16}, 16, "only 6 pipeline layers"),
         ({"name": "gpipe", "D": 0, "micro_batch_size": 1}, {"devices": 2}, 8, "strategy.D must be a positive integer"),
@@ -86,3 +91,25 @@ def test_train_py_chimera_trains_gpt2_and_bert(tmp_path: Path, model: str, layer
                     "trainer.max_steps=3", "trainer.log_every_n_steps=1", "data.global_batch_size=8")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "final train/loss" in result.stdout
+
+
+def test_pipedream_refuses_tied_embeddings() -> None:
+    from recipe.layout import check_model
+
+    with pytest.raises(ConfigError, match="model.tie_word_embeddings=false or use strategy=pipedream_2bw"):
+        check_model({"tie_word_embeddings": True}, {}, "pipedream")
+    check_model({"tie_word_embeddings": True}, {}, "pipedream_2bw")  # one delay for every stage: fine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, extra", [
+    ("pipedream_2bw", ["data.global_batch_size=4"]),
+    ("pipedream", ["data.global_batch_size=2", "strategy.micro_batch_size=2", "model.tie_word_embeddings=false"]),
+])
+def test_train_py_asynchronous_strategies_train(tmp_path: Path, strategy: str, extra: list[str]) -> None:
+    """PipeDream-2BW and PipeDream converge on one repeated synthetic mini-batch (the loss falls)."""
+    result = _train(tmp_path, f"strategy={strategy}", "trainer.devices=2", "trainer.max_steps=25", "logger=none",
+                    "data.num_samples=4", "optim.lr=3e-3", *extra)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    losses = json.loads((tmp_path / "results.json").read_text())["loss_history"]
+    assert losses[-1] < losses[0] - 0.5, losses

@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from strategies.schedules import Schedule
+from strategies.schedules import ASYNC_SCHEDULES, Schedule
+from strategies.schedules.asynchronous import stashed_versions
 
 from .model_costs import ADAMW_STATES, ModelCosts
 from .predict import Candidate, runtime_partition
@@ -66,7 +67,10 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     ranges = {s: partition[s] for s in stages}
     layers = {i for s in stages for i in ranges[s]}
     params = _grad_bytes(costs, layers)
-    states = params * (1 + ADAMW_STATES)  # weights and AdamW moments; gradients appear on first backward
+    versions = 0.0  # stashed weight versions, each with its gradient (strategies.versions)
+    if cand.strategy in ASYNC_SCHEDULES:
+        versions = 2 * params * max(stashed_versions(cand.strategy, D, cand.N)[s] for s in stages)
+    states = params * (1 + ADAMW_STATES) + versions  # weights, AdamW moments; gradients appear on first backward
     recompute = cand.recompute_stages()
     halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}
     tied = {i for i, j, _ in costs.tied} | {j for i, j, _ in costs.tied}
@@ -124,7 +128,8 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     if costs.tied and any(i in layers or j in layers for i, j, _ in costs.tied) and cand.W * max(1, min(D, 2)) > 1:
         flats += costs.tied_bytes(layers)
     peak = max(peak, live + flats)
-    return WorkerMemory(peak, params * (2 + ADAMW_STATES), peak - params * (2 + ADAMW_STATES))
+    held = params * (2 + ADAMW_STATES) + versions
+    return WorkerMemory(peak, held, peak - held)
 
 
 def predict_memory(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,

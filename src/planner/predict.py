@@ -12,6 +12,8 @@ workers will execute through :func:`strategies.schedules.simulate` with measured
 * Gradient synchronisation: one Rabenseifner all-reduce per stage over its ``r = W·pipelines``
   copies, launched at the end (``grad_sync=end``) or after the copy's last backward (eager modes,
   §3.2); :func:`planner.costs.sync_timeline` gives the part not hidden behind computation.
+* Asynchronous schedules (PipeDream-2BW, PipeDream) never flush: one iteration is the steady-state
+  window, measured as the makespan added by one more step of the no-flush stream.
 * CPU ranks that outnumber the cores share them: the simulated compute is stretched to at least the
   total busy time of all ranks divided by the cores. (A processor-sharing fixed point that stretches
   each stage by the concurrency it meets was tried and over-predicted the measured runs by 20–55 %
@@ -25,12 +27,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from strategies.schedules import Schedule, build_schedule, simulate, validate
+from strategies.schedules import ASYNC_SCHEDULES, Schedule, build_schedule, simulate, validate
+from strategies.schedules.asynchronous import steady_step, steady_step_makespan, window
 
 from .costs import Collective, rabenseifner, sync_timeline
 from .model_costs import ModelCosts
 
-SCHEDULE_NAMES = ("gpipe", "dapple", "gems", "chimera")
+SCHEDULE_NAMES = ("gpipe", "dapple", "gems", "chimera")  # synchronous: what the planner recommends by default
 RECOMPUTE = ("none", "always")
 GRAD_SYNC = ("end", "eager", "eager_opt")
 
@@ -109,9 +112,9 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
     """
     if devices < 1 or global_batch_size < 1:
         raise ValueError(f"devices and global_batch_size must be positive, got {devices}, {global_batch_size}")
-    unknown = sorted(set(schedules) - set(SCHEDULE_NAMES))
+    unknown = sorted(set(schedules) - set(SCHEDULE_NAMES) - set(ASYNC_SCHEDULES))
     if unknown:
-        raise ValueError(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULE_NAMES)}")
+        raise ValueError(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULE_NAMES + ASYNC_SCHEDULES)}")
     out: list[Candidate] = []
     for D in (d for d in range(1, devices + 1) if devices % d == 0 and d <= num_layers):
         W = devices // D
@@ -131,6 +134,11 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
                     if D % 2:
                         continue  # one stage of each of the two replicas per worker: even D
                     variants = [(2, "direct")]
+                if name in ASYNC_SCHEDULES:
+                    if (name == "pipedream" and N != 1) or (name == "pipedream_2bw" and N < D) or grad_sync != "end":
+                        continue
+                    out.append(Candidate(name, W, D, B, N, 1, "direct", "none", "end"))  # versions, no recompute
+                    continue
                 if name == "chimera":
                     if D % 2:
                         continue
@@ -203,16 +211,23 @@ def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] 
                  cores: int | None = None) -> TimePrediction:
     """Predicted seconds of one training iteration (forward, backward, gradient sync, AdamW step)."""
     partition = list(partition) if partition is not None else runtime_partition(costs, cand.D)
-    schedule = cand.schedule()
     t_f, t_b, t_comm = stage_costs(costs, cand, partition)
     cores = costs.cores if cores is None else cores
-    sim = simulate(schedule, t_f, t_b, t_comm=t_comm)
-    makespan = sim.makespan
+    if cand.strategy in ASYNC_SCHEDULES:
+        schedule, makespan, busy = _steady_window(cand, t_f, t_b, t_comm)
+        timeline: Sequence = [()] * cand.D
+        bubble = 1 - sum(busy) / (cand.D * makespan) if makespan > 0 else 0.0
+        ends = [makespan] * cand.D
+    else:
+        schedule = cand.schedule()
+        sim = simulate(schedule, t_f, t_b, t_comm=t_comm)
+        makespan, busy, timeline, bubble = sim.makespan, list(sim.busy), sim.timeline, sim.bubble_ratio
+        ends = [row[-1].end if row else 0.0 for row in sim.timeline]
     stretch = 1.0
     if cores and cand.world_size > cores and makespan > 0:  # never faster than the cores allow
-        stretch = max(1.0, cand.W * sum(sim.busy) / cores / makespan)
-    compute_end = [(row[-1].end if row else 0.0) * stretch for row in sim.timeline]
-    collectives = _collectives(costs, cand, partition, schedule, sim.timeline, compute_end, stretch)
+        stretch = max(1.0, cand.W * sum(busy) / cores / makespan)
+    compute_end = [end * stretch for end in ends]
+    collectives = _collectives(costs, cand, partition, schedule, timeline, compute_end, stretch)
     finish = sync_timeline(collectives, compute_end)
     opt = []
     for w in range(cand.D):
@@ -225,7 +240,16 @@ def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] 
     total = max(f + o for f, o in zip(finish, opt)) + step
     compute = max(compute_end)
     sync = max(f - c for f, c in zip(finish, compute_end))
-    return TimePrediction(total, compute, sync, max(opt), step, sim.bubble_ratio, tuple(t_f), tuple(t_b), t_comm)
+    return TimePrediction(total, compute, sync, max(opt), step, bubble, tuple(t_f), tuple(t_b), t_comm)
+
+
+def _steady_window(cand: Candidate, t_f: Sequence[float], t_b: Sequence[float],
+                   t_comm: float) -> tuple[Schedule, float, list[float]]:
+    """An asynchronous schedule's steady step: the makespan one more step adds to the no-flush
+    stream (past the fill), and each worker's busy time in it."""
+    schedule = window(cand.strategy, cand.D, cand.N, steady_step(cand.strategy, cand.D, cand.N))
+    busy = [cand.N * (t_f[s] + t_b[s]) for s in range(cand.D)]
+    return schedule, steady_step_makespan(cand.strategy, cand.D, cand.N, t_f, t_b, t_comm=t_comm), busy
 
 
 def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range], schedule: Schedule,

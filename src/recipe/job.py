@@ -128,7 +128,8 @@ def run_job(spec: JobSpec) -> float | None:
     checkpointing = checkpoint_callbacks(spec)
     if checkpointing:
         trainer_cfg["enable_checkpointing"] = True
-    strategy = instantiate(cfg["strategy"])
+    strategy = instantiate(cfg["strategy"], **({"micro_batch_size": layout.B}
+                                                if cfg["strategy"].get("micro_batch_size", 0) is None else {}))
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), pipeline=isinstance(strategy, PipelineStrategy))
     metrics_cfg = cfg.get("metrics", {})
     throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))

@@ -66,7 +66,7 @@ def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> L
     replica's whole mini-batch in one pass (B = B̂/W, N = 1); ``strategy.micro_batch_size`` is unused."""
     if D != 1:
         raise ConfigError(f"strategy={name} has no pipeline stages but strategy.D = {D}; set strategy.D=1 "
-                          "(or pick a pipeline strategy: gpipe, dapple, gems, chimera)")
+                          "(or pick a pipeline strategy: gpipe, dapple, gems, chimera, pipedream_2bw, pipedream)")
     if name == "single" and world != 1:
         raise ConfigError(f"strategy=single runs one process but trainer.devices × trainer.num_nodes = {world}; "
                           "set trainer.devices=1 trainer.num_nodes=1 (or use strategy=ddp)")
@@ -87,7 +87,8 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
     _positive("data.global_batch_size", global_batch_size)
     if name in BASELINES:
         return _baseline_layout(name, world, D, global_batch_size)
-    B = _positive("strategy.micro_batch_size", strategy.get("micro_batch_size"))
+    one_per_update = name == "pipedream" and strategy.get("micro_batch_size") is None  # B = B̂ / W: N = 1
+    B = 1 if one_per_update else _positive("strategy.micro_batch_size", strategy.get("micro_batch_size"))
     if world % D:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ConfigError(
@@ -100,6 +101,11 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
             f"W·D = {W}·{D} = {W * D} but trainer.devices × trainer.num_nodes = {world}; "
             f"set strategy.W = {world // D} (or leave it null) or strategy.D to a divisor of {world}"
         )
+    if one_per_update:
+        if global_batch_size % W:
+            raise ConfigError(f"data.global_batch_size = {global_batch_size} is not divisible by the W = {W} replicas; "
+                              f"use a multiple of {W} (strategy=pipedream takes B = global batch / W, N = 1)")
+        B = global_batch_size // W
     if D > num_layers:
         raise ConfigError(f"strategy.D = {D} stages but the model has only {num_layers} pipeline layers; use D ≤ {num_layers}")
     if global_batch_size % (W * B):
@@ -107,6 +113,11 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
             f"data.global_batch_size = {global_batch_size} is not divisible by W·B = {W}·{B} = {W * B}; "
             f"use a multiple of {W * B} (N = global_batch_size / (W·B) micro-batches per step)"
         )
+    if name in ("pipedream_2bw", "pipedream") and (strategy.get("grad_sync", "end"), strategy.get("recompute", "none")) \
+            != ("end", "none"):
+        raise ConfigError(f"strategy={name} stashes weight versions per step and runs with strategy.grad_sync=end and "
+                          f"strategy.recompute=none, got {strategy.get('grad_sync')} and {strategy.get('recompute')}; "
+                          "drop those overrides")
     pipelines = 2 if name == "gems" else 1
     if name == "gems" and D % 2:
         raise ConfigError(f"gems needs an even strategy.D (each worker holds one stage of each of its two replicas), "
@@ -131,7 +142,8 @@ def _check_schedule(name: str, D: int, N: int, B: int, pipelines: int, concat: s
         schedule = validate(build_schedule(name, D, N, pipelines if name == "chimera" else None,
                                            concat if name == "chimera" else "direct"))
     except ValueError as err:
-        raise ConfigError(f"strategy={name} with D = {D}, N = {N} micro-batches, concat = {concat}: {err}") from err
+        extra = f", concat = {concat}" if name == "chimera" else ""
+        raise ConfigError(f"strategy={name} with D = {D}, N = {N} micro-batches{extra}: {err}") from err
     halved = any(a.half is not None for acts in schedule.workers for a in acts)
     if halved and B % 2:
         raise ConfigError(f"concat = backward_halving splits micro-batches in two halves, but strategy.micro_batch_size "
@@ -152,8 +164,13 @@ def _variant(strategy: dict[str, Any], name: str, pipelines: int) -> str:
     return "+".join(parts)
 
 
-def check_model(model: dict[str, Any], data: dict[str, Any]) -> None:
-    """Shapes the model cannot take: a sequence longer than its position table."""
+def check_model(model: dict[str, Any], data: dict[str, Any], strategy: str | None = None) -> None:
+    """Shapes the model cannot take: a sequence longer than its position table; tied embeddings
+    under PipeDream (its stages update with different delays, so tied copies would drift apart)."""
+    if strategy == "pipedream" and model.get("tie_word_embeddings"):
+        raise ConfigError("strategy=pipedream updates each stage with its own delay, so the tied input and output "
+                          "embeddings (model.tie_word_embeddings = true) would diverge; set "
+                          "model.tie_word_embeddings=false or use strategy=pipedream_2bw")
     positions = model.get("n_positions", model.get("max_position_embeddings"))
     seq_len = data.get("seq_len", model.get("seq_len"))
     if positions is not None and seq_len is not None and int(seq_len) > int(positions):

@@ -145,7 +145,7 @@ class PipelineMetrics(Callback):
         engine = self._engine(trainer)
         if engine is None:
             return 0.0
-        return simulate(engine.schedule_for(self.layout.N), t_f=1.0, t_b=2.0).bubble_ratio
+        return simulate(engine.whole_run(self.layout.N), t_f=1.0, t_b=2.0).bubble_ratio
 
     def _gather_timeline(self, trainer: pl.Trainer) -> list | None:
         engine = self._engine(trainer)
@@ -166,7 +166,7 @@ class PipelineMetrics(Callback):
             from strategies.schedules.render import save_png
 
             picture = self.out_dir / "timeline.png"
-            save_png(rows, self._engine(trainer).schedule_for(self.layout.N), str(picture),
+            save_png(rows, self._engine(trainer).last_executed(self.layout.N), str(picture),
                      title=f"{self.layout.run_name}: measured step (rows = ranks)")
         warm = self.bubbles[self.warmup_steps:] or self.bubbles
         summary = {

@@ -25,9 +25,12 @@ from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
 from .p2p import Messenger
 from .pipeline_model import Batch, PipelineModel, split_batch
 from .recompute import RECOMPUTE_MODES, recompute_stages
-from .schedules import Action, Schedule, build_schedule, validate
+from .schedules import ASYNC_SCHEDULES, Action, Schedule, build_schedule, dapple, validate
+from .schedules.asynchronous import run as async_run
+from .schedules.asynchronous import window
 from .schedules.messages import fifo_violations
 from .topology import Topology
+from .versions import WeightVersions
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,21 @@ class PipelineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be a non-negative integer, got {self.prefetch!r}")
+        if self.is_async and (self.grad_sync, self.recompute) != ("end", "none"):
+            raise ValueError(
+                f"{self.schedule} stashes weight versions per step: it runs with grad_sync=end and recompute=none, "
+                f"got grad_sync={self.grad_sync}, recompute={self.recompute}; drop those settings"
+            )
+
+    @property
+    def is_async(self) -> bool:
+        """PipeDream / PipeDream-2BW: no flush, stashed weight versions, delayed updates."""
+        return self.schedule in ASYNC_SCHEDULES
+
+    @property
+    def smallest_micro_batches(self) -> int:
+        """The least N the schedule accepts (to build the topology before any batch is seen)."""
+        return 1 if self.schedule == "pipedream" else max(self.stages, 1)
 
     def build(self, micro_batches: int) -> Schedule:
         return validate(build_schedule(self.schedule, self.stages, micro_batches, self.pipelines, self.concat))
@@ -86,7 +104,7 @@ class PipelineEngine:
         self.model, self.config, self.device = model, config, device
         self.rank = dist.get_rank()
         self.timeout = timedelta(seconds=config.timeout_s)
-        self.topology = Topology.from_schedule(config.build(max(config.stages, 1)), replicas)
+        self.topology = Topology.from_schedule(config.build(config.smallest_micro_batches), replicas)
         if self.topology.world_size != dist.get_world_size():
             raise ValueError(
                 f"W·D = {replicas}·{config.stages} = {self.topology.world_size} but the world size is "
@@ -102,12 +120,18 @@ class PipelineEngine:
         stage_groups, tied_group = self._create_groups()
         self._check_identical_copies(stage_groups)
         tied = self._local_tied_parameters()
+        if config.schedule == "pipedream" and self.tied_groups:
+            raise ValueError("pipedream updates each stage with its own delay, so tied weights on different stages "
+                             "would diverge; untie them (model.tie_word_embeddings=false) or use pipedream_2bw")
+        self.versions = WeightVersions(config.schedule, config.stages, self.stage_layers) if config.is_async else None
+        self.steps_taken = 0  # optimizer steps run (asynchronous schedules: which window comes next)
         self.synchronizer = GradientSynchronizer(
             {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout
         )
         self.executor = StageExecutor(
             model, self.stage_layers, self.topology, self.rank, Messenger(device, self.timeout),
             recompute=recompute_stages(config.recompute, config.stages), prefetch=config.prefetch,
+            versions=self.versions,
         )
         self.last_record: StepRecord | None = None
 
@@ -188,6 +212,19 @@ class PipelineEngine:
             )
         return schedule
 
+    def last_executed(self, micro_batches: int) -> Schedule:
+        """The schedule of the last step: an asynchronous schedule's last window, else the step's schedule."""
+        if self.config.is_async:
+            return window(self.config.schedule, self.config.stages, micro_batches, max(self.steps_taken - 1, 0))
+        return self.schedule_for(micro_batches)
+
+    def whole_run(self, micro_batches: int) -> Schedule:
+        """What ran so far as one schedule: an asynchronous schedule's steps without flushes (its bubbles
+        are the first fill and the final drain), else one step (every step flushes)."""
+        if self.config.is_async:
+            return validate(async_run(self.config.schedule, self.config.stages, micro_batches, max(self.steps_taken, 1)))
+        return self.schedule_for(micro_batches)
+
     @cache  # noqa: B019 - one engine per process
     def launch_plan(self, micro_batches: int) -> dict[Action, tuple[int, ...]]:
         """Backward action → local stages whose gradient all-reduce starts after it (§3.2)."""
@@ -225,6 +262,8 @@ class PipelineEngine:
         micro_batches = self.split(batch)
         for p in self.local_parameters():
             p.grad = None
+        if self.versions is not None:
+            return self._async_step(micro_batches)
         plan = self.launch_plan(len(micro_batches))
         sync = self.synchronizer
 
@@ -239,10 +278,30 @@ class PipelineEngine:
         sync.finish()
         return self._world_sum(self.last_record.loss_sum)
 
+    def _async_step(self, micro_batches: Sequence[Batch]) -> Tensor:
+        """One window of PipeDream / PipeDream-2BW: forwards on this step's weight version, the
+        backwards due now (some of earlier steps), then the gradient of the version due (if any)
+        is all-reduced into ``.grad`` for the optimizer; otherwise ``.grad`` stays unset (no update)."""
+        N, step = len(micro_batches), self.steps_taken
+        current = window(self.config.schedule, self.config.stages, N, step)
+        following = window(self.config.schedule, self.config.stages, N, step + 1)
+        self.versions.begin_step(step)
+        first = current.meta["first_mb"]
+        self.last_record = self.executor.run(
+            current, {first + i: mb for i, mb in enumerate(micro_batches)}, self._totals(micro_batches),
+            next_window=following,
+        )
+        if self.versions.end_step(step):  # the same on every copy of a stage: the schedule decides
+            self.synchronizer.finish()
+        self.steps_taken += 1
+        return self._world_sum(self.last_record.loss_sum)
+
     @torch.no_grad()
     def eval_step(self, batch: Batch) -> Tensor:
         micro_batches = self.split(batch)
-        record = self.executor.run(self.schedule_for(len(micro_batches)), micro_batches, self._totals(micro_batches), train=False)
+        N = len(micro_batches)
+        schedule = dapple(self.config.stages, N) if self.config.is_async else self.schedule_for(N)
+        record = self.executor.run(schedule, micro_batches, self._totals(micro_batches), train=False)
         return self._world_sum(record.loss_sum)
 
     def grad_norm_sq(self) -> Tensor:

@@ -16,6 +16,12 @@ current action runs, sends are non-blocking, and no host synchronisation (``.ite
 inside the step. With recomputation (:mod:`strategies.recompute`, GPipe re-materialization) a
 stage keeps only its input between forward and backward; the step record reports the peak bytes
 kept.
+
+Asynchronous schedules (:mod:`strategies.schedules.asynchronous`) run one *window* per step:
+micro-batches are numbered globally, the graphs of micro-batches still in flight carry over to
+the next step, forwards run on the step's stashed weight version (:class:`~strategies.versions.WeightVersions`),
+and the receives of the next window whose messages this window sends are posted before the step
+ends (gloo and NCCL complete a send only once its receive is posted).
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from .p2p import Messenger, PendingRecv
 from .pipeline_model import Batch, PipelineModel, run_layers
 from .recompute import RngState, SavedBytes, parameter_storages
 from .schedules import Action, Schedule
+from .schedules.asynchronous import crossing_receives
 from .topology import Topology
+from .versions import WeightVersions
 
 GraphKey = tuple[int, int, int, int | None]  # pipe, stage, micro-batch, half
 
@@ -108,6 +116,7 @@ class StageExecutor:
         messenger: Messenger,
         recompute: frozenset[int] = frozenset(),
         prefetch: int = 2,
+        versions: WeightVersions | None = None,
     ) -> None:
         self.model = model
         self.stage_layers = stage_layers
@@ -116,27 +125,41 @@ class StageExecutor:
         self.messenger = messenger
         self.recompute = recompute
         self.prefetch = prefetch
+        self.versions = versions
         self._graphs: dict[GraphKey, _Saved] = {}
         self._stored = 0
+        self._signatures: dict[int, tuple] = {}  # micro-batches in flight across steps (asynchronous)
+        self._preposted: dict[Action, list[PendingRecv]] = {}
 
     def run(
         self,
         schedule: Schedule,
-        micro_batches: Sequence[Batch],
+        micro_batches: Sequence[Batch] | Mapping[int, Batch],
         totals: Mapping[str, float | Tensor],
         train: bool = True,
         after_backward: Callable[[Action], None] | None = None,
+        next_window: Schedule | None = None,
     ) -> StepRecord:
-        """Execute this rank's actions; ``after_backward(action)`` runs after each backward."""
+        """Execute this rank's actions; ``after_backward(action)`` runs after each backward.
+
+        ``micro_batches`` maps micro-batch indices to batches (a sequence: indices 0…N-1). A window
+        of an asynchronous schedule passes ``next_window``, whose receives of messages sent in this
+        window are posted before returning."""
         worker = self.topology.worker_of(self.rank)
         actions = [a for a in schedule.workers[worker] if train or a.kind == "F"]
         halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}
         params = [p for layers in self.stage_layers.values() for layer in layers for p in layer.parameters()]
-        ctx = _StepContext(schedule, micro_batches, totals, halved, train, parameter_storages(params))
-        self._ctx, self._stored = ctx, 0
+        batches = dict(micro_batches) if isinstance(micro_batches, Mapping) else dict(enumerate(micro_batches))
+        ctx = _StepContext(schedule, batches, totals, halved, train, parameter_storages(params))
+        carried = train and "step" in schedule.meta  # an asynchronous window: graphs stay in flight
+        self._ctx = ctx
+        if train and not carried:
+            self._stored = 0
         record = StepRecord(torch.zeros((), dtype=torch.float64))
         receives = [self._receives(a) for a in actions]
         posted: dict[int, list[PendingRecv]] = {}
+        if carried:
+            posted = {i: self._preposted.pop(a) for i, a in enumerate(actions) if a in self._preposted}
         with torch.set_grad_enabled(train):
             for i, action in enumerate(actions):
                 for j in range(i, min(i + 1 + self.prefetch, len(actions))):
@@ -151,8 +174,13 @@ class StageExecutor:
                         after_backward(action)
                 # the box starts when its inputs have arrived: waiting for a peer is a bubble
                 record.timeline.append((action, start + self.messenger.recv_wait_s - waited, time.perf_counter()))
+        if carried and next_window is not None:
+            for action in crossing_receives(schedule, next_window, worker):
+                self._preposted[action] = [self.messenger.post_recv(*r) for r in self._receives(action)]
+                for pending in self._preposted[action]:
+                    self.messenger.post_data(pending)
         self.messenger.flush()
-        if self._graphs:
+        if self._graphs and train and not carried:
             raise RuntimeError(f"rank {self.rank}: activations left after the step: {sorted(self._graphs)}")
         if ctx.losses:
             dtype = torch.float32 if ctx.losses[0].device.type == "mps" else torch.float64
@@ -171,21 +199,30 @@ class StageExecutor:
             src = self.topology.peer(self.rank, action.pipe, action.stage - 1)
             return [
                 (src, ctx.tag("act", action.pipe, action.stage - 1, mb),
-                 ("act", action.pipe, action.stage - 1, batch_signature(ctx.micro_batches[mb])))
+                 ("act", action.pipe, action.stage - 1, self._signature(mb)))
                 for mb in action.mbs
             ]
         if action.stage == D - 1:
             return []
         src = self.topology.peer(self.rank, action.pipe, action.stage + 1)
-        signature = (batch_signature(ctx.micro_batches[action.mb]), action.half)
+        signature = (self._signature(action.mb), action.half)
         return [(src, ctx.tag("grad", action.pipe, action.stage + 1, action.mb, action.half),
                  ("grad", action.pipe, action.stage + 1, signature))]
+
+    def _signature(self, mb: int) -> tuple:
+        """Shapes of micro-batch ``mb``: from this step's batch, or remembered from its forward."""
+        batch = self._ctx.micro_batches.get(mb)
+        return batch_signature(batch) if batch is not None else self._signatures[mb]
 
     # -- actions -------------------------------------------------------------------------------
 
     def _stage_forward(self, stage: int, inp: Tensor, batch: Batch) -> Tensor:
-        """The stage's layers, plus the loss share on the last stage."""
-        out = run_layers(self.stage_layers[stage], inp, batch)
+        """The stage's layers (on the step's weight version, if stashed), plus the loss share on the last stage."""
+        if self.versions is not None and self._ctx.train:
+            with self.versions.forward_weights(stage):
+                out = run_layers(self.stage_layers[stage], inp, batch)
+        else:
+            out = run_layers(self.stage_layers[stage], inp, batch)
         if stage == self.topology.stages - 1:
             out = micro_batch_loss(self.model, out, batch, self._ctx.totals)
         return out
@@ -200,6 +237,8 @@ class StageExecutor:
         recompute = ctx.train and stage in self.recompute
         for k, mb in enumerate(action.mbs):
             batch = ctx.micro_batches[mb]
+            if self.versions is not None and ctx.train:
+                self._signatures[mb] = batch_signature(batch)
             x = self.model.pipeline_input(batch) if stage == 0 else self.messenger.wait_recv(inbox[k])
             outputs = []
             for half in (0, 1) if mb in ctx.halved else (None,):
@@ -252,15 +291,16 @@ class StageExecutor:
             torch.autograd.backward(out, self.messenger.wait_recv(inbox[0]))
         if stage > 0:
             dst = self.topology.peer(self.rank, action.pipe, stage - 1)
-            signature = (batch_signature(ctx.micro_batches[mb]), half)
+            signature = (self._signature(mb), half)
             tag = ctx.tag("grad", action.pipe, stage, mb, half)
             self.messenger.send(inp.grad, dst, tag, ("grad", action.pipe, stage, signature))
+        self._signatures.pop(mb, None)  # the micro-batch is done on this stage
 
 
 @dataclass
 class _StepContext:
     schedule: Schedule
-    micro_batches: Sequence[Batch]
+    micro_batches: Mapping[int, Batch]
     totals: Mapping[str, float | Tensor]
     halved: set[int]
     train: bool
@@ -269,7 +309,9 @@ class _StepContext:
     peak_stored: int = 0
 
     def tag(self, kind: str, pipe: int, stage: int, mb: int, half: int | None = None) -> int:
-        """A message id unique within the step for (kind, pipe, sending stage, micro-batch, half)."""
+        """A message id unique among the messages in flight for (kind, pipe, sending stage, micro-batch,
+        half). Asynchronous windows keep at most N + D - 1 consecutive micro-batches in flight."""
         s = self.schedule
-        code = (((0 if kind == "act" else 1) * s.pipelines + pipe) * s.stages + stage) * s.micro_batches + mb
+        span = s.micro_batches + s.stages
+        code = (((0 if kind == "act" else 1) * s.pipelines + pipe) * s.stages + stage) * span + mb % span
         return code * 3 + (2 if half is None else half)

@@ -1,4 +1,4 @@
-"""Lightning strategies for pipeline schedules: GPipe, DAPPLE (alias 1F1B), GEMS and Chimera.
+"""Lightning strategies for pipeline schedules: GPipe, DAPPLE (alias 1F1B), GEMS, Chimera, PipeDream-2BW, PipeDream.
 
 The strategy only maps Lightning's hooks onto :class:`~strategies.engine.PipelineEngine`:
 process groups come up in ``setup_environment`` (inherited from DDP: launcher, cluster
@@ -234,6 +234,18 @@ class ChimeraStrategy(PipelineStrategy):
     schedule_name = "chimera"
 
 
+class PipeDream2BWStrategy(PipelineStrategy):
+    """Asynchronous: no flushes, two weight versions, ``w(t+1) = w(t) - ν·∇f(w(t-1))``."""
+
+    schedule_name = "pipedream_2bw"
+
+
+class PipeDreamStrategy(PipelineStrategy):
+    """Asynchronous: an update per micro-batch (N = 1), up to D stashed weight versions."""
+
+    schedule_name = "pipedream"
+
+
 class PipelineModule(pl.LightningModule):
     """A LightningModule around a :class:`~strategies.pipeline_model.PipelineModel`.
 
@@ -318,9 +330,10 @@ def _batch_size(batch: Batch) -> int:
 
 
 def register_strategies() -> None:
-    """Make ``Trainer(strategy="gpipe" | "dapple" | "1f1b" | "gems" | "chimera")`` work."""
+    """Make ``Trainer(strategy="gpipe" | "dapple" | "1f1b" | "gems" | "chimera" | "pipedream_2bw" | "pipedream")`` work."""
     for name, cls in (("gpipe", GPipeStrategy), ("dapple", DAPPLEStrategy), ("1f1b", DAPPLEStrategy),
-                      ("gems", GEMSStrategy), ("chimera", ChimeraStrategy)):
+                      ("gems", GEMSStrategy), ("chimera", ChimeraStrategy),
+                      ("pipedream_2bw", PipeDream2BWStrategy), ("pipedream", PipeDreamStrategy)):
         if name not in StrategyRegistry:
             StrategyRegistry.register(name, cls, description=f"{cls.schedule_name} pipeline schedule")
 

@@ -97,16 +97,22 @@ class Messenger:
             self.recv_wait_s += time.perf_counter() - start
 
     def _wait_recv(self, pending: PendingRecv) -> Tensor:
-        if pending.work is None:
-            if pending.header_work is not None:
-                self._wait(pending.header_work, f"shape header from rank {pending.src}")
-                code, ndim, *dims = pending.header.tolist()  # once per shape key
-                self._known_shapes[pending.shape_key] = (torch.Size(dims[:ndim]), _DTYPES[code])
-            if pending.shape_key not in self._known_shapes:
-                raise RuntimeError(f"shape of {pending.shape_key} unknown: its first message was never waited")
-            self._post_data(pending)
+        self.post_data(pending)
         self._wait(pending.work, f"tensor (tag {pending.tag}) from rank {pending.src}")
         return pending.buffer
+
+    def post_data(self, pending: PendingRecv) -> None:
+        """Make sure the data receive is posted, first waiting for the shape header if it came with
+        one (a receive that must be posted before a step ends: its sender completes only then)."""
+        if pending.work is not None:
+            return
+        if pending.header_work is not None:
+            self._wait(pending.header_work, f"shape header from rank {pending.src}")
+            code, ndim, *dims = pending.header.tolist()  # once per shape key
+            self._known_shapes[pending.shape_key] = (torch.Size(dims[:ndim]), _DTYPES[code])
+        if pending.shape_key not in self._known_shapes:
+            raise RuntimeError(f"shape of {pending.shape_key} unknown: its first message was never waited")
+        self._post_data(pending)
 
     def _post_data(self, pending: PendingRecv) -> None:
         shape, dtype = self._known_shapes[pending.shape_key]

@@ -1,6 +1,7 @@
 """Pipeline schedules as data: generate, validate, simulate (no torch.distributed)."""
 
 from .actions import Action, Schedule, parse_action
+from .asynchronous import ASYNC_SCHEDULES
 from .generators import CONCAT_METHODS, SCHEDULES, build_schedule, chimera, chimera_placement, dapple, gems, gpipe
 from .graph import dependencies, forward_index
 from .grid import format_grid
@@ -8,7 +9,7 @@ from .simulate import DeadlockError, Simulation, TimedAction, peak_activations, 
 from .validate import validate
 
 __all__ = [
-    "CONCAT_METHODS", "SCHEDULES", "Action", "DeadlockError", "Schedule", "Simulation", "TimedAction",
+    "ASYNC_SCHEDULES", "CONCAT_METHODS", "SCHEDULES", "Action", "DeadlockError", "Schedule", "Simulation", "TimedAction",
     "build_schedule", "chimera", "chimera_placement", "dapple", "dependencies", "format_grid",
     "forward_index", "gems", "gpipe", "parse_action", "peak_activations", "simulate", "validate",
 ]

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .actions import Action, Schedule
+from .asynchronous import ASYNC_SCHEDULES
+from .asynchronous import run as async_run
 from .graph import dependencies, forward_index
 
 CONCAT_METHODS = ("direct", "forward_doubling", "backward_halving")
@@ -242,15 +244,23 @@ def gems(stages: int, micro_batches: int) -> Schedule:
 
 ScheduleFactory = Callable[..., Schedule]
 
+ASYNC_VIEW_STEPS = 3  # steps of an asynchronous schedule that build_schedule returns (then the drain)
+
 SCHEDULES: dict[str, ScheduleFactory] = {
     "gpipe": gpipe, "dapple": dapple, "1f1b": dapple, "gems": gems, "chimera": chimera,
+    **{name: (lambda stages, micro_batches, name=name: async_run(name, stages, micro_batches, ASYNC_VIEW_STEPS))
+       for name in ASYNC_SCHEDULES},
 }
 
 
 def build_schedule(
     name: str, stages: int, micro_batches: int, pipelines: int | None = None, concat: str = "direct"
 ) -> Schedule:
-    """Build a schedule by name; ``pipelines``/``concat`` apply to Chimera only (GEMS runs 2 pipelines)."""
+    """Build a schedule by name; ``pipelines``/``concat`` apply to Chimera only (GEMS runs 2 pipelines).
+
+    An asynchronous schedule (``pipedream_2bw``, ``pipedream``) comes as ``ASYNC_VIEW_STEPS`` steps of
+    N micro-batches without flushes plus the final drain; the runtime runs it window by window
+    (:mod:`strategies.schedules.asynchronous`)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(sorted(SCHEDULES))}")
     if name == "chimera":

@@ -1,0 +1,179 @@
+"""PipeDream-2BW and PipeDream (Chimera Table 2): no-flush schedules, weight stashing, delayed updates.
+
+These are not mini-batch SGD, so the reference is their update rule run in one process: the
+gradient of step t is computed on the weights live at step t and applied by stage s at the end of
+step t + delay(s) (2BW: delay 1, ``w(t+1) = w(t) - ν·∇f(w(t-1))``; PipeDream: delay D - 1 - s).
+The pipeline matches it only if every backward used its forward's weight version.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from distributed import run_world
+from strategies.schedules import dapple, simulate, validate
+from strategies.schedules.asynchronous import (
+    crossing_receives, run, stashed_versions, version_of, weight_delay, window,
+)
+from toy_model import ToyMLP, toy_batches
+
+B, LR, MOMENTUM = 2, 0.05, 0.9
+
+
+# -- schedules (pure) --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, d, n", [("pipedream_2bw", d, n) for d in (1, 2, 3, 4, 5, 8) for n in (d, d + 1, 2 * d + 3)]
+                         + [("pipedream", d, 1) for d in (1, 2, 3, 4, 5, 8)])
+def test_windows_are_one_no_flush_1f1b_stream(name: str, d: int, n: int) -> None:
+    """T windows back to back (plus the drain) are DAPPLE over T·N micro-batches with no flush in between."""
+    steps = 4
+    joined = [sum((window(name, d, n, t).workers[s] for t in range(steps)), ()) for s in range(d)]
+    full = validate(run(name, d, n, steps))
+    assert [list(w[: len(j)]) for w, j in zip(full.workers, joined)] == [list(j) for j in joined]
+    assert full.workers == dapple(d, steps * n).workers
+    for t in range(steps):  # every forward of step t runs in window t, on version t
+        forwards = {a.mb for acts in window(name, d, n, t).workers for a in acts if a.kind == "F"}
+        assert forwards == set(range(t * n, (t + 1) * n))
+        assert {version_of(m, n) for m in forwards} == {t}
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_table_2_bubbles_and_weight_versions(d: int) -> None:
+    """Bubble ratio ≈ 0 (only the first fill and last drain of the whole run), 2BW stashes 2 Mθ,
+    PipeDream [Mθ, D·Mθ]; activations [Ma, D·Ma] for both."""
+    for name, n in (("pipedream_2bw", d), ("pipedream", 1)):
+        steps = 200
+        sim = simulate(run(name, d, n, steps), 1, 2)
+        assert sim.bubble_ratio == pytest.approx((d - 1) / (steps * n + d - 1))
+        assert sim.bubble_ratio < 0.04
+        assert sim.peak_activations == tuple(float(min(d - s, steps * n)) for s in range(d))
+    assert max(stashed_versions("pipedream_2bw", d, d)) == 2
+    assert stashed_versions("pipedream", d, 1) == tuple(range(d, 0, -1))
+    assert [weight_delay("pipedream", s, d) for s in range(d)] == list(range(d - 1, -1, -1))
+    assert {weight_delay("pipedream_2bw", s, d) for s in range(d)} == {1}
+
+
+def test_crossing_receives_are_the_backwards_after_a_step_boundary() -> None:
+    now, nxt = window("pipedream_2bw", 4, 4, 1), window("pipedream_2bw", 4, 4, 2)
+    assert [[str(a) for a in crossing_receives(now, nxt, w)] for w in range(4)] == [["0B5"], ["1B6"], ["2B7"], []]
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: window("pipedream_2bw", 4, 3, 0), "N ≥ D"),
+    (lambda: window("pipedream", 4, 2, 0), "N must be 1"),
+    (lambda: window("pipedream", 4, 1, -1), "step must be a non-negative integer"),
+    (lambda: weight_delay("gpipe", 0, 2), "unknown asynchronous schedule"),
+])
+def test_bad_settings_raise(call, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        call()
+
+
+def test_a_backward_uses_its_forwards_version_after_the_update() -> None:
+    """Weight stashing in one process: forward on version 0, update the live weights, backward:
+    the gradient is the one at version 0's weights, and the live parameters got none."""
+    from strategies.versions import WeightVersions
+
+    layer = torch.nn.Linear(3, 1, bias=False)
+    versions = WeightVersions("pipedream_2bw", 1, {0: [layer]})
+    x = torch.ones(2, 3)
+    versions.begin_step(0)
+    with versions.forward_weights(0):
+        out = layer(x).square().sum()
+    before = layer.weight.detach().clone()
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # the optimizer moved on
+    out.backward()
+    expected = 2 * (x @ before.T).sum() * torch.ones(1, 3) * 1.0  # d/dw sum((xw)^2) over 2 equal rows
+    assert layer.weight.grad is None
+    assert torch.allclose(versions.versions[0][0][id(layer.weight)].grad, expected)
+
+
+# -- runtime against the update rule (gloo) ----------------------------------------------------------
+
+def _reference(name: str, model: ToyMLP, D: int, batches: list[dict]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The asynchronous update rule in one process (same optimizer, same data)."""
+    from strategies.engine import even_partition
+    from strategies.pipeline_model import sequential_loss
+
+    stage_of = {id(p): s for s, r in enumerate(even_partition(len(model.layers), D))
+                for i in r for p in model.layers[i].parameters()}
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+    grads: list[list[torch.Tensor]] = []
+    losses = []
+    for t, batch in enumerate(batches):
+        opt.zero_grad()
+        loss = sequential_loss(model, batch)
+        losses.append(loss.item())
+        grads.append([g.detach().clone() for g in torch.autograd.grad(loss, params)])
+        for i, p in enumerate(params):
+            due = t - weight_delay(name, stage_of[id(p)], D)
+            p.grad = grads[due][i] if due >= 0 else None
+        opt.step()
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _pipeline_vs_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    import torch.distributed as dist
+
+    from strategies.engine import PipelineConfig, PipelineEngine
+
+    out = []
+    for case in cases:
+        name, D, N, steps = case["schedule"], case["D"], case["N"], case["steps"]
+        W = world // D
+        model = ToyMLP(layers=8)
+        batches = toy_batches(steps, W * N * B)
+        if case.get("repeat"):  # one mini-batch over and over: the loss must fall (convergence)
+            batches = [batches[0]] * steps
+        ref_losses, ref_params = _reference(name, copy.deepcopy(model), D, batches)
+        names = {id(p): n for n, p in model.named_parameters()}
+        engine = PipelineEngine(model, PipelineConfig(name, D, B, timeout_s=30.0), W, torch.device("cpu"))
+        opt = torch.optim.SGD(engine.local_parameters(), lr=LR, momentum=MOMENTUM)
+        replica = engine.topology.replica_of(rank)
+        losses, stashed = [], []
+        for batch in batches:
+            mine = {k: v[replica * N * B:(replica + 1) * N * B] for k, v in batch.items()}
+            opt.zero_grad()
+            losses.append(engine.train_step(mine).item())
+            opt.step()
+            if case.get("eval"):  # a forward-only pass between steps leaves the stream in flight untouched
+                engine.eval_step(mine)
+            stashed.append(1 + max(engine.versions.in_memory(s) for s in engine.local_stages))  # + live
+        err = max((p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in engine.local_parameters())
+        out.append({**case, "err": err, "losses": losses, "ref_losses": ref_losses, "stashed": max(stashed)})
+        dist.barrier()
+    return out
+
+
+def _check(results: list[list[dict]]) -> None:
+    for rank_results in results:
+        for r in rank_results:
+            label = f"{r['schedule']} D={r['D']} N={r['N']}"
+            assert r["err"] < 1e-5, f"{label}: parameters differ from the update rule by {r['err']:.2e}"
+            assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5), label
+            if r.get("repeat"):
+                assert r["losses"][-1] < 0.9 * r["losses"][0], f"{label}: did not train: {r['losses']}"
+
+
+@pytest.mark.slow
+def test_async_pipelines_follow_their_update_rule_on_four_ranks() -> None:
+    """W = 1 × D = 4 and W = 2 × D = 2, for 8 steps (past the warm-up, with delayed updates)."""
+    cases = [
+        {"schedule": "pipedream_2bw", "D": 4, "N": 4, "steps": 8},
+        {"schedule": "pipedream_2bw", "D": 4, "N": 5, "steps": 8, "eval": True},
+        {"schedule": "pipedream", "D": 4, "N": 1, "steps": 8},
+        {"schedule": "pipedream_2bw", "D": 2, "N": 3, "steps": 8},
+        {"schedule": "pipedream", "D": 2, "N": 1, "steps": 8},
+        {"schedule": "pipedream_2bw", "D": 4, "N": 4, "steps": 30, "repeat": True},
+        {"schedule": "pipedream", "D": 4, "N": 1, "steps": 30, "repeat": True},
+    ]
+    results = run_world(4, _pipeline_vs_rule, cases)
+    _check(results)
+    by_rank0 = {(r["schedule"], r["D"], r["N"]): r["stashed"] for r in results[0]}
+    assert by_rank0[("pipedream", 4, 1)] == 4  # stage 0 keeps D versions
+    assert by_rank0[("pipedream_2bw", 4, 4)] == 2
