@@ -178,38 +178,42 @@ def test_train_py_under_torchrun_does_not_relaunch(tmp_path: Path) -> None:
     assert "train/loss" in (tmp_path / "run" / "metrics.csv").read_text()
 
 
-def test_a_dead_rank_ends_the_job_with_its_log(tmp_path: Path) -> None:
-    """Rank 1 dies; rank 0 would wait forever: the launcher stops it and names rank 1."""
-    worker = tmp_path / "fake_worker.py"
-    worker.write_text(
-        "import os, sys, time\n"
-        "print('rank', os.environ['RANK'], 'started', flush=True)\n"
-        "if os.environ['RANK'] == '1':\n"
-        "    print('boom: simulated crash', flush=True); sys.exit(3)\n"
-        "time.sleep(600)\n"
-    )
+def _launch_fake_workers(tmp_path: Path, name: str, script: str, **kwargs):
+    """``launch_workers`` on 2 fake ranks running ``script`` (module ``name``); returns (outcome, seconds)."""
+    (tmp_path / f"{name}.py").write_text(script)
     layout = resolve_layout({"name": "gpipe", "D": 2, "micro_batch_size": 1}, {"devices": 2}, 8, num_layers=6)
     sys.path.insert(0, str(tmp_path))
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = f"{tmp_path}:{env_path}"
     try:
         start = time.monotonic()
-        outcome = launch_workers(tmp_path / "job.yaml", layout, 2, tmp_path / "logs", module="fake_worker",
-                                 grace_s=1.0)
+        outcome = launch_workers(tmp_path / "job.yaml", layout, 2, tmp_path / "logs", module=name, grace_s=1.0,
+                                 **kwargs)
+        return outcome, time.monotonic() - start
     finally:
         os.environ["PYTHONPATH"] = env_path
         sys.path.remove(str(tmp_path))
+
+
+def test_a_dead_rank_ends_the_job_with_its_log(tmp_path: Path) -> None:
+    """Rank 1 dies; rank 0 would wait forever: the launcher stops it and names rank 1."""
+    outcome, seconds = _launch_fake_workers(tmp_path, "fake_worker", (
+        "import os, sys, time\n"
+        "print('rank', os.environ['RANK'], 'started', flush=True)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    print('boom: simulated crash', flush=True); sys.exit(3)\n"
+        "time.sleep(600)\n"
+    ))
     assert not outcome.ok
     assert "rank 1 ended with exit code 3" in outcome.reason and "boom: simulated crash" in outcome.reason
-    assert time.monotonic() - start < 20
+    assert seconds < 20
     assert "boom" in (tmp_path / "logs" / "rank1.log").read_text()
 
 
 def test_a_silent_rank_is_named_by_its_heartbeat(tmp_path: Path) -> None:
     """Rank 1 beats, then stops itself (alive, silent); nobody else fails: the launcher ends the job
     once its heartbeat is older than hang_s, names rank 1 and stops both workers."""
-    worker = tmp_path / "silent_worker.py"
-    worker.write_text(
+    outcome, seconds = _launch_fake_workers(tmp_path, "silent_worker", (
         "import os, signal, time\n"
         "from recipe.heartbeat import HEARTBEAT_ENV, start_heartbeat\n"
         "start_heartbeat(os.environ[HEARTBEAT_ENV], interval_s=0.2)\n"
@@ -217,22 +221,11 @@ def test_a_silent_rank_is_named_by_its_heartbeat(tmp_path: Path) -> None:
         "if os.environ['RANK'] == '1':\n"
         "    time.sleep(0.5); print('about to hang', flush=True); os.kill(os.getpid(), signal.SIGSTOP)\n"
         "time.sleep(600)\n"
-    )
-    layout = resolve_layout({"name": "gpipe", "D": 2, "micro_batch_size": 1}, {"devices": 2}, 8, num_layers=6)
-    sys.path.insert(0, str(tmp_path))
-    env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = f"{tmp_path}:{env_path}"
-    try:
-        start = time.monotonic()
-        outcome = launch_workers(tmp_path / "job.yaml", layout, 2, tmp_path / "logs", module="silent_worker",
-                                 grace_s=1.0, hang_s=4.0)
-    finally:
-        os.environ["PYTHONPATH"] = env_path
-        sys.path.remove(str(tmp_path))
+    ), hang_s=4.0)
     assert not outcome.ok
     assert outcome.reason.startswith("rank 1 stopped answering: no heartbeat for"), outcome.reason
     assert "about to hang" in outcome.reason and "rank 0" not in outcome.reason
-    assert 4.0 < time.monotonic() - start < 20
+    assert 4.0 < seconds < 20
 
 
 @pytest.mark.slow
