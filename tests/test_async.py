@@ -99,8 +99,10 @@ def _reference(name: str, model: ToyMLP, D: int, batches: list[dict]) -> tuple[l
     from strategies.engine import even_partition
     from strategies.pipeline_model import sequential_loss
 
-    stage_of = {id(p): s for s, r in enumerate(even_partition(len(model.layers), D))
-                for i in r for p in model.layers[i].parameters()}
+    delay_of: dict[int, int] = {}  # a parameter on several stages (tied) takes the largest delay
+    for s, r in enumerate(even_partition(len(model.layers), D)):
+        for p in (p for i in r for p in model.layers[i].parameters()):
+            delay_of[id(p)] = max(delay_of.get(id(p), 0), weight_delay(name, s, D))
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
     grads: list[list[torch.Tensor]] = []
@@ -111,7 +113,7 @@ def _reference(name: str, model: ToyMLP, D: int, batches: list[dict]) -> tuple[l
         losses.append(loss.item())
         grads.append([g.detach().clone() for g in torch.autograd.grad(loss, params)])
         for i, p in enumerate(params):
-            due = t - weight_delay(name, stage_of[id(p)], D)
+            due = t - delay_of[id(p)]
             p.grad = grads[due][i] if due >= 0 else None
         opt.step()
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -126,7 +128,7 @@ def _pipeline_vs_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         name, D, N, steps = case["schedule"], case["D"], case["N"], case["steps"]
         W = world // D
-        model = ToyMLP(layers=8)
+        model = ToyMLP(layers=8, tied=case.get("tied", False))
         batches = toy_batches(steps, W * N * B)
         if case.get("repeat"):  # one mini-batch over and over: the loss must fall (convergence)
             batches = [batches[0]] * steps
@@ -169,6 +171,8 @@ def test_async_pipelines_follow_their_update_rule_on_four_ranks() -> None:
         {"schedule": "pipedream", "D": 4, "N": 1, "steps": 8},
         {"schedule": "pipedream_2bw", "D": 2, "N": 3, "steps": 8},
         {"schedule": "pipedream", "D": 2, "N": 1, "steps": 8},
+        {"schedule": "pipedream", "D": 4, "N": 1, "steps": 8, "tied": True},
+        {"schedule": "pipedream_2bw", "D": 4, "N": 4, "steps": 6, "tied": True},
         {"schedule": "pipedream_2bw", "D": 4, "N": 4, "steps": 30, "repeat": True},
         {"schedule": "pipedream", "D": 4, "N": 1, "steps": 30, "repeat": True},
     ]

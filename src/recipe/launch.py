@@ -195,8 +195,7 @@ def run(cfg: DictConfig) -> float | None:
     try:
         layout = resolve_layout(OmegaConf.to_container(cfg.strategy, resolve=True), trainer_cfg,
                                 cfg.data.global_batch_size, num_layers(cfg.model))
-        check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True),
-                    layout.strategy)
+        check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True))
         check_devices(trainer_cfg, _gpus_on_this_node(trainer_cfg))
         if cfg.get("preflight", True):
             from planner.preflight import preflight  # estimates on fake tensors: no memory is allocated

@@ -164,13 +164,8 @@ def _variant(strategy: dict[str, Any], name: str, pipelines: int) -> str:
     return "+".join(parts)
 
 
-def check_model(model: dict[str, Any], data: dict[str, Any], strategy: str | None = None) -> None:
-    """Shapes the model cannot take: a sequence longer than its position table; tied embeddings
-    under PipeDream (its stages update with different delays, so tied copies would drift apart)."""
-    if strategy == "pipedream" and model.get("tie_word_embeddings"):
-        raise ConfigError("strategy=pipedream updates each stage with its own delay, so the tied input and output "
-                          "embeddings (model.tie_word_embeddings = true) would diverge; set "
-                          "model.tie_word_embeddings=false or use strategy=pipedream_2bw")
+def check_model(model: dict[str, Any], data: dict[str, Any]) -> None:
+    """Shapes the model cannot take: a sequence longer than its position table."""
     positions = model.get("n_positions", model.get("max_position_embeddings"))
     seq_len = data.get("seq_len", model.get("seq_len"))
     if positions is not None and seq_len is not None and int(seq_len) > int(positions):

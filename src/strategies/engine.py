@@ -27,7 +27,7 @@ from .pipeline_model import Batch, PipelineModel, split_batch
 from .recompute import RECOMPUTE_MODES, recompute_stages
 from .schedules import ASYNC_SCHEDULES, Action, Schedule, build_schedule, dapple, validate
 from .schedules.asynchronous import run as async_run
-from .schedules.asynchronous import window
+from .schedules.asynchronous import weight_delay, window
 from .schedules.messages import fifo_violations
 from .topology import Topology
 from .versions import WeightVersions
@@ -120,10 +120,8 @@ class PipelineEngine:
         stage_groups, tied_group = self._create_groups()
         self._check_identical_copies(stage_groups)
         tied = self._local_tied_parameters()
-        if config.schedule == "pipedream" and self.tied_groups:
-            raise ValueError("pipedream updates each stage with its own delay, so tied weights on different stages "
-                             "would diverge; untie them (model.tie_word_embeddings=false) or use pipedream_2bw")
-        self.versions = WeightVersions(config.schedule, config.stages, self.stage_layers) if config.is_async else None
+        self.versions = (WeightVersions(config.schedule, config.stages, self.stage_layers, self._tied_delays(tied))
+                         if config.is_async else None)
         self.steps_taken = 0  # optimizer steps run (asynchronous schedules: which window comes next)
         self.synchronizer = GradientSynchronizer(
             {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout
@@ -170,6 +168,13 @@ class PipelineEngine:
 
     def local_parameters(self) -> list[nn.Parameter]:
         return self._params([layer for ls in self.stage_layers.values() for layer in ls])
+
+    def _tied_delays(self, tied: Sequence[nn.Parameter]) -> dict[int, int]:
+        """Asynchronous schedules: a tied parameter updates with the largest delay of the stages holding it."""
+        holders = {s for group in self.tied_groups for index, _ in group
+                   for s, layers in enumerate(self.partition) if index in layers}
+        delay = max((weight_delay(self.config.schedule, s, self.config.stages) for s in holders), default=0)
+        return {id(p): delay for p in tied}
 
     def _local_tied_parameters(self) -> list[nn.Parameter]:
         layers = self.model.pipeline_layers()
@@ -291,8 +296,9 @@ class PipelineEngine:
             current, {first + i: mb for i, mb in enumerate(micro_batches)}, self._totals(micro_batches),
             next_window=following,
         )
-        if self.versions.end_step(step):  # the same on every copy of a stage: the schedule decides
-            self.synchronizer.finish()
+        stage_due, tied_due = self.versions.end_step(step)  # alike on every copy of a stage: the schedule decides
+        if stage_due or tied_due:
+            self.synchronizer.finish(tied=tied_due)
         self.steps_taken += 1
         return self._world_sum(self.last_record.loss_sum)
 

@@ -120,8 +120,11 @@ class GradientSynchronizer:
         if self.tied_stages and self.tied_stages <= self._launched:
             self._launch_tied()
 
-    def finish(self) -> None:
-        """Launch what is left, wait for every all-reduce, copy the sums into ``.grad``."""
+    def finish(self, tied: bool = True) -> None:
+        """Launch what is left, wait for every all-reduce, copy the sums into ``.grad``; ``tied=False``
+        leaves the tied group out (an asynchronous step where no tied gradient is due)."""
+        if not tied:
+            self._launched.add("tied")
         for stage in sorted(self.buckets):
             self.launch(stage)
         self._launch_tied()

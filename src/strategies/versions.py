@@ -5,8 +5,9 @@ every forward of the step runs on that copy (the layers' parameters are swapped 
 graph each backward walks holds exactly the weights its forward used, also when the backward runs
 steps later, after the live weights were updated. A version's gradients accumulate on its copy.
 At the end of step ``t`` stage ``s`` hands version ``t - delay(s)``'s gradient to the live
-parameters (for the optimizer) and frees that version
-(:func:`strategies.schedules.asynchronous.weight_delay`).
+parameters (for the optimizer) and frees it (:func:`strategies.schedules.asynchronous.weight_delay`).
+A parameter tied across stages (GPT-2's embeddings on the first and last stage) takes the largest
+delay of its stages, so both copies get the same summed gradient at the same step and stay equal.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ Slot = tuple[nn.Module, str]  # a module and the name of one of its parameters
 class WeightVersions:
     """The stashed weight versions of this rank's stages."""
 
-    def __init__(self, schedule: str, stages: int, stage_layers: Mapping[int, Sequence[nn.Module]]) -> None:
+    def __init__(self, schedule: str, stages: int, stage_layers: Mapping[int, Sequence[nn.Module]],
+                 tied_delay: Mapping[int, int] | None = None) -> None:
         self.schedule, self.stages = schedule, stages
+        self.tied_delay = dict(tied_delay or {})  # id(parameter) → its delay, for tied parameters
         self.slots: dict[int, list[Slot]] = {}
         self.live: dict[int, list[nn.Parameter]] = {}  # per stage, distinct parameters in slot order
         for stage, layers in stage_layers.items():
@@ -56,18 +59,24 @@ class WeightVersions:
             for m, n, p in saved:
                 m._parameters[n] = p
 
-    def end_step(self, step: int) -> bool:
-        """Give the live parameters the gradient of version ``step - delay`` and free it; ``False``
-        (gradients left unset, no update) when no version is due yet."""
-        applied = False
+    def end_step(self, step: int) -> tuple[bool, bool]:
+        """Give each live parameter the gradient of its version ``step - delay`` (left unset, so no
+        update, when none is due yet) and free what no later step needs. Returns whether stage
+        gradients and whether tied gradients are due."""
+        stage_due = tied_due = False
         for stage, params in self.live.items():
-            due = step - weight_delay(self.schedule, stage, self.stages)
-            copies = self.versions[stage].pop(due, None)
+            store = self.versions[stage]
             for p in params:
-                grad = None if copies is None else copies[id(p)].grad
-                p.grad = None if copies is None else (grad if grad is not None else torch.zeros_like(p))
-            applied = applied or copies is not None
-        return applied
+                delay = self.tied_delay.get(id(p), weight_delay(self.schedule, stage, self.stages))
+                copy = store.get(step - delay, {}).pop(id(p), None)
+                p.grad = None if copy is None else (copy.grad if copy.grad is not None else torch.zeros_like(p))
+                if copy is not None and id(p) in self.tied_delay:
+                    tied_due = True
+                elif copy is not None:
+                    stage_due = True
+            for version in [v for v, copies in store.items() if not copies]:
+                del store[version]
+        return stage_due, tied_due
 
     def in_memory(self, stage: int) -> int:
         """How many versions of ``stage`` are stashed now (the live weights not counted)."""
