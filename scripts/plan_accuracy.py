@@ -135,6 +135,27 @@ def _measure_worker(rank: int, world: int, layouts: list[tuple], steps: int, war
     return out
 
 
+def recommendation_check(rows: list[dict]) -> list[dict]:
+    """Per global batch measured with several layouts: the measured time of the layout the planner
+    predicts fastest ÷ the fastest measured one (issue 7: within 5 %)."""
+    groups: dict[int, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["W"] * r["B"] * r["N"], []).append(r)
+    out = []
+    for batch, group in sorted(groups.items()):
+        if len(group) < 2:
+            continue
+        pick = min(group, key=lambda r: r["predicted_s"])
+        best = min(group, key=lambda r: r["measured_s"])
+        out.append({"global_batch_size": batch, "layouts": len(group), "recommended": _name(pick),
+                    "best_measured": _name(best), "ratio": pick["measured_s"] / best["measured_s"]})
+    return out
+
+
+def _name(row: dict) -> str:
+    return f"{row['layout']} W={row['W']} D={row['D']} B={row['B']}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="plan_accuracy.json")
@@ -185,9 +206,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{max(predicted_peak) / 2**20:.2f} vs {max(measured_peak) / 2**20:.2f} MiB ({mem_err:.1%})")
     t_err = [r["time_error"] for r in rows]
     m_err = [r["memory_error"] for r in rows]
+    picks = recommendation_check(rows)
     summary = {"layouts": len(rows), "time_error_median": statistics.median(t_err), "time_error_max": max(t_err),
                "memory_error_median": statistics.median(m_err), "memory_error_max": max(m_err),
-               "cores": costs.cores, "load_average": list(os.getloadavg())}
+               "recommended_vs_best": picks, "cores": costs.cores, "load_average": list(os.getloadavg())}
+    for pick in picks:
+        log(f"B̂ = {pick['global_batch_size']}: the planner's pick {pick['recommended']} measures "
+            f"{pick['ratio']:.3f}× the best measured ({pick['best_measured']}) of {pick['layouts']} layouts")
     Path(args.out).write_text(json.dumps({"profile": {"device": costs.device, "comm": costs.comm.to_json()},
                                           "rows": rows, "summary": summary}, indent=1))
     log(f"time error: median {summary['time_error_median']:.1%}, max {summary['time_error_max']:.1%}; "
