@@ -365,3 +365,21 @@ def test_async_memory_counts_the_stashed_weight_versions() -> None:
     assert two_bw.workers[0].states - sync.workers[0].states == 2 * 2 * stage_bytes
     assert one.workers[0].states - sync.workers[0].states == 2 * 2 * stage_bytes
     assert one.workers[1].states - sync.workers[1].states == 2 * 1 * stage_bytes
+
+
+def test_plan_accuracy_compares_the_pick_with_the_best_measured_per_global_batch() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_accuracy", Path(__file__).resolve().parents[1] / "scripts" / "plan_accuracy.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def row(layout: str, B: int, N: int, predicted: float, measured: float) -> dict:
+        return {"layout": layout, "W": 1, "D": 2, "B": B, "N": N, "predicted_s": predicted, "measured_s": measured}
+
+    rows = [row("gpipe", 4, 4, 1.0, 1.10), row("chimera", 4, 4, 0.9, 1.21), row("dapple", 2, 8, 1.2, 1.0),
+            row("gpipe", 1, 8, 1.0, 1.0)]  # B̂ = 8 alone: nothing to compare
+    (pick,) = script.recommendation_check(rows)
+    assert pick["global_batch_size"] == 16 and pick["layouts"] == 3
+    assert pick["recommended"] == "chimera W=1 D=2 B=4" and pick["best_measured"] == "dapple W=1 D=2 B=2"
+    assert pick["ratio"] == pytest.approx(1.21)
