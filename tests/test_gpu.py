@@ -6,7 +6,8 @@ on CPU over gloo); run wherever a GPU is available with
 layouts checked are those the visible GPUs allow: W·D = 1 on one GPU (the NCCL groups, the
 gradient sync and the executor on CUDA, every schedule that fits), D = 2 and W = 2 × D = 2 on
 more. The reference is the unsplit ``transformers`` GPT-2 trained on the same GPU in fp32 with
-TF32 off; bf16 autocast runs are compared with the reference under the same autocast.
+TF32 off; bf16 autocast runs are compared with the reference under the same autocast. The measured
+timeline (CUDA events on a GPU) must lie inside the step, in order.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,11 +98,17 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
         losses = []
         for batch in batches:
             mine = {k: v[replica * N * B:(replica + 1) * N * B] for k, v in batch.items()}
+            start = time.perf_counter()
             with autocast:
-                losses.append(engine.train_step(mine).item())
+                losses.append(engine.train_step(mine).item())  # .item(): the step's GPU work is done
+            wall = time.perf_counter() - start
             opt.step()
+        boxes = engine.last_record.timeline  # CUDA events on a GPU: execution, not launch, times
+        ordered = all(s <= e for _, s, e in boxes) and all(a[2] <= b[1] + 1e-6 for a, b in zip(boxes, boxes[1:]))
+        inside = start - 1e-3 <= boxes[0][1] and boxes[-1][2] <= start + wall + 1e-3
         errs = {names[id(p)]: (p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in params}
         out.append({**case, "backend": dist.get_backend(), "errs": errs, "losses": losses, "ref_losses": ref_losses,
+                    "timeline_ok": ordered and inside,
                     "peak_stored_bytes": engine.last_record.peak_stored_bytes if engine.last_record else 0})
         dist.barrier()
     return out
@@ -113,6 +121,7 @@ def _check(cases: list[dict], results: list[list[dict]], world: int, backend: st
         tol = TOL_BF16 if case["bf16"] else TOL_FP32
         for per_rank in (r[i] for r in results):
             assert per_rank["backend"] == backend
+            assert per_rank["timeline_ok"], f"{label}: measured boxes out of order or outside the step"
             assert per_rank["losses"] == pytest.approx(per_rank["ref_losses"], abs=tol), label
             for name, err in per_rank["errs"].items():
                 assert err < tol, f"{label}: {name} differs by {err:.2e}"

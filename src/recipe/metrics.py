@@ -4,7 +4,8 @@
   replicas that consume distinct samples, not the W·D processes (each of a replica's D ranks sees
   the same mini-batch).
 * The measured bubble ratio follows Chimera §2's definition (idle time / (workers × iteration
-  time)) from the per-action wall times every rank's executor records; the theoretical one is the
+  time)) from the per-action times every rank's executor records (:mod:`strategies.timing`: wall
+  clock on CPU, CUDA events on GPUs); the theoretical one is the
   simulator's for the schedule that was executed (t_b = 2·t_f).
 * Peak memory per rank: CUDA max allocated on GPU, the process's peak RSS on CPU.
 

@@ -26,7 +26,6 @@ ends (gloo and NCCL complete a send only once its receive is posted).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ from .pipeline_model import Batch, PipelineModel, run_layers
 from .recompute import RngState, SavedBytes, parameter_storages
 from .schedules import Action, Schedule
 from .schedules.asynchronous import crossing_receives
+from .timing import ActionClock
 from .topology import Topology
 from .versions import WeightVersions
 
@@ -81,13 +81,17 @@ class StepRecord:
     """What one step on this rank measured.
 
     ``loss_sum``: this rank's share of the mini-batch loss (a device tensor, no host sync);
-    ``timeline``: (action, start, end) wall times; ``peak_stored_bytes``: the most activation
-    bytes held at once between forwards and their backwards (see :class:`SavedBytes`).
+    ``timeline``: (action, start, end) wall times (:mod:`strategies.timing`); ``peak_stored_bytes``:
+    the most activation bytes held at once between forwards and their backwards (:class:`SavedBytes`).
     """
 
     loss_sum: Tensor
-    timeline: list[tuple[Action, float, float]] = field(default_factory=list)
+    clock: ActionClock | None = None
     peak_stored_bytes: int = 0
+
+    @property
+    def timeline(self) -> list[tuple[Action, float, float]]:
+        return self.clock.timeline() if self.clock is not None else []
 
 
 @dataclass
@@ -155,7 +159,7 @@ class StageExecutor:
         self._ctx = ctx
         if train and not carried:
             self._stored = 0
-        record = StepRecord(torch.zeros((), dtype=torch.float64))
+        record = StepRecord(torch.zeros((), dtype=torch.float64), ActionClock(self.messenger.device))
         receives = [self._receives(a) for a in actions]
         posted: dict[int, list[PendingRecv]] = {}
         if carried:
@@ -165,15 +169,17 @@ class StageExecutor:
                 for j in range(i, min(i + 1 + self.prefetch, len(actions))):
                     if j not in posted:
                         posted[j] = [self.messenger.post_recv(*r) for r in receives[j]]
-                waited, start = self.messenger.recv_wait_s, time.perf_counter()
+                inbox = posted.pop(i)
+                for pending in inbox:  # the box starts once its inputs arrived: waiting for a peer is a bubble
+                    self.messenger.wait_recv(pending)
+                start = record.clock.now()
                 if action.kind == "F":
-                    self._forward(action, posted.pop(i))
+                    self._forward(action, inbox)
                 else:
-                    self._backward(action, posted.pop(i))
+                    self._backward(action, inbox)
                     if after_backward is not None:
                         after_backward(action)
-                # the box starts when its inputs have arrived: waiting for a peer is a bubble
-                record.timeline.append((action, start + self.messenger.recv_wait_s - waited, time.perf_counter()))
+                record.clock.box(action, start)
         if carried and next_window is not None:
             for action in crossing_receives(schedule, next_window, worker):
                 self._preposted[action] = [self.messenger.post_recv(*r) for r in self._receives(action)]

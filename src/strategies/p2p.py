@@ -15,7 +15,6 @@ identically because every rank of a replica reads the same micro-batches.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,6 +42,7 @@ class PendingRecv:
     header_work: dist.Work | None = None
     buffer: Tensor | None = None
     work: dist.Work | None = None
+    received: bool = False  # waited once (gloo: a second wait on the same receive would wait for another)
 
 
 class Messenger:
@@ -55,7 +55,6 @@ class Messenger:
         self._sent_shapes: set[Hashable] = set()
         self._known_shapes: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}
         self._header_posted: set[Hashable] = set()
-        self.recv_wait_s = 0.0  # total time spent waiting for receives (a measured timeline leaves it out)
 
     def send(self, tensor: Tensor, dst: int, tag: int, shape_key: Hashable) -> None:
         tensor = tensor.detach().contiguous()
@@ -90,15 +89,11 @@ class Messenger:
         return pending
 
     def wait_recv(self, pending: PendingRecv) -> Tensor:
-        start = time.perf_counter()
-        try:
-            return self._wait_recv(pending)
-        finally:
-            self.recv_wait_s += time.perf_counter() - start
-
-    def _wait_recv(self, pending: PendingRecv) -> Tensor:
-        self.post_data(pending)
-        self._wait(pending.work, f"tensor (tag {pending.tag}) from rank {pending.src}")
+        """The received tensor (waiting again for one already received returns at once)."""
+        if not pending.received:
+            self.post_data(pending)
+            self._wait(pending.work, f"tensor (tag {pending.tag}) from rank {pending.src}")
+            pending.received = True
         return pending.buffer
 
     def post_data(self, pending: PendingRecv) -> None:
