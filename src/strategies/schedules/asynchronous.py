@@ -20,6 +20,7 @@ Weight versions (the rule the runtime executes):
 from __future__ import annotations
 
 from .actions import Action, Schedule
+from .simulate import Cost, simulate
 
 ASYNC_SCHEDULES = ("pipedream_2bw", "pipedream")
 
@@ -135,10 +136,9 @@ def steady_step(name: str, stages: int, micro_batches: int) -> int:
     return -(-(stages - 1) // micro_batches) + 1
 
 
-def steady_step_makespan(name: str, stages: int, micro_batches: int, t_f, t_b, *, t_comm: float = 0.0) -> float:
+def steady_step_makespan(name: str, stages: int, micro_batches: int, t_f: Cost, t_b: Cost, *,
+                         t_comm: float = 0.0) -> float:
     """Time one more step adds to the no-flush stream in steady state (one iteration's time)."""
-    from .simulate import simulate
-
     k = steady_step(name, stages, micro_batches)
     after = simulate(run(name, stages, micro_batches, k + 1), t_f, t_b, t_comm=t_comm).makespan
     return after - simulate(run(name, stages, micro_batches, k), t_f, t_b, t_comm=t_comm).makespan
