@@ -52,7 +52,9 @@ KEYS = ("schedule_efficiency", "chimera_vs_dapple", "vs_torch", "overhead_d1", "
 
 
 def _timed_steps(step: Callable[[], Any], steps: int, warmup: int) -> list[float]:
-    """Wall time of ``steps`` calls after ``warmup`` untimed ones, each started after a barrier."""
+    """Wall time of ``steps`` calls after ``warmup`` untimed ones: every rank starts after a barrier
+    and a step lasts until the slowest rank returns (the largest time over the ranks, reduced after
+    the clock stopped, so no closing collective's latency is counted)."""
     import torch.distributed as dist
 
     times = []
@@ -61,10 +63,11 @@ def _timed_steps(step: Callable[[], Any], steps: int, warmup: int) -> list[float
             dist.barrier()
         start = time.perf_counter()
         step()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         if dist.is_initialized():
-            dist.barrier()  # the step ends when the slowest rank is done
+            dist.all_reduce(elapsed, dist.ReduceOp.MAX)
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(float(elapsed))
     return times
 
 

@@ -158,6 +158,33 @@ def test_time_includes_rabenseifner_allreduce_and_recompute() -> None:
     assert rec.t_b == pytest.approx(tuple(b + f for b, f in zip(none.t_b, none.t_f)))
 
 
+def test_end_sync_fuses_the_buckets_copied_on_the_same_workers() -> None:
+    """Chimera: a worker's two stages have the same copies, so they are one all-reduce (as the runtime)."""
+    comm = CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(1e-3, 1e-6))
+    zero = tuple(replace(x, fwd=LinearFit(0, 0), bwd=LinearFit(0, 0)) for x in toy(4, params=1000).layers)
+    costs = replace(toy(4, params=1000), comm=comm, layers=zero)
+    part = [range(s, s + 1) for s in range(4)]
+    pred = predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2), part)
+    assert pred.sync_s == pytest.approx(rabenseifner(2, 2 * 4000, 1e-3, 1e-6))  # not 2 × ar(2, 4000)
+    eager = predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="eager"), part)
+    assert eager.sync_s == pytest.approx(2 * rabenseifner(2, 4000, 1e-3, 1e-6))  # launched apart: not fused
+
+
+def test_emulated_pipeline_profiles_without_sharing_cores() -> None:
+    """The emulated stages (issue 6) are profiled like a model; they hold no core, so no stretch."""
+    from planner.profile import profile_pipeline
+    from strategies.emulated import EmulatedPipeline
+
+    model = EmulatedPipeline(4, t_f=0.002, activation_numel=64, param_numel=16)
+    costs = profile_pipeline(model, model.batch, "emulated", batch_sizes=(1, 2), reps=2, memory=False,
+                             shares_cores=False)
+    assert costs.cores == 0 and costs.num_layers == 4
+    assert all(layer.fwd(1) >= 0.002 and layer.bwd(2) >= 0.008 for layer in costs.layers)  # t·B, t_b = 2 t_f
+    busy = predict_time(replace(costs, cores=2), Candidate("gpipe", 1, 4, 1, 8), [range(s, s + 1) for s in range(4)])
+    free = predict_time(costs, Candidate("gpipe", 1, 4, 1, 8), [range(s, s + 1) for s in range(4)])
+    assert free.compute_s < busy.compute_s  # 4 ranks on 2 shared cores would be stretched
+
+
 def test_eager_sync_hides_allreduce_behind_bubbles() -> None:
     comm = CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 1e-4))
     costs = replace(toy(8), comm=comm)
@@ -166,6 +193,24 @@ def test_eager_sync_hides_allreduce_behind_bubbles() -> None:
     eager = predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="eager"), part)
     assert eager.sync_s < end.sync_s
     assert eager.iteration_s < end.iteration_s
+    # CPU ranks on every core: what overlaps computation takes its core time, only idle time hides it
+    busy = replace(costs, cores=4)
+    eager_cpu = predict_time(busy, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="eager"), part)
+    end_cpu = predict_time(busy, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="end"), part)
+    assert eager_cpu.iteration_s >= eager.iteration_s and end_cpu.iteration_s == pytest.approx(end.iteration_s)
+
+
+def test_cpu_contention_charges_only_the_overlap_with_computation() -> None:
+    from types import SimpleNamespace as Box
+
+    from planner.costs import Collective
+    from planner.predict import _cpu_contention
+
+    timeline = [[Box(start=0.0, end=2.0), Box(start=3.0, end=4.0)], [Box(start=0.0, end=4.0)]]
+    early = Collective("stage0", (0, 1), {0: 1.0, 1: 1.0}, 2.5)  # runs 1.0–3.5
+    assert _cpu_contention([early], timeline, [4.0, 4.0], 1.0) == pytest.approx([4.0 + 1.0 + 0.5, 4.0 + 2.5])
+    late = Collective("stage0", (0, 1), {0: 4.0, 1: 4.0}, 2.5)  # launched at the end: nothing overlaps
+    assert _cpu_contention([late], timeline, [4.0, 4.0], 1.0) == [4.0, 4.0]
 
 
 def test_candidates_cover_the_search_space() -> None:

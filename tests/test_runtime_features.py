@@ -154,7 +154,8 @@ def _features(rank: int, world: int, cases: list[dict]) -> dict:
         engine = PipelineEngine(model, config, W, torch.device("cpu"))
         losses, peak = _train(engine, batches, rank, N)
         err = max((p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in engine.local_parameters())
-        out["equivalence"].append({**case, "param_err": err, "losses": losses, "ref_losses": ref_losses})
+        out["equivalence"].append({**case, "param_err": err, "losses": losses, "ref_losses": ref_losses,
+                                   "buckets": sorted(map(str, engine.synchronizer._flat))})
         if "memory" in case:
             out["memory"][case["memory"]] = (engine.local_stages, peak)
         dist.barrier()
@@ -195,6 +196,8 @@ FEATURE_CASES = [
      "concat": "forward_doubling"},
     {"schedule": "chimera", "D": 2, "N": 4, "recompute": "except_last", "concat": "backward_halving", "tied": True},
     {"schedule": "gpipe", "D": 2, "N": 2, "recompute": "always", "grad_sync": "eager", "tied": True},
+    {"schedule": "chimera", "D": 4, "N": 4, "tied": True},  # end: stages 0, 3 and tied fused on ranks 0, 3
+    {"schedule": "chimera", "D": 2, "N": 4, "tied": True},  # W = 2
 ]
 
 
@@ -210,6 +213,16 @@ def test_every_mode_equals_single_process(features) -> None:
             label = {k: r[k] for k in r if k not in ("param_err", "losses", "ref_losses")}
             assert r["param_err"] < 1e-5, f"{label}: parameters differ by {r['param_err']:.2e}"
             assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5), label
+
+
+@pytest.mark.slow
+def test_end_sync_fuses_each_workers_gradient_into_one_all_reduce(features) -> None:
+    """Chimera copies all stages of a worker (and the tied embeddings) on the same ranks: one bucket."""
+    for rank, rank_results in enumerate(features):
+        for r in rank_results["equivalence"]:
+            if r["schedule"] == "chimera" and r.get("grad_sync", "end") == "end":
+                assert len(r["buckets"]) == 1, (rank, r["D"], r["buckets"])
+                assert r["buckets"][0].count(",") >= 1, r["buckets"]  # several stages in it
 
 
 @pytest.mark.slow

@@ -3,9 +3,10 @@ using micro benchmarks").
 
 * p2p: ping-pong of messages of several sizes; one-way time = half the round trip; a least-squares
   line ``t = α + β·L`` gives the p2p constants.
-* all-reduce: two-process all-reduces of the same sizes; with ``r = 2`` Rabenseifner's cost is
-  ``2α + β·L`` (:func:`planner.costs.allreduce_from_pair`).
-* runtime overhead: a D = 2 GPipe step of :class:`strategies.emulated.EmulatedPipeline` (sleeping
+* all-reduce: two-process gradient all-reduces of the same sizes, run by the runtime's
+  :class:`strategies.grad_sync.GradientSynchronizer` (packing into its flat buffer and unpacking
+  included); with ``r = 2`` Rabenseifner's cost is ``2α + β·L`` (:func:`planner.costs.allreduce_from_pair`).
+* runtime overhead: a D = 2 GPipe step of :class:`strategies.emulated.EmulatedPipeline` (holding
   ``t_f``/``2 t_f`` per action, so the two ranks do not compete for cores) at two micro-batch counts;
   what the simulated makespan (:func:`strategies.schedules.simulate`) does not explain is the
   executor's own cost per action and per step.
@@ -21,18 +22,24 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .costs import AlphaBeta, allreduce_from_pair, fit_line, robust_line
+from .costs import AlphaBeta, allreduce_from_pair, fit_line, quantile, robust_line
 from .model_costs import CommCosts
 
 SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 CALIBRATION_N = (2, 8)
-CALIBRATION_T_F = 0.002  # seconds of sleep per emulated forward (backward: twice)
+CALIBRATION_T_F = 0.002  # seconds held per emulated forward (backward: twice)
+SAMPLE_QUANTILE = 0.25  # of the repetitions, as the layer profile (other users' load only slows them)
+COMM_VERSION = 3  # part of the cache key: bumped when the measurement changes
 
 
 def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: int) -> dict[str, Any]:
+    from datetime import timedelta
+
     import psutil
     import torch
     import torch.distributed as dist
+
+    from strategies.grad_sync import GradientSynchronizer
 
     rss = psutil.Process().memory_info().rss
     p2p, allreduce = {}, {}
@@ -51,15 +58,19 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
                 dist.send(buf, peer)
             if r >= 2:
                 samples.append((time.perf_counter() - start) / 2)
-        p2p[size] = statistics.median(samples)
+        p2p[size] = quantile(samples, SAMPLE_QUANTILE)
+        # as the runtime runs it: gradients packed into a flat buffer, all-reduced, unpacked
+        weight = torch.nn.Parameter(torch.zeros(size // 4))
+        weight.grad = torch.zeros_like(weight)
+        sync = GradientSynchronizer({0: [weight]}, {0: dist.group.WORLD}, [], None, timedelta(seconds=120))
         samples = []
         for r in range(reps + 2):
             dist.barrier()
             start = time.perf_counter()
-            dist.all_reduce(buf)
+            sync.finish()
             if r >= 2:
                 samples.append(time.perf_counter() - start)
-        allreduce[size] = statistics.median(samples)
+        allreduce[size] = quantile(samples, SAMPLE_QUANTILE)
     steps_s = {}
     from strategies.emulated import EmulatedPipeline
     from strategies.engine import PipelineConfig, PipelineEngine
@@ -76,11 +87,13 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
             dist.barrier()
             if r >= 2:
                 samples.append(time.perf_counter() - start)
-        steps_s[n] = statistics.median(samples)
+        steps_s[n] = quantile(samples, SAMPLE_QUANTILE)
+    from strategies.emulated import hold
+
     over = []
     for _ in range(20):
         start = time.perf_counter()
-        time.sleep(CALIBRATION_T_F)
+        hold(CALIBRATION_T_F)
         over.append(time.perf_counter() - start - CALIBRATION_T_F)
     return {"p2p": p2p, "allreduce": allreduce, "steps": steps_s, "rss": rss, "t_f": CALIBRATION_T_F,
             "sleep_overshoot": statistics.median(over)}
@@ -106,11 +119,11 @@ def fit_comm(result: dict[str, Any], *, measured: bool = True) -> CommCosts:
         xs.append(m)
         ys.append(float(result["steps"][n]) - base)
     line = fit_line(xs, ys)
-    action = line.b - float(result.get("sleep_overshoot", 0.0))  # sleep's own lateness is not the runtime's
+    action = line.b - float(result.get("sleep_overshoot", 0.0))  # the hold's own lateness is not the runtime's
     return CommCosts(p2p, allreduce, max(action, 0.0), max(line.a, 0.0), int(result["rss"]), measured)
 
 
-def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 10, steps: int = 10) -> CommCosts:
+def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 30, steps: int = 20) -> CommCosts:
     """Run the micro-benchmarks in two spawned gloo processes (a few seconds)."""
     from strategies.spawn import run_world
 
@@ -128,7 +141,7 @@ def load_or_measure_comm(cache_dir: Path, device: str, *, refresh: bool = False,
     """Cached per device description (independent of the model)."""
     import hashlib
 
-    path = Path(cache_dir) / f"comm-{hashlib.sha1(device.encode()).hexdigest()[:12]}.json"
+    path = Path(cache_dir) / f"comm-{hashlib.sha1(f'{device}:v{COMM_VERSION}'.encode()).hexdigest()[:12]}.json"
     if path.exists() and not refresh:
         if log:
             log(f"comm: cached {path}")

@@ -96,6 +96,17 @@ class AlphaBeta:
         return cls(float(data["alpha"]), float(data["beta"]))
 
 
+def quantile(samples: Sequence[float], q: float) -> float:
+    """The ``q``-quantile of ``samples`` (linear interpolation between order statistics)."""
+    ordered = sorted(samples)
+    if not ordered:
+        raise ValueError("no samples")
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
 def rabenseifner(replicas: int, nbytes: float, alpha: float, beta: float) -> float:
     """All-reduce time of ``nbytes`` over ``replicas`` processes (Rabenseifner; Chimera §3.4, eq. above (1)).
 

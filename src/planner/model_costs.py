@@ -7,7 +7,9 @@ autograd would save, from a fake-tensor pass, no time) for the memory pre-flight
 Per layer, everything that depends on the micro-batch size ``B`` is a :class:`~planner.costs.LinearFit`
 through two profiled sizes (CAPTURE §III-A2, §III-B2):
 
-* ``fwd``/``bwd``: seconds of the layer's forward / backward on one micro-batch;
+* ``fwd``/``bwd``: seconds of the layer's forward / backward on one micro-batch; ``fwd_nograd``: the
+  forward without building a graph, as a recomputed stage first runs it (zero: not profiled, the
+  planner then charges ``fwd``);
 * ``stored_alone`` (CAPTURE's M_i): bytes the layer keeps for its backward when it is alone on a
   stage, its output included; ``stored_added`` (M_a): the bytes it adds when it follows the previous
   layer on the same stage, so a stage of layers ``i..j`` keeps ``M_i(i) + Σ_{k=i+1..j} M_a(k)``
@@ -42,11 +44,12 @@ class LayerCosts:
     stored_added: LinearFit = ZERO
     transient: LinearFit = ZERO
     out_bytes: LinearFit = ZERO
+    fwd_nograd: LinearFit = ZERO
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "params": self.params, "param_bytes": self.param_bytes,
                                "opt_s": self.opt_s}
-        for key in ("fwd", "bwd", "stored_alone", "stored_added", "transient", "out_bytes"):
+        for key in ("fwd", "bwd", "stored_alone", "stored_added", "transient", "out_bytes", "fwd_nograd"):
             out[key] = getattr(self, key).to_json()
         return out
 
@@ -54,6 +57,8 @@ class LayerCosts:
     def from_json(cls, data: dict[str, Any]) -> LayerCosts:
         fits = {k: LinearFit.from_json(data[k]) for k in ("fwd", "bwd", "stored_alone", "stored_added",
                                                            "transient", "out_bytes")}
+        if "fwd_nograd" in data:
+            fits["fwd_nograd"] = LinearFit.from_json(data["fwd_nograd"])
         return cls(str(data["name"]), int(data["params"]), int(data["param_bytes"]),
                    opt_s=float(data.get("opt_s", 0.0)), **fits)
 
@@ -115,6 +120,11 @@ class ModelCosts:
 
     def stage_fwd(self, stage: range, B: float) -> float:
         return sum(self.layers[i].fwd.clamp(B) for i in stage)
+
+    def stage_fwd_nograd(self, stage: range, B: float) -> float:
+        """A recomputed stage's first forward (no graph); ``fwd`` where it was not profiled."""
+        return sum((layer.fwd_nograd if layer.fwd_nograd != ZERO else layer.fwd).clamp(B)
+                   for layer in (self.layers[i] for i in stage))
 
     def stage_bwd(self, stage: range, B: float) -> float:
         return sum(self.layers[i].bwd.clamp(B) for i in stage)

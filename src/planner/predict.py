@@ -5,19 +5,23 @@ Instead of counting forwards and backwards on a critical path by hand (``T = (F_
 workers will execute through :func:`strategies.schedules.simulate` with measured per-stage costs:
 
 * ``t_f[s]``/``t_b[s]``: the sum of the stage's profiled layer times at micro-batch size ``B`` plus the
-  runtime's per-action overhead; recomputation adds the stage's forward to its backward (§3.4:
-  ``B_t = 3 F_t``); a doubled forward costs two forwards (simulate charges ``2·t_f``, §3.5); a halved
+  runtime's per-action overhead; recomputation runs the forward without a graph (its profiled
+  ``fwd_nograd``) and adds the full forward to the backward (§3.4: ``B_t = 3 F_t``); a doubled forward costs two forwards (simulate charges ``2·t_f``, §3.5); a halved
   backward runs two half-size graphs (``t_b[s] = 2·bwd(B/2)``, simulate charges half of it each).
 * ``t_comm = α + β·L`` with ``L`` the stage boundary activation at ``B`` (Chimera §3.4, α–β model).
 * Gradient synchronisation: one Rabenseifner all-reduce per stage over its ``r = W·pipelines``
   copies, launched at the end (``grad_sync=end``) or after the copy's last backward (eager modes,
-  §3.2); :func:`planner.costs.sync_timeline` gives the part not hidden behind computation.
+  §3.2); :func:`planner.costs.sync_timeline` gives the part not hidden behind computation. With
+  ``end``, buckets copied on the same workers are one fused all-reduce, as the runtime runs them
+  (:class:`strategies.grad_sync.GradientSynchronizer`).
 * Asynchronous schedules (PipeDream-2BW, PipeDream) never flush: one iteration is the steady-state
   window, measured as the makespan added by one more step of the no-flush stream.
 * CPU ranks that outnumber the cores share them: the simulated compute is stretched to at least the
   total busy time of all ranks divided by the cores. (A processor-sharing fixed point that stretches
   each stage by the concurrency it meets was tried and over-predicted the measured runs by 20–55 %
-  on 4 ranks / 2 cores: ranks blocked in receives leave their core to the others.)
+  on 4 ranks / 2 cores: ranks blocked in receives leave their core to the others.) When the ranks
+  occupy every core, an eagerly launched all-reduce takes its core time from the computation it
+  overlaps: it is hidden only behind idle time.
 """
 
 from __future__ import annotations
@@ -186,16 +190,17 @@ def stage_costs(costs: ModelCosts, cand: Candidate, partition: Sequence[range]) 
     recompute = cand.recompute_stages()
     t_f, t_b = [], []
     for s, stage in enumerate(partition):
+        kept = s not in recompute  # a recomputed stage runs its forward without a graph, then again in backward
         if halving:  # two half-size graphs per forward, two half backwards
-            fwd = 2 * costs.stage_fwd(stage, cand.B / 2)
+            fwd = 2 * (costs.stage_fwd(stage, cand.B / 2) if kept else costs.stage_fwd_nograd(stage, cand.B / 2))
             bwd = 2 * (costs.stage_bwd(stage, cand.B / 2) + o)
-            if s in recompute:
+            if not kept:
                 bwd += 2 * costs.stage_fwd(stage, cand.B / 2)
         else:
-            fwd = costs.stage_fwd(stage, cand.B)
+            fwd = costs.stage_fwd(stage, cand.B) if kept else costs.stage_fwd_nograd(stage, cand.B)
             bwd = costs.stage_bwd(stage, cand.B) + o
-            if s in recompute:
-                bwd += fwd
+            if not kept:
+                bwd += costs.stage_fwd(stage, cand.B)
         t_f.append(fwd + o)
         t_b.append(bwd)
     boundary = max((costs.stage_out_bytes(st, cand.B) for st in partition[:-1]), default=0.0)
@@ -228,6 +233,8 @@ def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] 
         stretch = max(1.0, cand.W * sum(busy) / cores / makespan)
     compute_end = [end * stretch for end in ends]
     collectives = _collectives(costs, cand, partition, schedule, timeline, compute_end, stretch)
+    if cores and cand.world_size >= cores:
+        compute_end = _cpu_contention(collectives, timeline, compute_end, stretch)
     finish = sync_timeline(collectives, compute_end)
     opt = []
     for w in range(cand.D):
@@ -252,6 +259,21 @@ def _steady_window(cand: Candidate, t_f: Sequence[float], t_b: Sequence[float],
     return schedule, steady_step_makespan(cand.strategy, cand.D, cand.N, t_f, t_b, t_comm=t_comm), busy
 
 
+def _cpu_contention(collectives: Sequence[Collective], timeline: Sequence, compute_end: Sequence[float],
+                    stretch: float) -> list[float]:
+    """CPU ranks that already occupy every core: an all-reduce launched early (eager sync) takes its
+    core time from the computation it overlaps, which ends that much later (it is hidden only behind
+    the worker's idle time). On GPUs (``cores = 0``) it overlaps for free."""
+    out = list(compute_end)
+    for c in collectives:
+        for w in c.members:
+            start, end = c.launch[w], c.launch[w] + c.duration
+            if start >= compute_end[w] or not timeline[w]:
+                continue
+            out[w] += sum(max(0.0, min(end, t.end * stretch) - max(start, t.start * stretch)) for t in timeline[w])
+    return out
+
+
 def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range], schedule: Schedule,
                  timeline: Sequence, compute_end: Sequence[float], stretch: float) -> list[Collective]:
     """The gradient all-reduces of one replica group's workers (every replica alike, Chimera §3.3)."""
@@ -269,20 +291,28 @@ def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range],
         return compute_end[w]
 
     tied_layers = {i for i, j, _ in costs.tied} | {j for i, j, _ in costs.tied}
-    out = []
+    buckets: list[tuple[str, tuple[int, ...], dict[int, float], float]] = []  # name, members, launches, bytes
     for s, stage in enumerate(partition):
         members = tuple(sorted({row[s] for row in schedule.placement}))
-        replicas = cand.W * len(schedule.placement)
         nbytes = costs.stage_param_bytes(stage) - costs.tied_bytes(set(stage) & tied_layers)
-        if replicas > 1 and nbytes > 0:
-            out.append(Collective(f"stage{s}", members, {w: launch(w, s) for w in members},
-                                  rabenseifner(replicas, nbytes, ar.alpha, ar.beta)))
+        if cand.W * len(members) > 1 and nbytes > 0:
+            buckets.append((f"stage{s}", members, {w: launch(w, s) for w in members}, nbytes))
     for k, (i, j, nbytes) in enumerate(costs.tied):
         holders = sorted({s for s, st in enumerate(partition) if i in st or j in st})
         members = tuple(sorted({row[s] for row in schedule.placement for s in holders}))
-        replicas = cand.W * len(members)
-        if replicas > 1:
+        if cand.W * len(members) > 1:
             launches = {w: max(launch(w, s) for s in holders if w in {row[s] for row in schedule.placement})
                         for w in members}
-            out.append(Collective(f"tied{k}", members, launches, rabenseifner(replicas, nbytes, ar.alpha, ar.beta)))
-    return out
+            buckets.append((f"tied{k}", members, launches, nbytes))
+    if cand.grad_sync == "end":  # the runtime fuses buckets with the same members into one all-reduce
+        fused: dict[tuple[int, ...], tuple[str, tuple[int, ...], dict[int, float], float]] = {}
+        for name, members, launches, nbytes in buckets:
+            if members in fused:
+                prev = fused[members]
+                fused[members] = (f"{prev[0]}+{name}", members,
+                                  {w: max(prev[2][w], launches[w]) for w in members}, prev[3] + nbytes)
+            else:
+                fused[members] = (name, members, launches, nbytes)
+        buckets = list(fused.values())
+    return [Collective(name, members, launches, rabenseifner(cand.W * len(members), nbytes, ar.alpha, ar.beta))
+            for name, members, launches, nbytes in buckets]

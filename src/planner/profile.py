@@ -3,10 +3,12 @@
 For each batch size ``B`` in ``batch_sizes`` (two by default, CAPTURE §III-A2) and each pipeline
 layer, the profiler measures, the way :class:`strategies.executor.StageExecutor` runs a stage:
 
-* the forward (under the executor's saved-tensor accounting) and backward times: the median of
-  ``reps`` rounds over all layers (round-robin, so a burst of background load hits every layer
-  alike); identical layers (transformer blocks) pool their samples, the others run extra rounds, so
-  every median rests on at least ``MIN_SAMPLES`` samples;
+* the forward (under the executor's saved-tensor accounting), backward and graph-free forward (a
+  recomputed stage's first pass) times: the lower quartile of at least ``reps`` rounds over all
+  layers, spread over at least ``MIN_SECONDS`` (round-robin, so a burst of background load hits every
+  layer alike, and a lower quantile, as load only slows samples down); identical layers
+  (transformer blocks) pool their samples, the others run extra rounds, so every quantile rests on
+  at least ``MIN_SAMPLES`` samples;
 * the bytes autograd keeps for the backward, alone (CAPTURE's M_i) and after the previous layer
   (M_a = PM(l−1, l) − PM(l−1), §III-A1), with :class:`strategies.recompute.SavedBytes`;
 * the peak allocation above those bytes while forward and backward run (the transient), from the
@@ -34,12 +36,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .costs import fit_line
+from .costs import fit_line, quantile
 from .model_costs import CommCosts, LayerCosts, ModelCosts
 
 DEFAULT_CACHE = Path(os.environ.get("PIPELINE_RECIPES_CACHE", Path.home() / ".cache" / "pipeline-recipes")) / "planner"
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 MIN_SAMPLES = 24  # timed samples per group of identical layers and batch size
+MIN_SECONDS = 1.5  # timed rounds per batch size last at least this long (spread over time)
+PROFILE_QUANTILE = 0.25  # of the samples: background load only ever slows a sample down
+
 
 
 def model_config_dict(model_cfg: Any) -> dict[str, Any]:
@@ -144,6 +149,14 @@ class _LayerRunner:
             input_saved = any(k[0] == x.data_ptr() for k in saved._seen)
         return inp, out, saved.nbytes, input_saved
 
+    def forward_nograd(self, index: int, x: Tensor, batch: Mapping[str, Any]) -> Tensor:
+        """Layer ``index`` without a graph, as a recomputed stage first runs it."""
+        from strategies.pipeline_model import run_layers
+
+        with torch.no_grad():
+            out = run_layers(self.layers[index : index + 1], x, batch)
+            return self.loss(out, batch) if index == len(self.layers) - 1 else out
+
     def backward(self, out: Tensor, grad: Tensor | None) -> None:
         if grad is None:
             out.backward()
@@ -224,9 +237,13 @@ def _measure_size(runner: _LayerRunner, batch: dict[str, Tensor], reps: int, war
     rounds = [max(reps, -(-MIN_SAMPLES // len(groups[layer_signature(layers[i], i, n)]))) for i in range(n)]
     fwd_t: list[list[float]] = [[] for _ in range(n)]
     bwd_t: list[list[float]] = [[] for _ in range(n)]
-    for r in range(warmup + max(rounds)):
+    nograd_t: list[list[float]] = [[] for _ in range(n)]
+    start, r = time.perf_counter(), 0
+    # rounds go on until every layer has its samples and MIN_SECONDS have passed (at most 20× the
+    # rounds needed): a second-long burst of other users' load then moves a few samples, not all
+    while r < warmup + max(rounds) or (time.perf_counter() - start < MIN_SECONDS and r < warmup + 20 * max(rounds)):
         for i in range(n):
-            if r >= warmup + rounds[i]:
+            if r >= warmup + rounds[i] and time.perf_counter() - start >= MIN_SECONDS:
                 continue
             holder: dict[str, Any] = {}
 
@@ -236,14 +253,17 @@ def _measure_size(runner: _LayerRunner, batch: dict[str, Tensor], reps: int, war
             t_f = _timed(fwd, device)
             t_b = _timed(lambda i=i: runner.backward(holder["io"][1], grads[i]), device)
             holder.clear()
+            t_n = _timed(lambda i=i: runner.forward_nograd(i, inputs[i], batch), device)
             if r >= warmup:
                 fwd_t[i].append(t_f)
                 bwd_t[i].append(t_b)
+                nograd_t[i].append(t_n)
+        r += 1
     for members in groups.values():
-        fwd = statistics.median([t for i in members for t in fwd_t[i]])
-        bwd = statistics.median([t for i in members for t in bwd_t[i]])
-        for i in members:
-            rows[i]["fwd"], rows[i]["bwd"] = fwd, bwd
+        for key, samples in (("fwd", fwd_t), ("bwd", bwd_t), ("fwd_nograd", nograd_t)):
+            value = quantile([t for i in members for t in samples[i]], PROFILE_QUANTILE)
+            for i in members:
+                rows[i][key] = value
     if memory:
         for i, peak in enumerate(_transients(runner, inputs, grads, batch)):
             rows[i]["transient"] = max(0.0, peak - (rows[i]["stored_alone"] - rows[i]["in_saved"]))
@@ -310,20 +330,33 @@ def profile_model(model_cfg: Any, *, batch_sizes: Sequence[int] = (1, 4), reps: 
     """
     from models import build_model
 
-    sizes = sorted({int(b) for b in batch_sizes})
-    if len(sizes) < 2 or sizes[0] < 1:
-        raise ValueError(f"profile at two or more distinct positive micro-batch sizes, got {list(batch_sizes)}")
     cfg = model_config_dict(model_cfg)
     dev = torch.device(device)
     with _threads(threads if dev.type == "cpu" else None), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = build_model(cfg).to(dev)
+        return profile_pipeline(model, lambda size: make_batch(model, size, seed), str(cfg.get("name", "model")),
+                                batch_sizes=batch_sizes, reps=reps, warmup=warmup, device=dev, threads=threads,
+                                memory=memory)
+
+
+def profile_pipeline(model: nn.Module, batch_of: Callable[[int], dict[str, Tensor]], name: str, *,
+                     batch_sizes: Sequence[int] = (1, 4), reps: int = 5, warmup: int = 1,
+                     device: torch.device = torch.device("cpu"), threads: int | None = 1, memory: bool = True,
+                     shares_cores: bool = True) -> ModelCosts:
+    """Profile any :class:`~strategies.pipeline_model.PipelineModel` (already on ``device``) on the
+    mini-batches ``batch_of(size)``. ``shares_cores=False`` for stages that use no CPU while they
+    run (:class:`strategies.emulated.EmulatedPipeline`): CPU ranks then never stretch each other."""
+    sizes = sorted({int(b) for b in batch_sizes})
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise ValueError(f"profile at two or more distinct positive micro-batch sizes, got {list(batch_sizes)}")
+    with _threads(threads if device.type == "cpu" else None):
         model.train()
-        runner = _LayerRunner(model, dev)
+        runner = _LayerRunner(model, device)
         layers = model.pipeline_layers()
         per_size = []
         for size in sizes:
-            batch = {k: v.to(dev) for k, v in make_batch(model, size, seed).items()}
+            batch = {k: v.to(device) for k, v in batch_of(size).items()}
             per_size.append(_measure_size(runner, batch, reps, warmup, memory))
         opt_times = _optimizer_times(layers, max(reps, 3))
     out = []
@@ -336,12 +369,13 @@ def profile_model(model_cfg: Any, *, batch_sizes: Sequence[int] = (1, 4), reps: 
 
         out.append(LayerCosts(names[i], sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
                               fit("fwd"), fit("bwd"), opt_times[i], fit("stored_alone"), fit("stored_added"),
-                              fit("transient"), fit("out_bytes")))
+                              fit("transient"), fit("out_bytes"), fit("fwd_nograd")))
     tied = _tied(model)
     layer_costs = model.layer_costs("layers") if hasattr(model, "layer_costs") else [1.0] * len(layers)
     raw = {str(s): rows for s, rows in zip(sizes, per_size)}
-    return ModelCosts(str(cfg.get("name", "model")), device_description(dev, threads or torch.get_num_threads()),
-                      tuple(out), tied, CommCosts(), "profile", available_cores() if dev.type == "cpu" else 0,
+    cores = available_cores() if device.type == "cpu" and shares_cores else 0
+    return ModelCosts(name, device_description(device, threads or torch.get_num_threads()),
+                      tuple(out), tied, CommCosts(), "profile", cores,
                       tuple(sizes), {"layer_costs": list(layer_costs), "raw": raw, "reps": reps})
 
 

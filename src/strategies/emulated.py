@@ -1,7 +1,7 @@
 """Emulated-compute pipeline models for schedule benchmarks (Chimera §3.4's cost model, measured).
 
-Each stage is one layer whose forward and backward take a set time (``time.sleep``: no CPU is
-used, so D = 8 ranks on a 2-core machine still run their stages "in parallel") while real tensors
+Each stage is one layer whose forward and backward take a set time (:func:`hold`, a sleep: no CPU
+is used, so D = 8 ranks on a 2-core machine still run their stages "in parallel") while real tensors
 flow: the stage output is a real activation of ``activation_numel`` floats per sample sent over
 p2p, the backward returns a real activation gradient of the same size, and each stage holds a
 real parameter of ``param_numel`` floats whose (zero) gradient takes part in the real gradient
@@ -12,7 +12,9 @@ call sees, so a doubled forward takes ``2 t_f`` and a halved backward ``t_b / 2`
 
 from __future__ import annotations
 
+import statistics
 import time
+from functools import cache
 from typing import Any
 
 import torch
@@ -21,20 +23,44 @@ from torch import Tensor, nn
 from .pipeline_model import Batch, PipelineModel
 
 
+@cache
+def sleep_lateness() -> float:
+    """How late ``time.sleep`` wakes up in this process (median over a few short sleeps; on shared
+    VMs about 0.1–0.5 ms, i.e. several % of a 20 ms emulated action)."""
+    late = []
+    for _ in range(15):
+        start = time.perf_counter()
+        time.sleep(0.002)
+        late.append(time.perf_counter() - start - 0.002)
+    return max(statistics.median(late), 0.0)
+
+
+def hold(seconds: float) -> None:
+    """Pass ``seconds`` without using the CPU: sleep until just before the deadline (less the
+    typical wake-up lateness), then yield until it is reached."""
+    deadline = time.perf_counter() + seconds
+    early = seconds - sleep_lateness()
+    if early > 0:
+        time.sleep(early)
+    while time.perf_counter() < deadline:
+        time.sleep(0)
+
+
 class _Timed(torch.autograd.Function):
     """Identity (a copy) whose forward sleeps ``t_f`` and whose backward sleeps ``t_b``."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, t_f: float, t_b: float) -> Tensor:
-        ctx.t_b = t_b
-        time.sleep(t_f)
+        ctx.t_b, ctx.weight = t_b, weight
+        hold(t_f)
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
-        time.sleep(ctx.t_b)
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        hold(ctx.t_b)
         grad_x = grad.clone() if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None  # no weight gradient is computed; the sync fills zeros
+        grad_w = torch.zeros_like(ctx.weight) if ctx.needs_input_grad[1] else None  # real gradient memory
+        return grad_x, grad_w, None, None
 
 
 class EmulatedStage(nn.Module):

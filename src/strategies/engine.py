@@ -11,7 +11,7 @@ forwards may be recomputed in backward to save activation memory (GPipe re-mater
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
@@ -118,13 +118,15 @@ class PipelineEngine:
         self._drop_remote_layers(layers)
         self.model.to(device)
         stage_groups, tied_group = self._create_groups()
+        shared = self._create_shared_groups() if config.grad_sync == "end" else {}
         self._check_identical_copies(stage_groups)
         tied = self._local_tied_parameters()
         self.versions = (WeightVersions(config.schedule, config.stages, self.stage_layers, self._tied_delays(tied))
                          if config.is_async else None)
         self.steps_taken = 0  # optimizer steps run (asynchronous schedules: which window comes next)
         self.synchronizer = GradientSynchronizer(
-            {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout
+            {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout,
+            shared=shared,
         )
         self.executor = StageExecutor(
             model, self.stage_layers, self.topology, self.rank, Messenger(device, self.timeout),
@@ -156,6 +158,23 @@ class PipelineEngine:
             group = dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
             tied_group = group if self.rank in ranks else None
         return groups, tied_group
+
+    def _create_shared_groups(self) -> dict[int | str, dist.ProcessGroup]:
+        """One group per set of ranks that all-reduces two or more buckets (stages, tied embeddings),
+        so that :class:`GradientSynchronizer` can fuse them; created in the same order on every rank."""
+        users: dict[tuple[int, ...], list[int | str]] = {}
+        for stage in range(self.topology.stages):
+            users.setdefault(self.topology.stage_group(stage), []).append(stage)
+        if self.tied_groups:
+            users.setdefault(self.topology.tied_group(), []).append("tied")
+        shared: dict[int | str, dist.ProcessGroup] = {}
+        for ranks, keys in users.items():
+            if len(ranks) < 2 or len(keys) < 2:
+                continue
+            group = dist.new_group(list(ranks), timeout=self.timeout)
+            if self.rank in ranks:
+                shared.update({key: group for key in keys})
+        return shared
 
     @staticmethod
     def _params(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -262,6 +281,14 @@ class PipelineEngine:
         dist.all_reduce(value)
         return value
 
+    def _world_sum_overlapping(self, value: Tensor, finish_gradients: Callable[[], None]) -> Tensor:
+        """The mini-batch loss summed over the world, its all-reduce overlapping ``finish_gradients``."""
+        value = value.to(self.device, torch.float32)
+        work = dist.all_reduce(value, async_op=True)
+        finish_gradients()
+        work.wait(self.timeout)
+        return value
+
     def train_step(self, batch: Batch) -> Tensor:
         """Forward and backward of the replica's mini-batch, gradients summed; returns the loss."""
         micro_batches = self.split(batch)
@@ -280,8 +307,7 @@ class PipelineEngine:
             self.schedule_for(len(micro_batches)), micro_batches, self._totals(micro_batches),
             after_backward=after_backward if plan else None,
         )
-        sync.finish()
-        return self._world_sum(self.last_record.loss_sum)
+        return self._world_sum_overlapping(self.last_record.loss_sum, sync.finish)
 
     def _async_step(self, micro_batches: Sequence[Batch]) -> Tensor:
         """One window of PipeDream / PipeDream-2BW: forwards on this step's weight version, the
@@ -297,10 +323,14 @@ class PipelineEngine:
             next_window=following,
         )
         stage_due, tied_due = self.versions.end_step(step)  # alike on every copy of a stage: the schedule decides
-        if stage_due or tied_due:
-            self.synchronizer.finish(tied=tied_due)
+
+        def finish_gradients() -> None:
+            if stage_due or tied_due:
+                self.synchronizer.finish(tied=tied_due)
+
+        loss = self._world_sum_overlapping(self.last_record.loss_sum, finish_gradients)
         self.steps_taken += 1
-        return self._world_sum(self.last_record.loss_sum)
+        return loss
 
     @torch.no_grad()
     def eval_step(self, batch: Batch) -> Tensor:
