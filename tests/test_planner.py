@@ -428,3 +428,14 @@ def test_plan_accuracy_compares_the_pick_with_the_best_measured_per_global_batch
     assert pick["global_batch_size"] == 16 and pick["layouts"] == 3
     assert pick["recommended"] == "chimera W=1 D=2 B=4" and pick["best_measured"] == "dapple W=1 D=2 B=2"
     assert pick["ratio"] == pytest.approx(1.21)
+
+
+@pytest.mark.slow
+def test_comm_micro_benchmarks_run_the_runtime_synchronizer() -> None:
+    """Two gloo processes: p2p ping-pong, GradientSynchronizer all-reduces, the emulated calibration step."""
+    from planner.comm import measure_comm
+
+    comm = measure_comm(sizes=(4096, 65536, 262144), reps=3, steps=3)
+    assert comm.measured and comm.process_bytes > 0
+    assert comm.allreduce(262144) > 0 and comm.p2p(262144) > 0
+    assert comm.action_s >= 0 and comm.step_s >= 0

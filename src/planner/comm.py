@@ -5,7 +5,8 @@ using micro benchmarks").
   line ``t = α + β·L`` gives the p2p constants.
 * all-reduce: two-process gradient all-reduces of the same sizes, run by the runtime's
   :class:`strategies.grad_sync.GradientSynchronizer` (packing into its flat buffer and unpacking
-  included); with ``r = 2`` Rabenseifner's cost is ``2α + β·L`` (:func:`planner.costs.allreduce_from_pair`).
+  included), each after writing ``EVICT_BYTES`` elsewhere: in a step the all-reduce follows a
+  backward pass that left other data in the caches (a 1–2 MB all-reduce took up to 1.8× longer then); with ``r = 2`` Rabenseifner's cost is ``2α + β·L`` (:func:`planner.costs.allreduce_from_pair`).
 * runtime overhead: a D = 2 GPipe step of :class:`strategies.emulated.EmulatedPipeline` (holding
   ``t_f``/``2 t_f`` per action, so the two ranks do not compete for cores) at two micro-batch counts;
   what the simulated makespan (:func:`strategies.schedules.simulate`) does not explain is the
@@ -29,7 +30,8 @@ SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 102
 CALIBRATION_N = (2, 8)
 CALIBRATION_T_F = 0.002  # seconds held per emulated forward (backward: twice)
 SAMPLE_QUANTILE = 0.25  # of the repetitions, as the layer profile (other users' load only slows them)
-COMM_VERSION = 3  # part of the cache key: bumped when the measurement changes
+EVICT_BYTES = 32 * 2**20  # written before each timed all-reduce: larger than the CPU caches
+COMM_VERSION = 4  # part of the cache key: bumped when the measurement changes
 
 
 def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: int) -> dict[str, Any]:
@@ -42,6 +44,7 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
     from strategies.grad_sync import GradientSynchronizer
 
     rss = psutil.Process().memory_info().rss
+    evict = torch.zeros(EVICT_BYTES // 4)
     p2p, allreduce = {}, {}
     peer = 1 - rank
     for size in sizes:
@@ -65,6 +68,7 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
         sync = GradientSynchronizer({0: [weight]}, {0: dist.group.WORLD}, [], None, timedelta(seconds=120))
         samples = []
         for r in range(reps + 2):
+            evict.add_(1.0)  # in a step the all-reduce follows a backward: its buffers are not in cache
             dist.barrier()
             start = time.perf_counter()
             sync.finish()
