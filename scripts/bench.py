@@ -292,7 +292,7 @@ def _recompute_worker(rank: int, world: int, size: dict[str, int], schedule: str
 
 
 def part_efficiency(quick: bool) -> dict[str, list[dict]]:
-    t_f, steps, warmup = (0.005, 3, 1) if quick else (0.02, 9, 2)
+    t_f, steps, warmup = (0.005, 3, 1) if quick else (0.02, 15, 2)
     depths = (2,) if quick else (2, 4, 8)
     rows = []
     for D in depths:
