@@ -439,3 +439,16 @@ def test_comm_micro_benchmarks_run_the_runtime_synchronizer() -> None:
     assert comm.measured and comm.process_bytes > 0
     assert comm.allreduce(262144) > 0 and comm.p2p(262144) > 0
     assert comm.action_s >= 0 and comm.step_s >= 0
+
+
+def test_runtime_calibration_separates_action_cost_from_message_latency() -> None:
+    """Steps synthesised with a known per-action cost, per-message latency and per-step cost come back."""
+    from planner.comm import calibrate_runtime
+    from strategies.schedules import build_schedule, simulate
+
+    t_f, t_comm, o, hop, step = 0.002, 1e-4, 3e-4, 7e-4, 5e-4
+    steps = {name: {n: step + simulate(build_schedule(name, 2, n), t_f + o, 2 * t_f + o, t_comm=t_comm + hop).makespan
+                    for n in (2, 8)}
+             for name in ("gpipe", "chimera")}
+    assert calibrate_runtime(steps, t_f, t_comm) == pytest.approx((o, hop, step), abs=2e-5)
+

@@ -7,10 +7,11 @@ using micro benchmarks").
   :class:`strategies.grad_sync.GradientSynchronizer` (packing into its flat buffer and unpacking
   included), each after writing ``EVICT_BYTES`` elsewhere: in a step the all-reduce follows a
   backward pass that left other data in the caches (a 1–2 MB all-reduce took up to 1.8× longer then); with ``r = 2`` Rabenseifner's cost is ``2α + β·L`` (:func:`planner.costs.allreduce_from_pair`).
-* runtime overhead: a D = 2 GPipe step of :class:`strategies.emulated.EmulatedPipeline` (holding
-  ``t_f``/``2 t_f`` per action, so the two ranks do not compete for cores) at two micro-batch counts;
-  what the simulated makespan (:func:`strategies.schedules.simulate`) does not explain is the
-  executor's own cost per action and per step.
+* runtime overhead: D = 2 GPipe and Chimera steps of :class:`strategies.emulated.EmulatedPipeline`
+  (holding ``t_f``/``2 t_f`` per action, so the two ranks do not compete for cores) at two micro-batch
+  counts; what the simulated makespan (:func:`strategies.schedules.simulate`) does not explain is the
+  executor's own cost per action, per message on the critical path (posting a send, waking the
+  receiver: more than a ping-pong's one-way time) and per step (:func:`calibrate_runtime`).
 * process memory: resident set of one idle worker (interpreter, torch, gloo), for host-RAM budgets.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,14 @@ from .model_costs import CommCosts
 
 SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 CALIBRATION_N = (2, 8)
+# GPipe's critical path has few messages, Chimera's waits on one before nearly every action: together
+# they separate the runtime's cost per action from its latency per message
+CALIBRATION_SCHEDULES = ("gpipe", "chimera")
+CALIBRATION_NUMEL = 256  # floats per sample of the calibration activations
 CALIBRATION_T_F = 0.002  # seconds held per emulated forward (backward: twice)
 SAMPLE_QUANTILE = 0.25  # of the repetitions, as the layer profile (other users' load only slows them)
 EVICT_BYTES = 32 * 2**20  # written before each timed all-reduce: larger than the CPU caches
-COMM_VERSION = 4  # part of the cache key: bumped when the measurement changes
+COMM_VERSION = 5  # part of the cache key: bumped when the measurement changes
 
 
 def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: int) -> dict[str, Any]:
@@ -75,23 +80,25 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
             if r >= 2:
                 samples.append(time.perf_counter() - start)
         allreduce[size] = quantile(samples, SAMPLE_QUANTILE)
-    steps_s = {}
+    steps_s: dict[str, dict[int, float]] = {}
     from strategies.emulated import EmulatedPipeline
     from strategies.engine import PipelineConfig, PipelineEngine
 
-    model = EmulatedPipeline(2, t_f=CALIBRATION_T_F, activation_numel=256, param_numel=1)
-    engine = PipelineEngine(model, PipelineConfig("gpipe", 2, 1), 1, torch.device("cpu"))
-    for n in CALIBRATION_N:
-        batch = model.batch(n)
-        samples = []
-        for r in range(steps + 2):
-            dist.barrier()
-            start = time.perf_counter()
-            engine.train_step(batch)
-            dist.barrier()
-            if r >= 2:
-                samples.append(time.perf_counter() - start)
-        steps_s[n] = quantile(samples, SAMPLE_QUANTILE)
+    for name in CALIBRATION_SCHEDULES:
+        model = EmulatedPipeline(2, t_f=CALIBRATION_T_F, activation_numel=CALIBRATION_NUMEL, param_numel=1)
+        engine = PipelineEngine(model, PipelineConfig(name, 2, 1), 1, torch.device("cpu"))
+        steps_s[name] = {}
+        for n in CALIBRATION_N:
+            batch = model.batch(n)
+            samples = []
+            for r in range(steps + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                engine.train_step(batch)
+                dist.barrier()
+                if r >= 2:
+                    samples.append(time.perf_counter() - start)
+            steps_s[name][n] = quantile(samples, SAMPLE_QUANTILE)
     from strategies.emulated import hold
 
     over = []
@@ -111,20 +118,35 @@ def fit_comm(result: dict[str, Any], *, measured: bool = True) -> CommCosts:
     p2p_fit = robust_line(sizes, [result["p2p"][s] for s in sizes])
     p2p = AlphaBeta(max(p2p_fit.a, 0.0), max(p2p_fit.b, 0.0))
     allreduce = allreduce_from_pair(robust_line(sizes, [result["allreduce"][s] for s in sizes]))
-    ns = sorted(int(n) for n in result["steps"])
-    # T(N) = step + sim(t_f + o, 2 t_f + o, α): the excess over the simulated step, per action on the
-    # critical path (M(N), read off the simulation), is the per-action overhead o.
     t_f = float(result.get("t_f", CALIBRATION_T_F))
-    xs, ys = [], []
-    for n in ns:
-        schedule = build_schedule("gpipe", 2, n)
-        base = simulate(schedule, t_f, 2 * t_f, t_comm=p2p(256 * 4 * n / n)).makespan
-        m = simulate(schedule, 1.0, 1.0, t_comm=0.0).makespan
-        xs.append(m)
-        ys.append(float(result["steps"][n]) - base)
-    line = fit_line(xs, ys)
-    action = line.b - float(result.get("sleep_overshoot", 0.0))  # the hold's own lateness is not the runtime's
-    return CommCosts(p2p, allreduce, max(action, 0.0), max(line.a, 0.0), int(result["rss"]), measured)
+    action, hop, step = calibrate_runtime(result["steps"], t_f, p2p(CALIBRATION_NUMEL * 4))
+    action -= float(result.get("sleep_overshoot", 0.0))  # the hold's own lateness is not the runtime's
+    return CommCosts(p2p, allreduce, max(action, 0.0), max(step, 0.0), int(result["rss"]), measured, max(hop, 0.0))
+
+
+def calibrate_runtime(steps: Mapping[str, Mapping[int, float]], t_f: float, t_comm: float) -> tuple[float, float, float]:
+    """(per-action overhead o, per-message latency λ, per-step cost) from emulated D = 2 steps.
+
+    Each measured step ``T = step + sim(t_f, 2 t_f, t_comm) + o·M + λ·H``, where ``M`` and ``H`` are
+    the actions and the messages on the simulated critical path (the makespan's derivatives in the
+    action time and the message time); least squares over every schedule and N.
+    """
+    import numpy as np
+
+    from strategies.schedules import build_schedule, simulate
+
+    rows, ys = [], []
+    eps = 1e-6
+    for name, by_n in steps.items():
+        for n, measured in by_n.items():
+            schedule = build_schedule(name, 2, int(n))
+            base = simulate(schedule, t_f, 2 * t_f, t_comm=t_comm).makespan
+            m = (simulate(schedule, t_f + eps, 2 * t_f + eps, t_comm=t_comm).makespan - base) / eps
+            h = (simulate(schedule, t_f, 2 * t_f, t_comm=t_comm + eps).makespan - base) / eps
+            rows.append([1.0, m, h])
+            ys.append(float(measured) - base)
+    (step, action, hop), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+    return float(action), float(hop), float(step)
 
 
 def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 30, steps: int = 20) -> CommCosts:
@@ -136,7 +158,12 @@ def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 30, steps: int = 20) 
 
 
 def _keys_to_int(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: ({int(s): v for s, v in val.items()} if isinstance(val, dict) else val) for k, val in result.items()}
+    """Message sizes and micro-batch counts back to ints (JSON and pickling keep them, but be strict)."""
+    out = dict(result)
+    for key in ("p2p", "allreduce"):
+        out[key] = {int(s): v for s, v in result[key].items()}
+    out["steps"] = {name: {int(n): v for n, v in by_n.items()} for name, by_n in result["steps"].items()}
+    return out
 
 
 

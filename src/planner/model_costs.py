@@ -69,7 +69,8 @@ class CommCosts:
 
     ``p2p``/``allreduce``: α–β constants (Chimera §3.4). ``action_s``: the runtime's own cost per
     scheduled action (executor bookkeeping, message posting) beyond the layers' compute; ``step_s``:
-    its fixed cost per step (splitting, loss normalisers, the final loss all-reduce).
+    its fixed cost per step (splitting, loss normalisers, the final loss all-reduce); ``hop_s``: its
+    latency per message on the critical path beyond ``p2p`` (posting the send, waking the receiver).
     ``process_bytes``: host memory of one idle worker process (interpreter, torch), counted against
     host RAM on CPU.
     """
@@ -80,16 +81,19 @@ class CommCosts:
     step_s: float = 0.0
     process_bytes: int = 0
     measured: bool = False
+    hop_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"p2p": self.p2p.to_json(), "allreduce": self.allreduce.to_json(), "action_s": self.action_s,
-                "step_s": self.step_s, "process_bytes": self.process_bytes, "measured": self.measured}
+                "step_s": self.step_s, "process_bytes": self.process_bytes, "measured": self.measured,
+                "hop_s": self.hop_s}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CommCosts:
         return cls(AlphaBeta.from_json(data["p2p"]), AlphaBeta.from_json(data["allreduce"]),
                    float(data.get("action_s", 0.0)), float(data.get("step_s", 0.0)),
-                   int(data.get("process_bytes", 0)), bool(data.get("measured", False)))
+                   int(data.get("process_bytes", 0)), bool(data.get("measured", False)),
+                   float(data.get("hop_s", 0.0)))
 
 
 @dataclass(frozen=True)

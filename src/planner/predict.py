@@ -8,7 +8,8 @@ workers will execute through :func:`strategies.schedules.simulate` with measured
   runtime's per-action overhead; recomputation runs the forward without a graph (its profiled
   ``fwd_nograd``) and adds the full forward to the backward (§3.4: ``B_t = 3 F_t``); a doubled forward costs two forwards (simulate charges ``2·t_f``, §3.5); a halved
   backward runs two half-size graphs (``t_b[s] = 2·bwd(B/2)``, simulate charges half of it each).
-* ``t_comm = α + β·L`` with ``L`` the stage boundary activation at ``B`` (Chimera §3.4, α–β model).
+* ``t_comm = α + β·L`` with ``L`` the stage boundary activation at ``B`` (Chimera §3.4, α–β model),
+  plus the runtime's measured latency per message (``CommCosts.hop_s``).
 * Gradient synchronisation: one Rabenseifner all-reduce per stage over its ``r = W·pipelines``
   copies, launched at the end (``grad_sync=end``) or after the copy's last backward (eager modes,
   §3.2); :func:`planner.costs.sync_timeline` gives the part not hidden behind computation. With
@@ -204,7 +205,7 @@ def stage_costs(costs: ModelCosts, cand: Candidate, partition: Sequence[range]) 
         t_f.append(fwd + o)
         t_b.append(bwd)
     boundary = max((costs.stage_out_bytes(st, cand.B) for st in partition[:-1]), default=0.0)
-    t_comm = costs.comm.p2p(boundary) if cand.D > 1 else 0.0
+    t_comm = costs.comm.p2p(boundary) + costs.comm.hop_s if cand.D > 1 else 0.0
     return t_f, t_b, t_comm
 
 
