@@ -155,7 +155,7 @@ def _features(rank: int, world: int, cases: list[dict]) -> dict:
         losses, peak = _train(engine, batches, rank, N)
         err = max((p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in engine.local_parameters())
         out["equivalence"].append({**case, "param_err": err, "losses": losses, "ref_losses": ref_losses,
-                                   "buckets": sorted(map(str, engine.synchronizer._flat))})
+                                   "buckets": sorted(map(str, engine.synchronizer.last_buckets))})
         if "memory" in case:
             out["memory"][case["memory"]] = (engine.local_stages, peak)
         dist.barrier()

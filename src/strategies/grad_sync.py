@@ -1,10 +1,11 @@
 """Gradient synchronisation across stage copies (Chimera §3.2–3.3, Figure 4).
 
 The gradients of every stage are summed over all its copies (the W replicas, and for Chimera
-also the 2f pipelines) with one flat, non-blocking all-reduce per stage copy. Losses are
-normalised over the whole mini-batch, so the sum is the mini-batch gradient. Tied parameters
-(shared by the first and the last stage) are summed over the tied group instead, so they get
-the gradient of both uses; their all-reduce starts once every local stage holding them is done.
+also the 2f pipelines) with one flat, non-blocking all-reduce per stage copy; with ``end``, the
+buckets copied on the same ranks (a Chimera worker's stages, the tied embeddings) are fused into one
+all-reduce. Losses are normalised over the whole mini-batch, so the sum is the mini-batch
+gradient. Tied parameters (shared by the first and the last stage) are summed over the tied group
+instead, so they get the gradient of both uses; their all-reduce starts once every local stage holding them is done.
 
 When each all-reduce starts is the ``grad_sync`` mode (§3.2):
 
@@ -94,7 +95,7 @@ class GradientSynchronizer:
     ranks, so a worker's whole gradient goes in one collective instead of one per stage (on gloo a
     collective costs a few milliseconds however small). Fusing is only safe when no member launched
     any of the fused buckets early, so the engine passes ``shared`` with ``grad_sync=end`` only.
-    Flat buffers persist across steps (a fresh multi-MB buffer per step costs page faults).
+    ``last_buckets`` lists the buckets of the last step's all-reduces (one tuple of keys each).
     """
 
     def __init__(
@@ -117,7 +118,8 @@ class GradientSynchronizer:
         self.tied_stages = frozenset(s for s, ps in stage_params.items() if any(id(p) in tied_ids for p in ps))
         self._launched: set[int | str] = set()
         self._works: list[tuple[dist.Work, torch.Tensor, Sequence[nn.Parameter]]] = []
-        self._flat: dict[tuple[int | str, ...], torch.Tensor] = {}
+        self._started: list[tuple[int | str, ...]] = []
+        self.last_buckets: list[tuple[int | str, ...]] = []
 
     def launch(self, stage: int) -> None:
         """Start the all-reduce of ``stage``'s gradients (its last local backward is done)."""
@@ -155,6 +157,7 @@ class GradientSynchronizer:
             else:
                 self.launch(key)
         works, self._works = self._works, []
+        self.last_buckets, self._started = self._started, []
         self._launched.clear()
         for work, flat, params in works:
             work.wait(self.timeout)
@@ -184,10 +187,6 @@ class GradientSynchronizer:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad.reshape(-1) for p in params]
-        flat = self._flat.get(keys)
-        if flat is None or flat.numel() != sum(g.numel() for g in grads):
-            flat = self._flat[keys] = torch.cat(grads)
-        else:
-            torch.cat(grads, out=flat)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        self._started.append(keys)
         self._works.append((dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat, params))
