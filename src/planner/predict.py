@@ -6,8 +6,9 @@ workers will execute through :func:`strategies.schedules.simulate` with measured
 
 * ``t_f[s]``/``t_b[s]``: the sum of the stage's profiled layer times at micro-batch size ``B`` plus the
   runtime's per-action overhead; recomputation runs the forward without a graph (its profiled
-  ``fwd_nograd``) and adds the full forward to the backward (§3.4: ``B_t = 3 F_t``); a doubled forward costs two forwards (simulate charges ``2·t_f``, §3.5); a halved
-  backward runs two half-size graphs (``t_b[s] = 2·bwd(B/2)``, simulate charges half of it each).
+  ``fwd_nograd``) and adds the full forward to the backward (§3.4: ``B_t = 3 F_t``); a doubled
+  forward costs two forwards (simulate charges ``2·t_f``, §3.5); a halved backward runs two
+  half-size graphs (``t_b[s] = 2·bwd(B/2)``, simulate charges half of it each).
 * ``t_comm = α + β·L`` with ``L`` the stage boundary activation at ``B`` (Chimera §3.4, α–β model),
   plus the runtime's measured latency per message (``CommCosts.hop_s``).
 * Gradient synchronisation: one Rabenseifner all-reduce per stage over its ``r = W·pipelines``
@@ -191,7 +192,7 @@ def stage_costs(costs: ModelCosts, cand: Candidate, partition: Sequence[range]) 
     recompute = cand.recompute_stages()
     t_f, t_b = [], []
     for s, stage in enumerate(partition):
-        kept = s not in recompute  # a recomputed stage runs its forward without a graph, then again in backward
+        kept = s not in recompute  # else the forward runs without a graph, then again in backward
         if halving:  # two half-size graphs per forward, two half backwards
             fwd = 2 * (costs.stage_fwd(stage, cand.B / 2) if kept else costs.stage_fwd_nograd(stage, cand.B / 2))
             bwd = 2 * (costs.stage_bwd(stage, cand.B / 2) + o)
