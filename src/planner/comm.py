@@ -6,7 +6,8 @@ using micro benchmarks").
 * all-reduce: two-process gradient all-reduces of the same sizes, run by the runtime's
   :class:`strategies.grad_sync.GradientSynchronizer` (packing into its flat buffer and unpacking
   included), each after writing ``EVICT_BYTES`` elsewhere: in a step the all-reduce follows a
-  backward pass that left other data in the caches (a 1–2 MB all-reduce took up to 1.8× longer then); with ``r = 2`` Rabenseifner's cost is ``2α + β·L`` (:func:`planner.costs.allreduce_from_pair`).
+  backward pass that left other data in the caches (a 1–2 MB all-reduce took up to 1.8× longer
+  then); with ``r = 2`` Rabenseifner's cost is ``2α + β·L`` (:func:`planner.costs.allreduce_from_pair`).
 * runtime overhead: D = 2 GPipe and Chimera steps of :class:`strategies.emulated.EmulatedPipeline`
   (holding ``t_f``/``2 t_f`` per action, so the two ranks do not compete for cores) at two micro-batch
   counts; what the simulated makespan (:func:`strategies.schedules.simulate`) does not explain is the
@@ -24,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .costs import AlphaBeta, allreduce_from_pair, fit_line, quantile, robust_line
+from .costs import AlphaBeta, allreduce_from_pair, quantile, robust_line
 from .model_costs import CommCosts
 
 SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
@@ -37,6 +38,26 @@ CALIBRATION_T_F = 0.002  # seconds held per emulated forward (backward: twice)
 SAMPLE_QUANTILE = 0.25  # of the repetitions, as the layer profile (other users' load only slows them)
 EVICT_BYTES = 32 * 2**20  # written before each timed all-reduce: larger than the CPU caches
 COMM_VERSION = 5  # part of the cache key: bumped when the measurement changes
+
+
+def _timed_reps(run: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None,
+                closing_barrier: bool = False) -> float:
+    """Lower quartile of ``reps`` timings of ``run`` (after 2 untimed ones), each started after a
+    barrier (and ``before``, untimed); ``closing_barrier`` times until every rank is done."""
+    import torch.distributed as dist
+
+    samples = []
+    for r in range(reps + 2):
+        if before is not None:
+            before()
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        if closing_barrier:
+            dist.barrier()
+        if r >= 2:
+            samples.append(time.perf_counter() - start)
+    return quantile(samples, SAMPLE_QUANTILE)
 
 
 def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: int) -> dict[str, Any]:
@@ -54,32 +75,22 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
     peer = 1 - rank
     for size in sizes:
         buf = torch.zeros(size // 4)
-        samples = []
-        for r in range(reps + 2):
-            dist.barrier()
-            start = time.perf_counter()
+
+        def ping_pong(buf: torch.Tensor = buf) -> None:
             if rank == 0:
                 dist.send(buf, peer)
                 dist.recv(buf, peer)
             else:
                 dist.recv(buf, peer)
                 dist.send(buf, peer)
-            if r >= 2:
-                samples.append((time.perf_counter() - start) / 2)
-        p2p[size] = quantile(samples, SAMPLE_QUANTILE)
+
+        p2p[size] = _timed_reps(ping_pong, reps) / 2
         # as the runtime runs it: gradients packed into a flat buffer, all-reduced, unpacked
         weight = torch.nn.Parameter(torch.zeros(size // 4))
         weight.grad = torch.zeros_like(weight)
         sync = GradientSynchronizer({0: [weight]}, {0: dist.group.WORLD}, [], None, timedelta(seconds=120))
-        samples = []
-        for r in range(reps + 2):
-            evict.add_(1.0)  # in a step the all-reduce follows a backward: its buffers are not in cache
-            dist.barrier()
-            start = time.perf_counter()
-            sync.finish()
-            if r >= 2:
-                samples.append(time.perf_counter() - start)
-        allreduce[size] = quantile(samples, SAMPLE_QUANTILE)
+        # in a step the all-reduce follows a backward: its buffers are not in cache
+        allreduce[size] = _timed_reps(sync.finish, reps, before=lambda: evict.add_(1.0))
     steps_s: dict[str, dict[int, float]] = {}
     from strategies.emulated import EmulatedPipeline
     from strategies.engine import PipelineConfig, PipelineEngine
@@ -87,18 +98,9 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
     for name in CALIBRATION_SCHEDULES:
         model = EmulatedPipeline(2, t_f=CALIBRATION_T_F, activation_numel=CALIBRATION_NUMEL, param_numel=1)
         engine = PipelineEngine(model, PipelineConfig(name, 2, 1), 1, torch.device("cpu"))
-        steps_s[name] = {}
-        for n in CALIBRATION_N:
-            batch = model.batch(n)
-            samples = []
-            for r in range(steps + 2):
-                dist.barrier()
-                start = time.perf_counter()
-                engine.train_step(batch)
-                dist.barrier()
-                if r >= 2:
-                    samples.append(time.perf_counter() - start)
-            steps_s[name][n] = quantile(samples, SAMPLE_QUANTILE)
+        batches = {n: model.batch(n) for n in CALIBRATION_N}
+        steps_s[name] = {n: _timed_reps(lambda b=b: engine.train_step(b), steps, closing_barrier=True)
+                         for n, b in batches.items()}
     from strategies.emulated import hold
 
     over = []
@@ -112,8 +114,6 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
 
 def fit_comm(result: dict[str, Any], *, measured: bool = True) -> CommCosts:
     """CommCosts from one rank's micro-benchmark results (see the module docstring)."""
-    from strategies.schedules import build_schedule, simulate
-
     sizes = sorted(int(s) for s in result["p2p"])
     p2p_fit = robust_line(sizes, [result["p2p"][s] for s in sizes])
     p2p = AlphaBeta(max(p2p_fit.a, 0.0), max(p2p_fit.b, 0.0))

@@ -46,7 +46,6 @@ MIN_SECONDS = 1.5  # timed rounds per batch size last at least this long (spread
 PROFILE_QUANTILE = 0.25  # of the samples: background load only ever slows a sample down
 
 
-
 def model_config_dict(model_cfg: Any) -> dict[str, Any]:
     """A plain dict of a model config (Hydra ``DictConfig``, mapping or preset name)."""
     if isinstance(model_cfg, str):
@@ -239,11 +238,15 @@ def _measure_size(runner: _LayerRunner, batch: dict[str, Tensor], reps: int, war
     bwd_t: list[list[float]] = [[] for _ in range(n)]
     nograd_t: list[list[float]] = [[] for _ in range(n)]
     start, r = time.perf_counter(), 0
+
+    def spread() -> bool:
+        return time.perf_counter() - start >= MIN_SECONDS
+
     # rounds go on until every layer has its samples and MIN_SECONDS have passed (at most 20× the
     # rounds needed): a second-long burst of other users' load then moves a few samples, not all
-    while r < warmup + max(rounds) or (time.perf_counter() - start < MIN_SECONDS and r < warmup + 20 * max(rounds)):
+    while r < warmup + max(rounds) or (not spread() and r < warmup + 20 * max(rounds)):
         for i in range(n):
-            if r >= warmup + rounds[i] and time.perf_counter() - start >= MIN_SECONDS:
+            if r >= warmup + rounds[i] and spread():
                 continue
             holder: dict[str, Any] = {}
 
