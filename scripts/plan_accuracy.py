@@ -19,7 +19,8 @@ each, :func:`strategies.spawn.run_world`): the wall time of ``train_step`` + ``A
 before and after) as the best of ``--rounds`` interleaved rounds' medians (on a shared machine other
 users' load only slows a round down; the profile's medians are likewise taken over samples spread
 in time), and each rank's peak memory = parameters + AdamW state (live tensors) +
-the peak of its CPU allocations during one profiled step (``torch.profiler`` memory events).
+the median over 3 profiled steps of the peak of its CPU allocations in the step (``torch.profiler``
+memory events).
 
 JSON: ``{"profile": {...}, "rows": [{layout..., "predicted_s", "measured_s", "time_error",
 "predicted_peak_bytes", "measured_peak_bytes", "memory_error"}], "summary": {...}}`` where errors are
@@ -123,10 +124,11 @@ def profile(spec: str | dict[str, Any], args: argparse.Namespace, log: Any) -> A
 
 
 def _measure_worker(rank: int, world: int, spec: str | dict[str, Any], layouts: list[tuple], steps: int,
-                    warmup: int, rounds: int) -> list[dict[str, Any]]:
+                    warmup: int, rounds: int, memory_steps: int = 3) -> list[dict[str, Any]]:
     """Runs in every rank: ``rounds`` interleaved rounds of ``steps`` timed iterations per layout (the
     best round's median is kept: background load on a shared machine only ever slows a round down),
-    then one profiled iteration per layout for memory."""
+    then ``memory_steps`` profiled iterations per layout for memory, of which the median peak counts
+    (a single profiled step once measured 0.75 MiB above its mirror rank and every repeat)."""
     import torch
     import torch.distributed as dist
 
@@ -178,23 +180,26 @@ def _measure_worker(rank: int, world: int, spec: str | dict[str, Any], layouts: 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     for k, (engine, params, opt, step) in enumerate(runs):
-        for p in params:
-            p.grad = None
         held = {id(p): p for p in params}
         held.update({id(t): t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)})
         base = sum(t.numel() * t.element_size() for t in held.values())
-        dist.barrier()
-        with open(os.devnull, "w") as devnull:
-            stderr, sys.stderr = sys.stderr, devnull
-            try:
-                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                    with record_function("plan::step"):
-                        step()
-            finally:
-                sys.stderr = stderr
-        window = _peak_in_ranges(prof, ["plan::step"])["plan::step"]
+        windows = []
+        for _ in range(memory_steps):
+            for p in params:
+                p.grad = None
+            dist.barrier()
+            with open(os.devnull, "w") as devnull:
+                stderr, sys.stderr = sys.stderr, devnull
+                try:
+                    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                        with record_function("plan::step"):
+                            step()
+                finally:
+                    sys.stderr = stderr
+            windows.append(_peak_in_ranges(prof, ["plan::step"])["plan::step"])
         out.append({"time_s": min(medians[k]), "round_medians": medians[k], "times": samples[k],
-                    "peak_bytes": base + window, "states_bytes": base,
+                    "peak_bytes": base + statistics.median(windows), "states_bytes": base,
+                    "step_peaks": windows,
                     "stored_peak": engine.last_record.peak_stored_bytes})
         dist.barrier()
     return out
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="plan_accuracy.json")
     p.add_argument("--cache", default=None, help="profile cache directory (default: the planner's)")
     p.add_argument("--steps", type=int, default=5, help="timed iterations per layout and round")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best round's median counts")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the best round's median counts")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=7, help="profiling repetitions")
     p.add_argument("--quick", action="store_true")

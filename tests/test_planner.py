@@ -116,6 +116,23 @@ def test_activation_peak_matches_in_flight_count(name: str, D: int, N: int, pipe
         assert mem.peak == pytest.approx(inflight[w] * 2 * 1000)
 
 
+def test_eager_sync_flat_buffer_counted_from_its_launch() -> None:
+    """Chimera D = 2, worker 0 runs ``0F0 1F1p1 1B1p1 0B0``; layers of 4000 bytes of weights, 1000
+    bytes kept and a 5000-byte backward transient per sample. With ``end`` both flat all-reduce
+    buffers appear after the last backward: 24000 (weights, AdamW) + 8000 (gradients) + 8000 = 40000.
+    With ``eager`` stage 1's flat (4000) is made right after ``1B1p1``, so it is live during ``0B0``:
+    24000 + 8000 + 4000 + 1000 (micro-batch 0 kept) + 5000 (transient) = 42000."""
+    costs = toy(2, params=1000, transient=5000.0)
+    part = [range(0, 1), range(1, 2)]
+    peaks = {}
+    for sync in ("end", "eager"):
+        cand = Candidate("chimera", 1, 2, 1, 2, 2, grad_sync=sync)
+        schedule = cand.schedule()
+        assert [str(a) for a in schedule.workers[0]] == ["0F0", "1F1p1", "1B1p1", "0B0"]
+        peaks[sync] = worker_peak(costs, cand, schedule, 0, part, keep_sends=False, prefetch=0).peak
+    assert peaks == {"end": 40000, "eager": 42000}
+
+
 def test_budget_cpu_is_shared_and_gpu_per_rank() -> None:
     assert Budget(per_rank=100).fits([100, 90], 2)
     assert not Budget(per_rank=100).fits([101, 1], 2)
@@ -451,4 +468,35 @@ def test_runtime_calibration_separates_action_cost_from_message_latency() -> Non
                     for n in (2, 8)}
              for name in ("gpipe", "chimera")}
     assert calibrate_runtime(steps, t_f, t_comm) == pytest.approx((o, hop, step), abs=2e-5)
+    # a step cost below zero is no cost: it is held at zero and the others refitted
+    faster = {name: {n: t - 2 * step for n, t in by_n.items()} for name, by_n in steps.items()}
+    action, latency, fixed = calibrate_runtime(faster, t_f, t_comm)
+    assert fixed == 0.0 and action >= 0 and latency >= 0
+
+
+def test_nonnegative_least_squares() -> None:
+    import numpy as np
+
+    from planner.comm import nonnegative_lstsq
+
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    assert nonnegative_lstsq(a, a @ np.array([2.0, 3.0])) == pytest.approx([2.0, 3.0])
+    # b = (-1, 2, 1), exact at x = (-1, 2); with x1 held at zero, x2 = mean(2, 1) fits best
+    assert nonnegative_lstsq(a, a @ np.array([-1.0, 2.0])) == pytest.approx([0.0, 1.5])
+
+
+def test_comm_samples_combine_as_the_slowest_rank_per_repetition() -> None:
+    from planner.comm import combine_ranks
+
+    def rank(p2p: list[float], allreduce: list[float], steps: list[float], rss: int) -> dict:
+        return {"p2p": {4096: p2p}, "allreduce": {4096: allreduce}, "steps": {"gpipe": {2: steps}},
+                "rss": rss, "t_f": 0.002, "sleep_overshoot": 1e-4}
+
+    a = rank([1.0, 1.0, 5.0, 1.0], [1.0, 2.0, 3.0, 4.0], [2.0, 2.0, 2.0, 9.0], 10)
+    b = rank([2.0, 1.0, 1.0, 1.0], [4.0, 3.0, 2.0, 1.0], [3.0, 1.0, 1.0, 1.0], 20)
+    out = combine_ranks([a, b])
+    # per repetition the max over ranks: p2p [2, 1, 5, 1] -> lower quartile 1.0; all-reduce
+    # [4, 3, 3, 4] -> median 3.5; steps [3, 2, 2, 9] -> lower quartile 2.0
+    assert out["p2p"] == {4096: pytest.approx(1.0)} and out["allreduce"] == {4096: pytest.approx(3.5)}
+    assert out["steps"] == {"gpipe": {2: pytest.approx(2.0)}} and out["rss"] == 20
 

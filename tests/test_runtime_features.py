@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distributed import run_world
+from distributed import WorldError, run_world
 from strategies.engine import PipelineConfig
 from strategies.grad_sync import bubble_after, last_backwards, launch_plan
 from strategies.pipeline_model import PipelineModel
@@ -277,3 +278,14 @@ def test_bench_quick_writes_the_json_contract(tmp_path: Path) -> None:
     assert data["grad_sync"] and data["recompute"]
     for row in data["schedule_efficiency"] + data["vs_torch"]:
         assert all(isinstance(v, (int, float, str)) for v in row.values())
+
+
+def _rank_one_dies(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)  # no report, no traceback: as a killed or crashed process
+    time.sleep(120)
+
+
+def test_run_world_reports_a_rank_that_died_without_waiting_for_the_timeout() -> None:
+    with pytest.raises(WorldError, match=r"ranks \[1\] exited with codes \[3\] without a result"):
+        run_world(2, _rank_one_dies, timeout=300)  # waiting for the timeout would say "no answer within 300s"

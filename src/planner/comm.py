@@ -8,12 +8,20 @@ using micro benchmarks").
   included), each after writing ``EVICT_BYTES`` elsewhere: in a step the all-reduce follows a
   backward pass that left other data in the caches (a 1–2 MB all-reduce took up to 1.8× longer
   then); with ``r = 2`` Rabenseifner's cost is ``2α + β·L`` (:func:`planner.costs.allreduce_from_pair`).
-* runtime overhead: D = 2 GPipe and Chimera steps of :class:`strategies.emulated.EmulatedPipeline`
-  (holding ``t_f``/``2 t_f`` per action, so the two ranks do not compete for cores) at two micro-batch
-  counts; what the simulated makespan (:func:`strategies.schedules.simulate`) does not explain is the
-  executor's own cost per action, per message on the critical path (posting a send, waking the
-  receiver: more than a ping-pong's one-way time) and per step (:func:`calibrate_runtime`).
+  Its median counts (``ALLREDUCE_QUANTILE``), not the lower quartile: a collective needs several
+  round trips in which both ranks must wake up, so its spread is its own, not other users' load
+  (on 2 gloo CPU ranks a 4 KiB all-reduce took 0.3–8 ms, median 2 ms), and a step pays the typical
+  one (a whole-model 1.3 MB fused all-reduce lasted 2.9–3.6 ms inside Chimera steps; lower
+  quartile 1.1 ms, median 1.5–3.2 ms).
+* runtime overhead: D = 2 GPipe, DAPPLE and Chimera steps of :class:`strategies.emulated.EmulatedPipeline`
+  (holding ``t_f``/``2 t_f`` per action, so the two ranks do not compete for cores) at three
+  micro-batch counts, interleaved; what the simulated makespan (:func:`strategies.schedules.simulate`)
+  does not explain is the executor's own cost per action, per message on the critical path (posting
+  a send, waking the receiver: more than a ping-pong's one-way time) and per step, fitted by
+  non-negative least squares (:func:`calibrate_runtime`).
 * process memory: resident set of one idle worker (interpreter, torch, gloo), for host-RAM budgets.
+
+A repetition lasts until its slowest rank is done (the max over the two ranks, :func:`combine_ranks`).
 """
 
 from __future__ import annotations
@@ -29,21 +37,21 @@ from .costs import AlphaBeta, allreduce_from_pair, quantile, robust_line
 from .model_costs import CommCosts
 
 SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
-CALIBRATION_N = (2, 8)
-# GPipe's critical path has few messages, Chimera's waits on one before nearly every action: together
-# they separate the runtime's cost per action from its latency per message
-CALIBRATION_SCHEDULES = ("gpipe", "chimera")
+CALIBRATION_N = (2, 4, 8)
+# GPipe's critical path has few messages, Chimera's waits on one before nearly every action, DAPPLE's
+# on one per micro-batch: together they separate the cost per action from the latency per message
+CALIBRATION_SCHEDULES = ("gpipe", "dapple", "chimera")
 CALIBRATION_NUMEL = 256  # floats per sample of the calibration activations
 CALIBRATION_T_F = 0.002  # seconds held per emulated forward (backward: twice)
-SAMPLE_QUANTILE = 0.25  # of the repetitions, as the layer profile (other users' load only slows them)
+SAMPLE_QUANTILE = 0.25  # of the p2p and step repetitions, as the layer profile (other users' load only slows them)
+ALLREDUCE_QUANTILE = 0.5  # see the module docstring
 EVICT_BYTES = 32 * 2**20  # written before each timed all-reduce: larger than the CPU caches
-COMM_VERSION = 5  # part of the cache key: bumped when the measurement changes
+COMM_VERSION = 6  # part of the cache key: bumped when the measurement changes
 
 
-def _timed_reps(run: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None,
-                closing_barrier: bool = False) -> float:
-    """Lower quartile of ``reps`` timings of ``run`` (after 2 untimed ones), each started after a
-    barrier (and ``before``, untimed); ``closing_barrier`` times until every rank is done."""
+def _timed_samples(run: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> list[float]:
+    """``reps`` timings of ``run`` on this rank (after 2 untimed ones), each started after ``before``
+    (untimed) and a barrier."""
     import torch.distributed as dist
 
     samples = []
@@ -53,14 +61,13 @@ def _timed_reps(run: Callable[[], Any], reps: int, before: Callable[[], Any] | N
         dist.barrier()
         start = time.perf_counter()
         run()
-        if closing_barrier:
-            dist.barrier()
         if r >= 2:
             samples.append(time.perf_counter() - start)
-    return quantile(samples, SAMPLE_QUANTILE)
+    return samples
 
 
 def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: int) -> dict[str, Any]:
+    """Every rank's raw samples (seconds); :func:`combine_ranks` reduces them."""
     from datetime import timedelta
 
     import psutil
@@ -84,25 +91,29 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
                 dist.recv(buf, peer)
                 dist.send(buf, peer)
 
-        p2p[size] = _timed_reps(ping_pong, reps) / 2
+        p2p[size] = [t / 2 for t in _timed_samples(ping_pong, reps)]
         # as the runtime runs it: gradients packed into a flat buffer, all-reduced, unpacked
         weight = torch.nn.Parameter(torch.zeros(size // 4))
         weight.grad = torch.zeros_like(weight)
         sync = GradientSynchronizer({0: [weight]}, {0: dist.group.WORLD}, [], None, timedelta(seconds=120))
         # in a step the all-reduce follows a backward: its buffers are not in cache
-        allreduce[size] = _timed_reps(sync.finish, reps, before=lambda: evict.add_(1.0))
-    steps_s: dict[str, dict[int, float]] = {}
-    from strategies.emulated import EmulatedPipeline
+        allreduce[size] = _timed_samples(sync.finish, reps, before=lambda: evict.add_(1.0))
+    from strategies.emulated import EmulatedPipeline, hold
     from strategies.engine import PipelineConfig, PipelineEngine
 
+    configs = []
     for name in CALIBRATION_SCHEDULES:
         model = EmulatedPipeline(2, t_f=CALIBRATION_T_F, activation_numel=CALIBRATION_NUMEL, param_numel=1)
         engine = PipelineEngine(model, PipelineConfig(name, 2, 1), 1, torch.device("cpu"))
-        batches = {n: model.batch(n) for n in CALIBRATION_N}
-        steps_s[name] = {n: _timed_reps(lambda b=b: engine.train_step(b), steps, closing_barrier=True)
-                         for n, b in batches.items()}
-    from strategies.emulated import hold
-
+        configs += [(name, n, engine, model.batch(n)) for n in CALIBRATION_N]
+    steps_s: dict[str, dict[int, list[float]]] = {name: {} for name in CALIBRATION_SCHEDULES}
+    for r in range(steps + 2):  # interleaved: a slow spell of the machine hits every configuration alike
+        for name, n, engine, batch in configs:
+            dist.barrier()
+            start = time.perf_counter()
+            engine.train_step(batch)
+            if r >= 2:
+                steps_s[name].setdefault(n, []).append(time.perf_counter() - start)
     over = []
     for _ in range(20):
         start = time.perf_counter()
@@ -110,6 +121,24 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
         over.append(time.perf_counter() - start - CALIBRATION_T_F)
     return {"p2p": p2p, "allreduce": allreduce, "steps": steps_s, "rss": rss, "t_f": CALIBRATION_T_F,
             "sleep_overshoot": statistics.median(over)}
+
+
+def combine_ranks(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One value per measurement from every rank's samples: a repetition lasts until its slowest
+    rank is done (the max over ranks, as a step does), then the quantile over repetitions
+    (``SAMPLE_QUANTILE``; ``ALLREDUCE_QUANTILE`` for the all-reduce)."""
+
+    def reduce(per_rank: Sequence[Sequence[float]], q: float) -> float:
+        return quantile([max(ts) for ts in zip(*per_rank)], q)
+
+    first = results[0]
+    return {"p2p": {int(s): reduce([r["p2p"][s] for r in results], SAMPLE_QUANTILE) for s in first["p2p"]},
+            "allreduce": {int(s): reduce([r["allreduce"][s] for r in results], ALLREDUCE_QUANTILE)
+                          for s in first["allreduce"]},
+            "steps": {name: {int(n): reduce([r["steps"][name][n] for r in results], SAMPLE_QUANTILE) for n in by_n}
+                      for name, by_n in first["steps"].items()},
+            "rss": max(int(r["rss"]) for r in results), "t_f": first["t_f"],
+            "sleep_overshoot": statistics.median(r["sleep_overshoot"] for r in results)}
 
 
 def fit_comm(result: dict[str, Any], *, measured: bool = True) -> CommCosts:
@@ -129,7 +158,7 @@ def calibrate_runtime(steps: Mapping[str, Mapping[int, float]], t_f: float, t_co
 
     Each measured step ``T = step + sim(t_f, 2 t_f, t_comm) + o·M + λ·H``, where ``M`` and ``H`` are
     the actions and the messages on the simulated critical path (the makespan's derivatives in the
-    action time and the message time); least squares over every schedule and N.
+    action time and the message time); non-negative least squares over every schedule and N.
     """
     import numpy as np
 
@@ -145,26 +174,40 @@ def calibrate_runtime(steps: Mapping[str, Mapping[int, float]], t_f: float, t_co
             h = (simulate(schedule, t_f, 2 * t_f, t_comm=t_comm + eps).makespan - base) / eps
             rows.append([1.0, m, h])
             ys.append(float(measured) - base)
-    (step, action, hop), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
-    return float(action), float(hop), float(step)
+    step, action, hop = nonnegative_lstsq(np.array(rows), np.array(ys))
+    return action, hop, step
 
 
-def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 30, steps: int = 20) -> CommCosts:
-    """Run the micro-benchmarks in two spawned gloo processes (a few seconds)."""
+def nonnegative_lstsq(a: Any, b: Any) -> list[float]:
+    """``argmin ‖a·x − b‖`` over ``x ≥ 0`` for a few unknowns: the best of the unconstrained
+    least-squares solutions on every subset of the columns (the others held at zero) that come out
+    non-negative. A cost that comes out negative is not a cost: the others absorb its share."""
+    import itertools
+
+    import numpy as np
+
+    k = a.shape[1]
+    best, best_x = float(np.sum(b**2)), [0.0] * k
+    for size in range(1, k + 1):
+        for cols in itertools.combinations(range(k), size):
+            sol, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if (sol < 0).any():
+                continue
+            x = [0.0] * k
+            for c, v in zip(cols, sol):
+                x[c] = float(v)
+            residual = float(np.sum((a @ np.array(x) - b) ** 2))
+            if residual < best - 1e-18:
+                best, best_x = residual, x
+    return best_x
+
+
+def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 30, steps: int = 30) -> CommCosts:
+    """Run the micro-benchmarks in two spawned gloo processes (about 20 seconds)."""
     from strategies.spawn import run_world
 
     results = run_world(2, _comm_worker, list(sizes), reps, steps, timeout=300)
-    return fit_comm(_keys_to_int(results[0]))
-
-
-def _keys_to_int(result: dict[str, Any]) -> dict[str, Any]:
-    """Message sizes and micro-batch counts back to ints (JSON and pickling keep them, but be strict)."""
-    out = dict(result)
-    for key in ("p2p", "allreduce"):
-        out[key] = {int(s): v for s, v in result[key].items()}
-    out["steps"] = {name: {int(n): v for n, v in by_n.items()} for name, by_n in result["steps"].items()}
-    return out
-
+    return fit_comm(combine_ranks(results))
 
 
 def load_or_measure_comm(cache_dir: Path, device: str, *, refresh: bool = False,

@@ -13,7 +13,9 @@ count, :func:`worker_peak` walks the worker's actions in schedule order, as the 
   re-materialised;
 * on gloo (CPU) a sent tensor stays referenced until the end of the step (:mod:`strategies.p2p`), so
   sent activations and activation gradients stay counted until the end (``keep_sends``);
-* at the end, each all-reduce flattens its stage's gradients into one more buffer.
+* each all-reduce flattens its stage copy's gradients into one more buffer, when it is launched:
+  at the end (``grad_sync=end``) or right after the copy's last backward (eager modes, the same
+  :func:`strategies.grad_sync.launch_plan` the runtime follows); the tied group's at the end.
 
 With equal per-micro-batch bytes the activation part is ``bytes × peak in-flight count`` of
 :func:`strategies.schedules.peak_activations` (a test checks this).
@@ -62,6 +64,8 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
                 prefetch: int = 2) -> WorkerMemory:
     """Peak bytes of one worker (see the module docstring). ``partition`` maps at least this
     worker's stages to their layers."""
+    from strategies.grad_sync import launch_plan
+
     D, B = cand.D, cand.B
     stages = schedule.stages_of(worker)
     ranges = {s: partition[s] for s in stages}
@@ -83,6 +87,13 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
             return 2 * costs.stage_stored(st, B / 2)
         return costs.stage_stored(st, B)
 
+    synced = cand.W * len(schedule.placement) > 1  # every stage has copies on other ranks
+
+    def flat(s: int) -> float:
+        return costs.stage_param_bytes(ranges[s]) - costs.tied_bytes(set(ranges[s]) & tied) if synced else 0.0
+
+    eager = launch_plan(schedule, worker, cand.grad_sync) if cand.grad_sync != "end" else {}
+    launched: set[int] = set()
     recv_ahead = prefetch * max((max(costs.stage_in_bytes(ranges[s], B), costs.stage_out_bytes(ranges[s], B))
                                  for s in stages), default=0.0)
     live = states
@@ -120,11 +131,11 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
             sent = frac * in_b + (frac * out_b if s not in recompute and action.mb not in halved else 0.0)
             live += sent
             retained += sent
+        for early in eager.get(action, ()):  # an eager all-reduce's flat buffer lives from its launch
+            live += flat(early)
+            launched.add(early)
     live -= retained  # the messenger's flush at the end of the step
-    flats = 0.0
-    for s in stages:
-        if cand.W * len(schedule.placement) > 1:
-            flats += costs.stage_param_bytes(ranges[s]) - costs.tied_bytes(set(ranges[s]) & tied)
+    flats = sum(flat(s) for s in stages if s not in launched)
     if costs.tied and any(i in layers or j in layers for i, j, _ in costs.tied) and cand.W * max(1, min(D, 2)) > 1:
         flats += costs.tied_bytes(layers)
     peak = max(peak, live + flats)

@@ -10,7 +10,9 @@ exits otherwise). ``fn`` must be importable by the children (a module-level func
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -71,19 +73,46 @@ def run_world(
         p.start()
     results: dict[int, Any] = {}
     errors = []
+    deadline = time.monotonic() + timeout
+    reported: set[int] = set()
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(reported) < world_size:
+            try:
+                rank, status, value = queue.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            except queue_module.Empty:
+                silent = sorted(set(range(world_size)) - reported)
+                dead = {r: procs[r].exitcode for r in silent if procs[r].exitcode not in (None, 0)}
+                if dead:  # died (its last report may still be in flight): do not wait for the timeout
+                    grace = time.monotonic() + 2.0
+                    while time.monotonic() < grace and not reported >= set(dead):
+                        try:
+                            rank, status, value = queue.get(timeout=0.2)
+                        except queue_module.Empty:
+                            continue
+                        reported.add(rank)
+                        if status == "ok":
+                            results[rank] = value
+                        else:
+                            errors.append(f"rank {rank}:\n{value}")
+                    silent_dead = sorted(set(dead) - reported)
+                    if silent_dead:
+                        errors.append(f"ranks {silent_dead} exited with codes {[dead[r] for r in silent_dead]} "
+                                      "without a result")
+                    if errors:
+                        break
+                    continue
+                if time.monotonic() >= deadline:
+                    errors.append(f"no answer within {timeout:.0f}s from ranks {silent}")
+                    break
+                continue
+            reported.add(rank)
             if status == "ok":
                 results[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
-    except Exception as err:  # queue.Empty: a rank hung or died without reporting
-        silent = sorted(set(range(world_size)) - set(results))
-        errors.append(f"no answer within {timeout:.0f}s from ranks {silent}: {err!r}")
     finally:
-        for p in procs:
-            p.join(timeout=30)
+        for p in procs:  # after a failure the others are stuck waiting for the failed rank: end them
+            p.join(timeout=2 if errors else 30)
             if p.is_alive():
                 p.kill()
     if errors:
