@@ -446,6 +446,13 @@ def test_plan_accuracy_compares_the_pick_with_the_best_measured_per_global_batch
     assert pick["recommended"] == "chimera W=1 D=2 B=4" and pick["best_measured"] == "dapple W=1 D=2 B=2"
     assert pick["ratio"] == pytest.approx(1.21)
 
+    # independent repeats: per layout the median predicted and median measured times count
+    runs = ((1.0, 1.3), (1.1, 1.0), (1.0, 1.1))  # (predicted, measured) per repeat
+    repeats = [[{**row("gpipe", 4, 4, p, m), "time_error": abs(p - m) / m}] for p, m in runs]
+    (merged,) = script.merge_repeats(repeats)
+    assert (merged["predicted_s"], merged["measured_s"]) == (1.0, 1.1)
+    assert merged["time_error"] == pytest.approx(0.1 / 1.1) and len(merged["repeats"]) == 3
+
 
 @pytest.mark.slow
 def test_comm_micro_benchmarks_run_the_runtime_synchronizer() -> None:
