@@ -142,7 +142,7 @@ def combine_ranks(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def fit_comm(result: dict[str, Any], *, measured: bool = True) -> CommCosts:
-    """CommCosts from one rank's micro-benchmark results (see the module docstring)."""
+    """CommCosts from the micro-benchmark results, reduced over the ranks by :func:`combine_ranks`."""
     sizes = sorted(int(s) for s in result["p2p"])
     p2p_fit = robust_line(sizes, [result["p2p"][s] for s in sizes])
     p2p = AlphaBeta(max(p2p_fit.a, 0.0), max(p2p_fit.b, 0.0))

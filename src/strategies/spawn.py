@@ -71,45 +71,9 @@ def run_world(
     ]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    errors = []
-    deadline = time.monotonic() + timeout
-    reported: set[int] = set()
+    errors: list[str] = []
     try:
-        while len(reported) < world_size:
-            try:
-                rank, status, value = queue.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
-            except queue_module.Empty:
-                silent = sorted(set(range(world_size)) - reported)
-                dead = {r: procs[r].exitcode for r in silent if procs[r].exitcode not in (None, 0)}
-                if dead:  # died (its last report may still be in flight): do not wait for the timeout
-                    grace = time.monotonic() + 2.0
-                    while time.monotonic() < grace and not reported >= set(dead):
-                        try:
-                            rank, status, value = queue.get(timeout=0.2)
-                        except queue_module.Empty:
-                            continue
-                        reported.add(rank)
-                        if status == "ok":
-                            results[rank] = value
-                        else:
-                            errors.append(f"rank {rank}:\n{value}")
-                    silent_dead = sorted(set(dead) - reported)
-                    if silent_dead:
-                        errors.append(f"ranks {silent_dead} exited with codes {[dead[r] for r in silent_dead]} "
-                                      "without a result")
-                    if errors:
-                        break
-                    continue
-                if time.monotonic() >= deadline:
-                    errors.append(f"no answer within {timeout:.0f}s from ranks {silent}")
-                    break
-                continue
-            reported.add(rank)
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
+        results, errors = _collect(queue, procs, timeout)
     finally:
         for p in procs:  # after a failure the others are stuck waiting for the failed rank: end them
             p.join(timeout=2 if errors else 30)
@@ -118,3 +82,42 @@ def run_world(
     if errors:
         raise WorldError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _collect(queue: Any, procs: list, timeout: float) -> tuple[dict[int, Any], list[str]]:
+    """Every rank's report (result or traceback), until all reported, one died without reporting
+    (no waiting for the timeout then), or ``timeout`` seconds passed."""
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    reported: set[int] = set()
+    deadline = time.monotonic() + timeout
+
+    def take(wait: float) -> bool:
+        try:
+            rank, status, value = queue.get(timeout=wait)
+        except queue_module.Empty:
+            return False
+        reported.add(rank)
+        if status == "ok":
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+        return True
+
+    while len(reported) < len(procs):
+        if take(min(1.0, max(deadline - time.monotonic(), 0.01))):
+            continue
+        dead = {r: p.exitcode for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)}
+        if dead:  # its last report may still be in flight: a short grace, then stop
+            grace = time.monotonic() + 2.0
+            while not reported >= set(dead) and time.monotonic() < grace:
+                take(0.2)
+            silent = sorted(set(dead) - reported)
+            if silent:
+                errors.append(f"ranks {silent} exited with codes {[dead[r] for r in silent]} without a result")
+            if errors:
+                break
+        elif time.monotonic() >= deadline:
+            errors.append(f"no answer within {timeout:.0f}s from ranks {sorted(set(range(len(procs))) - reported)}")
+            break
+    return results, errors
