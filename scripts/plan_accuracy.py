@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Accuracy of the planner: predicted vs measured iteration time and peak memory (issue 7).
 
-    python scripts/plan_accuracy.py --out plan_accuracy.json        # 24 layouts × 3 repeats, ~15 minutes
+    python scripts/plan_accuracy.py --out plan_accuracy.json        # 24 layouts × 3 repeats, ~16 minutes
     python scripts/plan_accuracy.py --quick --out /tmp/acc.json     # 5 layouts, one repeat (smoke)
 
 Two models, as issue 7 asks (real and emulated compute):
