@@ -77,7 +77,6 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     states = params * (1 + ADAMW_STATES) + versions  # weights, AdamW moments; gradients appear on first backward
     recompute = cand.recompute_stages()
     halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}
-    tied = {i for i, j, _ in costs.tied} | {j for i, j, _ in costs.tied}
 
     def kept(s: int, mb: int) -> float:
         st = ranges[s]
@@ -90,7 +89,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     synced = cand.W * len(schedule.placement) > 1  # every stage has copies on other ranks
 
     def flat(s: int) -> float:
-        return costs.stage_param_bytes(ranges[s]) - costs.tied_bytes(set(ranges[s]) & tied) if synced else 0.0
+        return costs.stage_sync_bytes(ranges[s]) if synced else 0.0
 
     eager = launch_plan(schedule, worker, cand.grad_sync) if cand.grad_sync != "end" else {}
     launched: set[int] = set()

@@ -155,6 +155,11 @@ class ModelCosts:
     def stage_param_bytes(self, stage: range) -> int:
         return sum(self.layers[i].param_bytes for i in stage)
 
+    def stage_sync_bytes(self, stage: range) -> int:
+        """Bytes of the stage's own gradient all-reduce: its parameters less the tied weights it
+        holds (those are all-reduced over the tied group)."""
+        return self.stage_param_bytes(stage) - self.tied_bytes(set(stage))
+
     def shared_bytes(self, layers: set[int]) -> int:
         """Bytes of tied weights counted twice in ``layers`` (both holders present): subtract once."""
         return sum(b for i, j, b in self.tied if i in layers and j in layers)

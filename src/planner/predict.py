@@ -292,11 +292,10 @@ def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range],
             return _last_backward_end(timeline[w], stage) * stretch
         return compute_end[w]
 
-    tied_layers = {i for i, j, _ in costs.tied} | {j for i, j, _ in costs.tied}
     buckets: list[tuple[str, tuple[int, ...], dict[int, float], float]] = []  # name, members, launches, bytes
     for s, stage in enumerate(partition):
         members = tuple(sorted({row[s] for row in schedule.placement}))
-        nbytes = costs.stage_param_bytes(stage) - costs.tied_bytes(set(stage) & tied_layers)
+        nbytes = costs.stage_sync_bytes(stage)
         if cand.W * len(members) > 1 and nbytes > 0:
             buckets.append((f"stage{s}", members, {w: launch(w, s) for w in members}, nbytes))
     for k, (i, j, nbytes) in enumerate(costs.tied):
