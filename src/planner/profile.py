@@ -5,8 +5,9 @@ layer, the profiler measures, the way :class:`strategies.executor.StageExecutor`
 
 * the forward (under the executor's saved-tensor accounting), backward and graph-free forward (a
   recomputed stage's first pass) times: the lower quartile of at least ``reps`` rounds over all
-  layers, spread over at least ``MIN_SECONDS`` (round-robin, so a burst of background load hits every
-  layer alike, and a lower quantile, as load only slows samples down); identical layers
+  layers and batch sizes, spread over at least ``MIN_SECONDS`` per size (round-robin, so a burst of
+  background load hits every layer and size alike and moves the fitted line's level, not its slope;
+  a lower quantile, as load only slows samples down); identical layers
   (transformer blocks) pool their samples, the others run extra rounds, so every quantile rests on
   at least ``MIN_SAMPLES`` samples;
 * the bytes autograd keeps for the backward, alone (CAPTURE's M_i) and after the previous layer
@@ -30,6 +31,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +42,9 @@ from .costs import fit_line, quantile
 from .model_costs import CommCosts, LayerCosts, ModelCosts
 
 DEFAULT_CACHE = Path(os.environ.get("PIPELINE_RECIPES_CACHE", Path.home() / ".cache" / "pipeline-recipes")) / "planner"
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 MIN_SAMPLES = 24  # timed samples per group of identical layers and batch size
-MIN_SECONDS = 1.5  # timed rounds per batch size last at least this long (spread over time)
+MIN_SECONDS = 1.5  # per batch size: the timed rounds last at least this long × the sizes (spread over time)
 PROFILE_QUANTILE = 0.25  # of the samples: background load only ever slows a sample down
 
 
@@ -199,14 +201,21 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _measure_size(runner: _LayerRunner, batch: dict[str, Tensor], reps: int, warmup: int,
-                  memory: bool) -> list[dict[str, float]]:
-    """One batch size: stored/output bytes per layer, then ``reps`` rounds over all layers of timed
-    forward + backward (round-robin, so a burst of background load hits every layer alike), then
-    the transients."""
+@dataclass
+class _SizeRun:
+    """One batch size's inputs to every layer, output gradients, and per-layer result rows."""
+
+    batch: dict[str, Tensor]
+    inputs: list[Tensor]
+    grads: list[Tensor | None]
+    rows: list[dict[str, float]]
+
+
+def _prepare_size(runner: _LayerRunner, batch: dict[str, Tensor]) -> _SizeRun:
+    """Each layer's input, output gradient, stored and output bytes at this batch size."""
     from strategies.pipeline_model import call_layer
 
-    model, device, layers = runner.model, runner.device, runner.layers
+    model, layers = runner.model, runner.layers
     n = len(layers)
     rows: list[dict[str, float]] = []
     x = model.pipeline_input(batch)
@@ -229,48 +238,51 @@ def _measure_size(runner: _LayerRunner, batch: dict[str, Tensor], reps: int, war
                      "in_saved": in_bytes, "transient": 0.0})
         with torch.no_grad():
             prev_x, x = x, call_layer(layers[i], x, batch)
+    return _SizeRun(batch, inputs, grads, rows)
+
+
+def _time_layers(runner: _LayerRunner, runs: Sequence[_SizeRun], reps: int, warmup: int) -> None:
+    """Timed forward, backward and graph-free forward of every layer at every batch size, into each
+    run's rows: rounds over all (size, layer) pairs until each has its samples and ``MIN_SECONDS``
+    per size have passed. Sizes share the rounds, so a slow spell of a shared machine moves every
+    size alike (the fitted line's level), not one size (its slope)."""
+    device, layers = runner.device, runner.layers
+    n = len(layers)
     groups: dict[tuple, list[int]] = {}
     for i in range(n):  # identical layers (transformer blocks) pool their samples: robust medians
         groups.setdefault(layer_signature(layers[i], i, n), []).append(i)
     # every group gets at least MIN_SAMPLES samples: layers without twins run extra rounds
     rounds = [max(reps, -(-MIN_SAMPLES // len(groups[layer_signature(layers[i], i, n)]))) for i in range(n)]
-    fwd_t: list[list[float]] = [[] for _ in range(n)]
-    bwd_t: list[list[float]] = [[] for _ in range(n)]
-    nograd_t: list[list[float]] = [[] for _ in range(n)]
-    start, r = time.perf_counter(), 0
+    samples = {(k, key): [[] for _ in range(n)] for k in range(len(runs)) for key in ("fwd", "bwd", "fwd_nograd")}
+    start, r, min_seconds = time.perf_counter(), 0, MIN_SECONDS * len(runs)
 
     def spread() -> bool:
-        return time.perf_counter() - start >= MIN_SECONDS
+        return time.perf_counter() - start >= min_seconds
 
-    # rounds go on until every layer has its samples and MIN_SECONDS have passed (at most 20× the
-    # rounds needed): a second-long burst of other users' load then moves a few samples, not all
+    # at most 20× the rounds needed: a second-long burst of other users' load moves a few samples, not all
     while r < warmup + max(rounds) or (not spread() and r < warmup + 20 * max(rounds)):
         for i in range(n):
             if r >= warmup + rounds[i] and spread():
                 continue
-            holder: dict[str, Any] = {}
+            for k, run in enumerate(runs):
+                holder: dict[str, Any] = {}
 
-            def fwd(i: int = i) -> None:
-                holder["io"] = runner.forward(i, i, inputs[i], batch)
+                def fwd(i: int = i, run: _SizeRun = run) -> None:
+                    holder["io"] = runner.forward(i, i, run.inputs[i], run.batch)
 
-            t_f = _timed(fwd, device)
-            t_b = _timed(lambda i=i: runner.backward(holder["io"][1], grads[i]), device)
-            holder.clear()
-            t_n = _timed(lambda i=i: runner.forward_nograd(i, inputs[i], batch), device)
-            if r >= warmup:
-                fwd_t[i].append(t_f)
-                bwd_t[i].append(t_b)
-                nograd_t[i].append(t_n)
+                t_f = _timed(fwd, device)
+                t_b = _timed(lambda i=i, run=run: runner.backward(holder["io"][1], run.grads[i]), device)
+                holder.clear()
+                t_n = _timed(lambda i=i, run=run: runner.forward_nograd(i, run.inputs[i], run.batch), device)
+                if r >= warmup:
+                    for key, t in (("fwd", t_f), ("bwd", t_b), ("fwd_nograd", t_n)):
+                        samples[k, key][i].append(t)
         r += 1
-    for members in groups.values():
-        for key, samples in (("fwd", fwd_t), ("bwd", bwd_t), ("fwd_nograd", nograd_t)):
-            value = quantile([t for i in members for t in samples[i]], PROFILE_QUANTILE)
+    for (k, key), per_layer in samples.items():
+        for members in groups.values():
+            value = quantile([t for i in members for t in per_layer[i]], PROFILE_QUANTILE)
             for i in members:
-                rows[i][key] = value
-    if memory:
-        for i, peak in enumerate(_transients(runner, inputs, grads, batch)):
-            rows[i]["transient"] = max(0.0, peak - (rows[i]["stored_alone"] - rows[i]["in_saved"]))
-    return rows
+                runs[k].rows[i][key] = value
 
 
 def _transients(runner: _LayerRunner, inputs: list[Tensor], grads: list[Tensor | None],
@@ -304,23 +316,33 @@ def _transients(runner: _LayerRunner, inputs: list[Tensor], grads: list[Tensor |
 
 
 def _optimizer_times(layers: Sequence[nn.Module], reps: int) -> list[float]:
-    times = []
+    """Seconds of one AdamW step over each layer's parameters: the median of ``reps`` rounds over all
+    layers (round-robin, like the layer times), identical layers pooled."""
+    n = len(layers)
+    optimizers: list[torch.optim.Optimizer | None] = []
     for layer in layers:
         params = [p for p in _unique(layer.parameters()) if p.requires_grad]
-        if not params:
-            times.append(0.0)
-            continue
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        opt = torch.optim.AdamW(params, lr=0.0)
-        opt.step()
-        samples = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            opt.step()
-            samples.append(time.perf_counter() - start)
-        times.append(statistics.median(samples))
+        optimizers.append(torch.optim.AdamW(params, lr=0.0) if params else None)
+        if params:
+            optimizers[-1].step()  # creates the states
+    samples: list[list[float]] = [[] for _ in range(n)]
+    for _ in range(reps):
+        for i, opt in enumerate(optimizers):
+            if opt is not None:
+                start = time.perf_counter()
+                opt.step()
+                samples[i].append(time.perf_counter() - start)
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(layer_signature(layers[i], i, n), []).append(i)
+    times = [0.0] * n
+    for members in groups.values():
+        pooled = [t for i in members for t in samples[i]]
+        for i in members:
+            times[i] = statistics.median(pooled) if pooled else 0.0
     return times
 
 
@@ -357,10 +379,13 @@ def profile_pipeline(model: nn.Module, batch_of: Callable[[int], dict[str, Tenso
         model.train()
         runner = _LayerRunner(model, device)
         layers = model.pipeline_layers()
-        per_size = []
-        for size in sizes:
-            batch = {k: v.to(device) for k, v in batch_of(size).items()}
-            per_size.append(_measure_size(runner, batch, reps, warmup, memory))
+        runs = [_prepare_size(runner, {k: v.to(device) for k, v in batch_of(size).items()}) for size in sizes]
+        _time_layers(runner, runs, reps, warmup)
+        if memory:
+            for run in runs:
+                for row, peak in zip(run.rows, _transients(runner, run.inputs, run.grads, run.batch)):
+                    row["transient"] = max(0.0, peak - (row["stored_alone"] - row["in_saved"]))
+        per_size = [run.rows for run in runs]
         opt_times = _optimizer_times(layers, max(reps, 3))
     out = []
     names = model.layer_names() if hasattr(model, "layer_names") else [f"layer.{i}" for i in range(len(layers))]
