@@ -65,6 +65,30 @@ def test_recompute_stages() -> None:
     assert recompute_stages("except_last", 4) == {0, 1, 2}
 
 
+def test_saved_bytes_tracking_frees_a_graph_dropped_without_backward() -> None:
+    """The executor and the profiler count saved activations with SavedBytes; a graph built under it
+    and dropped without a backward (a failed step, the profiler's forward-only passes) is freed."""
+    import gc
+    import weakref
+
+    from strategies.recompute import SavedBytes
+
+    layer = nn.Linear(4, 4)
+    saved = SavedBytes(frozenset())
+    with saved.track():
+        out = torch.tanh(layer(torch.randn(3, 4, requires_grad=True)))  # tanh saves its own output
+    assert saved.nbytes > 0
+    alive = weakref.ref(out)
+    del out
+    gc.collect()
+    assert alive() is None
+    x = torch.randn(3, 4, requires_grad=True)
+    with SavedBytes(frozenset()).track():
+        y = torch.tanh(x)
+    y.sum().backward()  # unpacked with its grad_fn: the gradient is unchanged
+    assert torch.allclose(x.grad, 1 - torch.tanh(x.detach()) ** 2)
+
+
 def test_eager_plan_launches_each_stage_after_its_last_backward() -> None:
     schedule = build_schedule("chimera", 4, 4)
     for worker in range(4):

@@ -88,7 +88,10 @@ class SavedBytes:
 
     def _pack(self, t: Tensor) -> Tensor:
         self.add(t)
-        return t
+        # detached: a saved *output* kept with its grad_fn would own the node that owns it, a cycle
+        # the garbage collector cannot see, leaking any graph dropped without a backward
+        # (pytorch/pytorch#115255); autograd restores the grad_fn on unpack
+        return t.detach()
 
     @staticmethod
     def _unpack(t: Tensor) -> Tensor:
