@@ -30,7 +30,8 @@ JSON: ``{"profile": {compute: [per repeat]}, "rows": [{layout..., "predicted_s",
 ``|pred − meas| / meas`` (memory: the largest over the ranks). Real-compute layouts with more
 ranks than cores (``oversubscribed``) are measured and reported, but kept out of the accuracy
 summary: the planner models one device per rank, which they do not have (their errors are
-summarised apart, ``oversubscribed_time_error_*``).
+summarised apart, ``oversubscribed_time_error_*``). ``summary.by_compute`` splits the counted errors
+by compute kind, with the median signed error (below zero: under-predicted).
 """
 
 from __future__ import annotations
@@ -276,6 +277,20 @@ def recommendation_check(rows: list[dict]) -> list[dict]:
     return out
 
 
+def errors_by_compute(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per compute kind (real, emulated): layouts, median and max of the time error, and the median
+    signed error ``(pred − meas) / meas`` (below zero: under-predicted), so a bias of one kind
+    cannot hide behind the other's accuracy in the overall median."""
+    kinds: dict[str, list[dict]] = {}
+    for r in rows:
+        kinds.setdefault(r.get("compute", "real"), []).append(r)
+    return {kind: {"layouts": len(group), "time_error_median": statistics.median(r["time_error"] for r in group),
+                   "time_error_max": max(r["time_error"] for r in group),
+                   "signed_error_median": statistics.median((r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+                                                            for r in group)}
+            for kind, group in sorted(kinds.items())}
+
+
 def _name(row: dict) -> str:
     return f"{row['layout']} W={row['W']} D={row['D']} B={row['B']}"
 
@@ -344,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     picks = recommendation_check(rows)
     summary = {"layouts": len(counted), "time_error_median": statistics.median(t_err), "time_error_max": max(t_err),
                "memory_error_median": statistics.median(m_err), "memory_error_max": max(m_err),
+               "by_compute": errors_by_compute(counted),
                "recommended_vs_best": picks, "cores": cores, "load_average": list(os.getloadavg())}
     if apart:
         summary.update({"oversubscribed_layouts": len(apart),
@@ -357,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         f"max {summary['time_error_max']:.1%}; memory error: median {summary['memory_error_median']:.1%}, "
         f"max {summary['memory_error_max']:.1%} (load average {os.getloadavg()[0]:.1f} on {cores} cores); "
         f"wrote {args.out}")
+    for kind, e in summary["by_compute"].items():
+        log(f"  {kind} compute, {e['layouts']} layouts: time error median {e['time_error_median']:.1%}, max "
+            f"{e['time_error_max']:.1%}; median signed error {e['signed_error_median']:+.1%}")
     if apart:
         log(f"not counted: {len(apart)} real-compute layouts with more ranks than the {cores} cores: time error "
             f"median {summary['oversubscribed_time_error_median']:.1%}, max {summary['oversubscribed_time_error_max']:.1%}")

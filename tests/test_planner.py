@@ -481,6 +481,14 @@ def test_plan_accuracy_compares_the_pick_with_the_best_measured_per_global_batch
     assert (merged["predicted_s"], merged["measured_s"]) == (1.0, 1.1)
     assert merged["time_error"] == pytest.approx(0.1 / 1.1) and len(merged["repeats"]) == 3
 
+    # errors per compute kind: the real rows' bias is not averaged away by the emulated ones
+    rows = [{**row("gpipe", 4, 4, 0.8, 1.0), "compute": "real", "time_error": 0.2},
+            {**row("dapple", 4, 4, 0.9, 1.0), "compute": "real", "time_error": 0.1},
+            {**row("gpipe", 1, 4, 1.01, 1.0), "compute": "emulated", "time_error": 0.01}]
+    by = script.errors_by_compute(rows)
+    assert by["real"]["layouts"] == 2 and by["real"]["time_error_max"] == 0.2
+    assert by["real"]["signed_error_median"] == pytest.approx(-0.15) and by["emulated"]["time_error_median"] == 0.01
+
 
 @pytest.mark.slow
 def test_comm_micro_benchmarks_run_the_runtime_synchronizer() -> None:
