@@ -114,6 +114,14 @@ def layer_signature(layer: nn.Module, index: int, count: int) -> tuple:
     return (position, type(layer).__name__, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
 
 
+def _identical_layers(layers: Sequence[nn.Module]) -> list[list[int]]:
+    """Indices of the layers with equal :func:`layer_signature`, group by group."""
+    groups: dict[tuple, list[int]] = {}
+    for i, layer in enumerate(layers):
+        groups.setdefault(layer_signature(layer, i, len(layers)), []).append(i)
+    return list(groups.values())
+
+
 class _LayerRunner:
     """Forward/backward of a group of consecutive layers as the executor runs a stage."""
 
@@ -248,11 +256,10 @@ def _time_layers(runner: _LayerRunner, runs: Sequence[_SizeRun], reps: int, warm
     size alike (the fitted line's level), not one size (its slope)."""
     device, layers = runner.device, runner.layers
     n = len(layers)
-    groups: dict[tuple, list[int]] = {}
-    for i in range(n):  # identical layers (transformer blocks) pool their samples: robust medians
-        groups.setdefault(layer_signature(layers[i], i, n), []).append(i)
+    groups = _identical_layers(layers)  # (transformer blocks) pool their samples: robust quantiles
+    size_of_group = {i: len(members) for members in groups for i in members}
     # every group gets at least MIN_SAMPLES samples: layers without twins run extra rounds
-    rounds = [max(reps, -(-MIN_SAMPLES // len(groups[layer_signature(layers[i], i, n)]))) for i in range(n)]
+    rounds = [max(reps, -(-MIN_SAMPLES // size_of_group[i])) for i in range(n)]
     samples = {(k, key): [[] for _ in range(n)] for k in range(len(runs)) for key in ("fwd", "bwd", "fwd_nograd")}
     start, r, min_seconds = time.perf_counter(), 0, MIN_SECONDS * len(runs)
 
@@ -279,7 +286,7 @@ def _time_layers(runner: _LayerRunner, runs: Sequence[_SizeRun], reps: int, warm
                         samples[k, key][i].append(t)
         r += 1
     for (k, key), per_layer in samples.items():
-        for members in groups.values():
+        for members in groups:
             value = quantile([t for i in members for t in per_layer[i]], PROFILE_QUANTILE)
             for i in members:
                 runs[k].rows[i][key] = value
@@ -335,11 +342,8 @@ def _optimizer_times(layers: Sequence[nn.Module], reps: int) -> list[float]:
                 start = time.perf_counter()
                 opt.step()
                 samples[i].append(time.perf_counter() - start)
-    groups: dict[tuple, list[int]] = {}
-    for i in range(n):
-        groups.setdefault(layer_signature(layers[i], i, n), []).append(i)
     times = [0.0] * n
-    for members in groups.values():
+    for members in _identical_layers(layers):
         pooled = [t for i in members for t in samples[i]]
         for i in members:
             times[i] = statistics.median(pooled) if pooled else 0.0
