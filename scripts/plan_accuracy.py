@@ -277,15 +277,21 @@ def recommendation_check(rows: list[dict]) -> list[dict]:
     return out
 
 
+def time_error_stats(rows: list[dict], prefix: str = "") -> dict[str, float]:
+    """``{prefix}layouts``, ``{prefix}time_error_median`` and ``{prefix}time_error_max`` of ``rows``."""
+    errors = [r["time_error"] for r in rows]
+    return {f"{prefix}layouts": len(rows), f"{prefix}time_error_median": statistics.median(errors),
+            f"{prefix}time_error_max": max(errors)}
+
+
 def errors_by_compute(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per compute kind (real, emulated): layouts, median and max of the time error, and the median
-    signed error ``(pred − meas) / meas`` (below zero: under-predicted), so a bias of one kind
-    cannot hide behind the other's accuracy in the overall median."""
+    """Per compute kind (real, emulated): :func:`time_error_stats` and the median signed error
+    ``(pred − meas) / meas`` (below zero: under-predicted), so a bias of one kind cannot hide behind
+    the other's accuracy in the overall median."""
     kinds: dict[str, list[dict]] = {}
     for r in rows:
         kinds.setdefault(r.get("compute", "real"), []).append(r)
-    return {kind: {"layouts": len(group), "time_error_median": statistics.median(r["time_error"] for r in group),
-                   "time_error_max": max(r["time_error"] for r in group),
+    return {kind: {**time_error_stats(group),
                    "signed_error_median": statistics.median((r["predicted_s"] - r["measured_s"]) / r["measured_s"]
                                                             for r in group)}
             for kind, group in sorted(kinds.items())}
@@ -354,17 +360,14 @@ def main(argv: list[str] | None = None) -> int:
             log(_describe(row))
     counted = [r for r in rows if not r["oversubscribed"]]
     apart = [r for r in rows if r["oversubscribed"]]
-    t_err = [r["time_error"] for r in counted]
     m_err = [r["memory_error"] for r in rows]
     picks = recommendation_check(rows)
-    summary = {"layouts": len(counted), "time_error_median": statistics.median(t_err), "time_error_max": max(t_err),
+    summary = {**time_error_stats(counted),
                "memory_error_median": statistics.median(m_err), "memory_error_max": max(m_err),
                "by_compute": errors_by_compute(counted),
                "recommended_vs_best": picks, "cores": cores, "load_average": list(os.getloadavg())}
     if apart:
-        summary.update({"oversubscribed_layouts": len(apart),
-                        "oversubscribed_time_error_median": statistics.median(r["time_error"] for r in apart),
-                        "oversubscribed_time_error_max": max(r["time_error"] for r in apart)})
+        summary.update(time_error_stats(apart, "oversubscribed_"))
     for pick in picks:
         log(f"{pick['compute']} compute, {pick['devices']} processes, B̂ = {pick['global_batch_size']}: the planner's pick {pick['recommended']} measures "
             f"{pick['ratio']:.3f}× the best measured ({pick['best_measured']}) of {pick['layouts']} layouts")
