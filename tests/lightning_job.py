@@ -141,7 +141,7 @@ def main() -> None:
     strategy = cls(D=2, micro_batch_size=1, timeout_s=60)
     trainer, module, recorder = fit(strategy, 2, args.clip, args.precision)
     assert isinstance(trainer.strategy, PipelineStrategy)
-    messenger = trainer.strategy.engine.executor.messenger  # what this rank received: activations or gradients
+    shapes = trainer.strategy.engine.executor._shapes  # the activation messages' shapes and dtypes, as learnt
     result = {
         "global_rank": trainer.global_rank, "world_size": trainer.world_size, "pid": os.getpid(),
         "ppid": os.getppid(), "torchelastic": "TORCHELASTIC_RUN_ID" in os.environ,
@@ -152,7 +152,7 @@ def main() -> None:
         "global_step": trainer.global_step, "steps": recorder.steps, "val": recorder.val,
         "grad_norms": module.grad_norms, "params": local_parameters(module),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-        "received_dtypes": sorted({str(dtype) for _, dtype in messenger._known_shapes.values()}),
+        "received_dtypes": sorted({str(dtype) for _, dtype in shapes.values()}),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"rank{trainer.global_rank}.json"

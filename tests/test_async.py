@@ -15,8 +15,10 @@ import torch
 
 from distributed import run_world
 from strategies.schedules import dapple, simulate, validate
+from strategies.schedules.comm import comm_plan, unconsumed_messages
+from strategies.schedules.messages import Message
 from strategies.schedules.asynchronous import (
-    crossing_receives, run, stashed_versions, version_of, weight_delay, window,
+    run, stashed_versions, version_of, weight_delay, window,
 )
 from toy_model import ToyMLP, toy_batches
 
@@ -56,9 +58,17 @@ def test_table_2_bubbles_and_weight_versions(d: int) -> None:
     assert {weight_delay("pipedream_2bw", s, d) for s in range(d)} == {1}
 
 
-def test_crossing_receives_are_the_backwards_after_a_step_boundary() -> None:
-    now, nxt = window("pipedream_2bw", 4, 4, 1), window("pipedream_2bw", 4, 4, 2)
-    assert [[str(a) for a in crossing_receives(now, nxt, w)] for w in range(4)] == [["0B5"], ["1B6"], ["2B7"], []]
+def test_the_gradients_that_cross_a_step_boundary_arrive_in_the_window_that_sends_them() -> None:
+    """Window 1 of D = 4, N = 4 (micro-batches 4-7): stage s's last backward there is of micro-batch
+    7 - (D - 1 - s); the next stage's gradient for the micro-batch after it is sent in this window
+    (stage s + 1 is one micro-batch further) and consumed in the next: 0B5, 1B6, 2B7."""
+    now = window("pipedream_2bw", 4, 4, 1)
+    assert [sorted(unconsumed_messages(now, w)) for w in range(4)] == [
+        [Message("grad", 0, 1, 5)], [Message("grad", 0, 2, 6)], [Message("grad", 0, 3, 7)], []]
+    before = window("pipedream_2bw", 4, 4, 0)
+    for w in range(4):  # the window's last round receives them
+        plan = comm_plan(now, w, carried_in=unconsumed_messages(before, w))
+        assert {t.message for t in plan.rounds[-1].recvs} == set(unconsumed_messages(now, w))
 
 
 @pytest.mark.parametrize("call, fragment", [

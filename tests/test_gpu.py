@@ -1,13 +1,21 @@
 """The GPU path: NCCL process groups, CUDA tensors through the executor, bf16 mixed precision.
 
-The ``gpu`` tests are skipped without CUDA (CI is CPU-only; one bf16-autocast comparison also runs
-on CPU over gloo); run wherever a GPU is available with
-``python -m pytest -q -m gpu tests/test_gpu.py``. NCCL refuses two ranks on one GPU, so the pipeline
-layouts checked are those the visible GPUs allow: W·D = 1 on one GPU (the NCCL groups, the
-gradient sync and the executor on CUDA, every schedule that fits), D = 2 and W = 2 × D = 2 on
-more. The reference is the unsplit ``transformers`` GPT-2 trained on the same GPU in fp32 with
-TF32 off; bf16 autocast runs are compared with the reference under the same autocast. The measured
-timeline (CUDA events on a GPU) must lie inside the step, in order.
+The ``gpu`` tests are skipped without CUDA (CI is CPU-only; the bf16-autocast comparison and the
+timeout path also run on CPU over gloo); run wherever a GPU is available with
+``python -m pytest -q -m gpu tests/test_gpu.py``.
+
+* Over NCCL, one rank per GPU, on every visible GPU (the largest of 8, 4, 2, 1): every schedule and
+  Chimera's variants at D = world and at W = 2 replicas, eager gradient sync (``eager``,
+  ``eager_opt``), recomputation, bf16 with and without recomputation, and a model whose boundary
+  activations are several MB (past NCCL's eager buffers, where a send waits for its receive).
+* On one GPU, ranks sharing it over gloo (messages staged through the host): the same schedules on
+  CUDA tensors, with bf16, CUDA-event timelines and CUDA memory figures.
+* ``train.py`` with bf16-mixed on the GPUs (every synchronous schedule and both asynchronous ones),
+  its reserved-memory figures, and a rank that stops answering inside a step.
+
+The reference is the unsplit ``transformers`` GPT-2 trained on the same GPU in fp32 with TF32 off;
+bf16 autocast runs are compared with the reference under the same autocast. The measured timeline
+(CUDA events on a GPU) must lie inside the step, in order.
 """
 
 from __future__ import annotations
@@ -33,26 +41,40 @@ TOL_FP32, TOL_BF16 = 1e-5, 3e-2
 GPT2 = {"n_layer": 4, "n_embd": 64, "n_head": 2, "vocab_size": 256, "seq_len": 32, "tie_word_embeddings": False}
 
 
+LARGE = {"n_embd": 1024, "n_head": 8, "seq_len": 512}  # boundary activations of 4 MB at B = 2 (fp32)
+
+
 def _world() -> int:
-    """The largest of 4, 2, 1 ranks the visible GPUs take (one GPU per rank)."""
+    """The largest of 8, 4, 2, 1 ranks the visible GPUs take (one GPU per rank)."""
     count = torch.cuda.device_count()
-    return 4 if count >= 4 else 2 if count >= 2 else 1
+    return next(n for n in (8, 4, 2, 1) if count >= n)
+
+
+def _case(schedule: str, W: int, D: int, N: int, **extra) -> dict:
+    return {"schedule": schedule, "W": W, "D": D, "N": N, "recompute": "none", "grad_sync": "end", "bf16": False,
+            "concat": "direct", "model": {}, **extra}
 
 
 def _cases(world: int) -> list[dict]:
-    layouts = {1: [(1, 1)], 2: [(1, 2)], 4: [(2, 2), (1, 4)]}[world]
+    layouts = [(1, world)] + ([(2, world // 2)] if world >= 4 else [])
     cases = []
     for W, D in layouts:
-        for schedule in ("gpipe", "dapple", "chimera"):
-            if schedule == "chimera" and D % 2:
-                continue  # Chimera pairs pipelines in opposite directions: even D only
+        for schedule in ("gpipe", "dapple", "gems", "chimera"):
+            if schedule in ("gems", "chimera") and D % 2:
+                continue  # two pipelines in opposite directions: even D only
             for N in (D, 2 * D + 1):
-                cases.append({"schedule": schedule, "W": W, "D": D, "N": N, "recompute": "none",
-                              "grad_sync": "end", "bf16": False})
-        cases.append({"schedule": "dapple", "W": W, "D": D, "N": 2 * D, "recompute": "always",
-                      "grad_sync": "eager", "bf16": False})
-        cases.append({"schedule": "gpipe", "W": W, "D": D, "N": 2 * D, "recompute": "none",
-                      "grad_sync": "end", "bf16": True})
+                cases.append(_case(schedule, W, D, N))
+        if D % 2 == 0:
+            cases.append(_case("chimera", W, D, 2 * D, concat="forward_doubling"))
+            cases.append(_case("chimera", W, D, D, concat="backward_halving", grad_sync="eager"))
+            cases.append(_case("chimera", W, D, D, grad_sync="eager_opt"))
+        cases.append(_case("dapple", W, D, 2 * D, recompute="always", grad_sync="eager"))
+        cases.append(_case("gpipe", W, D, 2 * D, bf16=True))
+        cases.append(_case("dapple", W, D, 2 * D, bf16=True, recompute="always"))
+    D = world
+    cases.append(_case("dapple", 1, D, D, model={**LARGE, "n_layer": max(D, 4)}))
+    if D % 2 == 0:
+        cases.append(_case("chimera", 1, D, D, model={**LARGE, "n_layer": max(D, 4)}))
     return cases
 
 
@@ -66,13 +88,20 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
     from models import build_model
     from strategies.engine import PipelineConfig, PipelineEngine
 
+    from recipe.metrics import peak_memory_bytes
+
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")  # cpu: a dry run
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", rank)
+    elif torch.cuda.is_available():  # ranks sharing one GPU over gloo: messages staged through the host
+        device = torch.device("cuda", 0)
+    else:
+        device = torch.device("cpu")  # the CPU run of the bf16 comparison
     out = []
     for case in cases:
         W, D, N = case["W"], case["D"], case["N"]
-        model = build_model("gpt2-tiny", init_seed=0, **GPT2)
+        model = build_model("gpt2-tiny", init_seed=0, **{**GPT2, **case.get("model", {})})
         samples = W * N * B
         data = SyntheticGPT2Dataset(STEPS * samples, model.seq_len, model.config.vocab_size, seed=3)
         batches = [{k: v.to(device) for k, v in default_collate([data[i] for i in range(s * samples, (s + 1) * samples)]).items()}
@@ -88,8 +117,10 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
 
         ref_losses, ref_params = train_sgd(twin, hf_loss, batches, LR, MOMENTUM, trained=hf)
         names = {id(p): n for n, p in model.named_parameters()}
-        config = PipelineConfig(case["schedule"], D, B, None, "direct", 60.0,
+        config = PipelineConfig(case["schedule"], D, B, None, case.get("concat", "direct"), 60.0,
                                 grad_sync=case["grad_sync"], recompute=case["recompute"])
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         engine = PipelineEngine(model, config, W, device, partition=model.partition(D))
         params = engine.local_parameters()
         assert all(p.device == device for p in params)
@@ -107,8 +138,12 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
         ordered = all(s <= e for _, s, e in boxes) and all(a[2] <= b[1] + 1e-6 for a, b in zip(boxes, boxes[1:]))
         inside = start - 1e-3 <= boxes[0][1] and boxes[-1][2] <= start + wall + 1e-3
         errs = {names[id(p)]: (p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in params}
+        memory_ok = True
+        if device.type == "cuda":  # reserved (what must fit) covers allocated; results.json reports reserved
+            reserved, allocated = torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
+            memory_ok = reserved >= allocated > 0 and peak_memory_bytes(device) == reserved
         out.append({**case, "backend": dist.get_backend(), "errs": errs, "losses": losses, "ref_losses": ref_losses,
-                    "timeline_ok": ordered and inside,
+                    "timeline_ok": ordered and inside, "memory_ok": memory_ok, "device": str(device),
                     "peak_stored_bytes": engine.last_record.peak_stored_bytes if engine.last_record else 0})
         dist.barrier()
     return out
@@ -122,6 +157,7 @@ def _check(cases: list[dict], results: list[list[dict]], world: int, backend: st
         for per_rank in (r[i] for r in results):
             assert per_rank["backend"] == backend
             assert per_rank["timeline_ok"], f"{label}: measured boxes out of order or outside the step"
+            assert per_rank["memory_ok"], f"{label}: CUDA peak memory figures inconsistent"
             assert per_rank["losses"] == pytest.approx(per_rank["ref_losses"], abs=tol), label
             for name, err in per_rank["errs"].items():
                 assert err < tol, f"{label}: {name} differs by {err:.2e}"
@@ -149,23 +185,82 @@ def test_nccl_pipeline_equals_unsplit_gpt2_on_gpu() -> None:
     _check(cases, run_world(world, _pipeline_vs_hf_on_gpu, cases, backend="nccl", timeout=900), world, "nccl")
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_ranks_sharing_one_gpu_run_every_schedule_on_cuda_tensors() -> None:
+    """Four ranks on GPU 0 over gloo (NCCL refuses two ranks on one GPU): the executor's CUDA compute,
+    bf16, recomputation, CUDA-event timelines and CUDA memory figures with messages staged through the host."""
+    cases = [_case(s, 1, 4, 4) for s in ("gpipe", "dapple", "gems", "chimera")]
+    cases += [_case("chimera", 1, 4, 8, concat="forward_doubling", grad_sync="eager_opt"),
+              _case("dapple", 2, 2, 4, bf16=True, recompute="always"), _case("chimera", 2, 2, 4, bf16=True)]
+    results = run_world(4, _pipeline_vs_hf_on_gpu, cases, backend="gloo", timeout=900)
+    assert all(r["device"] == "cuda:0" for rank in results for r in rank)
+    _check(cases, results, 4, "gloo")
+
+
 @pytest.mark.slow
 def test_bf16_autocast_pipeline_matches_reference_on_cpu() -> None:
-    """The same bf16-autocast comparison over gloo on CPU (what CI can run of the mixed-precision path)."""
-    cases = [{"schedule": s, "W": 1, "D": 2, "N": 4, "recompute": r, "grad_sync": "end", "bf16": True}
-             for s, r in (("chimera", "none"), ("dapple", "always"))]
+    """The same bf16-autocast comparison over gloo on CPU (what CI can run of the mixed-precision path),
+    with and without recomputation (autocast's cached casts must not cost the weights their gradients)."""
+    cases = [_case(s, 1, 2, 4, recompute=r, bf16=True) for s, r in (("chimera", "none"), ("dapple", "always"))]
     _check(cases, run_world(2, _pipeline_vs_hf_on_gpu, cases), 2, "gloo")
+
+
+def _silent_peer(rank: int, world: int, backend: str, timeout_s: float, silent_s: float) -> str:
+    """Rank 1 stops answering before its second step; rank 0 must name it within the timeout."""
+    import torch.distributed as dist
+
+    from strategies.engine import PipelineConfig, PipelineEngine
+    from toy_model import ToyMLP, toy_batches
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    engine = PipelineEngine(ToyMLP(layers=4, width=8), PipelineConfig("dapple", 2, 2, None, "direct", timeout_s),
+                            1, device)
+    batches = [{k: v.to(device) for k, v in b.items()} for b in toy_batches(2, 8)]
+    engine.train_step(batches[0]).item()
+    if rank == 1:
+        time.sleep(silent_s)  # alive and silent (its heartbeat would go on)
+        return "slept"
+    start = time.monotonic()
+    try:
+        engine.train_step(batches[1]).item()
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return f"{time.monotonic() - start:.1f}s: {err}"
+    finally:
+        dist.barrier() if backend == "gloo" else None
+    return "no error"
+
+
+def _check_silent_peer(results: list[str], timeout_s: float) -> None:
+    seconds, message = results[0].split("s: ", 1)
+    assert "rank 1 stopped answering" in message, message
+    assert float(seconds) < timeout_s + 10, results[0]
+
+
+@pytest.mark.slow
+def test_a_silent_peer_is_named_within_the_timeout_on_cpu() -> None:
+    _check_silent_peer(run_world(2, _silent_peer, "gloo", 3.0, 6.0, timeout=120), 3.0)
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("strategy", ["gpipe", "dapple", "chimera", "single"])
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_silent_peer_is_named_within_the_timeout_on_nccl() -> None:
+    """Stream-ordered waits never block the host; the end-of-step wait gives up after strategy.timeout_s."""
+    _check_silent_peer(run_world(2, _silent_peer, "nccl", 10.0, 25.0, timeout=180), 10.0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("strategy", ["gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream", "single"])
 def test_train_py_bf16_on_gpu(tmp_path: Path, strategy: str) -> None:
     world = _world()
     D = world if strategy != "single" else 1
-    if strategy == "chimera" and D % 2:
-        pytest.skip("Chimera needs an even D: two GPUs or more")
+    if strategy in ("gems", "chimera") and D % 2:
+        pytest.skip(f"{strategy} needs an even D: two GPUs or more")
     extra = [] if strategy == "single" else [f"strategy.D={D}"]
+    if strategy == "pipedream":
+        extra.append(f"data.global_batch_size={B}")  # N = 1: one micro-batch per update
     res = _train(tmp_path, f"strategy={strategy}", f"trainer.devices={world if strategy != 'single' else 1}", *extra)
     assert res["status"] == "ok", res["reason"]
     losses = res["loss_history"]

@@ -1,6 +1,5 @@
-"""Runtime features of issue 6: eager gradient sync (Chimera §3.2), activation recomputation
-(GPipe re-materialization), receive prefetching, emulated-compute stages, and the benchmark
-script's contract."""
+"""Runtime features: eager gradient sync (Chimera §3.2), activation recomputation (GPipe
+re-materialization), emulated-compute stages, and the benchmark script's contract."""
 
 from __future__ import annotations
 
@@ -174,8 +173,7 @@ def _features(rank: int, world: int, cases: list[dict]) -> dict:
         ref_losses, ref_params = _reference(copy.deepcopy(model), batches)
         names = {id(p): n for n, p in model.named_parameters()}
         config = PipelineConfig(case["schedule"], D, B, case.get("pipelines"), case.get("concat", "direct"), 30.0,
-                                grad_sync=case.get("grad_sync", "end"), recompute=case.get("recompute", "none"),
-                                prefetch=case.get("prefetch", 2))
+                                grad_sync=case.get("grad_sync", "end"), recompute=case.get("recompute", "none"))
         engine = PipelineEngine(model, config, W, torch.device("cpu"))
         losses, peak = _train(engine, batches, rank, N)
         err = max((p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in engine.local_parameters())
@@ -213,7 +211,7 @@ FEATURE_CASES = [
     {"schedule": "chimera", "D": 2, "N": 2, "grad_sync": "eager_opt", "tied": True},
     {"schedule": "chimera", "D": 2, "N": 4, "grad_sync": "eager", "tied": True, "concat": "backward_halving"},
     {"schedule": "dapple", "D": 2, "N": 3, "grad_sync": "eager", "tied": True},
-    {"schedule": "gpipe", "D": 4, "N": 4, "grad_sync": "eager", "tied": True, "prefetch": 0},
+    {"schedule": "gpipe", "D": 4, "N": 4, "grad_sync": "eager", "tied": True},
     {"schedule": "dapple", "D": 4, "N": 4, "width": 32, "memory": "none"},
     {"schedule": "dapple", "D": 4, "N": 4, "width": 32, "recompute": "always", "memory": "always"},
     {"schedule": "dapple", "D": 4, "N": 4, "width": 32, "recompute": "except_last", "memory": "except_last"},

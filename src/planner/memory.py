@@ -61,9 +61,11 @@ def _grad_bytes(costs: ModelCosts, layers: set[int]) -> float:
 
 def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: int,
                 partition: Mapping[int, range] | Sequence[range], *, keep_sends: bool = True,
-                prefetch: int = 2) -> WorkerMemory:
+                prefetch: int = 1) -> WorkerMemory:
     """Peak bytes of one worker (see the module docstring). ``partition`` maps at least this
-    worker's stages to their layers."""
+    worker's stages to their layers; ``prefetch`` receive buffers are allocated ahead of their
+    action (a round receives the next action's inputs, a few messages come one round earlier:
+    :mod:`strategies.schedules.comm`)."""
     from strategies.grad_sync import launch_plan
 
     D, B = cand.D, cand.B
@@ -143,7 +145,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
 
 
 def predict_memory(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,
-                   keep_sends: bool | None = None, prefetch: int = 2) -> MemoryPrediction:
+                   keep_sends: bool | None = None, prefetch: int = 1) -> MemoryPrediction:
     """Peak bytes of every worker of one replica; ``keep_sends`` defaults to gloo on CPU."""
     partition = list(partition) if partition is not None else runtime_partition(costs, cand.D)
     if keep_sends is None:

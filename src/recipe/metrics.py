@@ -46,8 +46,10 @@ def tokens_in(batch: dict[str, Any]) -> int:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory a rank held: on a GPU what the caching allocator reserved (what must fit: tensors,
+    fragmentation and cached blocks), on CPU the process's peak resident set."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return int(torch.cuda.max_memory_reserved(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 

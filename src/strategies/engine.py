@@ -22,13 +22,12 @@ from torch import Tensor, nn
 
 from .executor import StageExecutor, StepRecord, loss_counts
 from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
-from .p2p import Messenger
+from .p2p import PipeComm, replica_groups
 from .pipeline_model import Batch, PipelineModel, split_batch
 from .recompute import RECOMPUTE_MODES, recompute_stages
 from .schedules import ASYNC_SCHEDULES, Action, Schedule, build_schedule, dapple, validate
 from .schedules.asynchronous import run as async_run
 from .schedules.asynchronous import weight_delay, window
-from .schedules.messages import fifo_violations
 from .topology import Topology
 from .versions import WeightVersions
 
@@ -39,7 +38,6 @@ class PipelineConfig:
 
     ``grad_sync``: ``end`` | ``eager`` | ``eager_opt`` (Chimera §3.2, see :mod:`.grad_sync`).
     ``recompute``: ``none`` | ``except_last`` | ``always`` (see :mod:`.recompute`).
-    ``prefetch``: how many actions ahead receives are posted (0: when needed).
     """
 
     schedule: str = "gpipe"
@@ -50,15 +48,12 @@ class PipelineConfig:
     timeout_s: float = 120.0
     grad_sync: str = "end"
     recompute: str = "none"
-    prefetch: int = 2
 
     def __post_init__(self) -> None:
         for name, value, choices in (("grad_sync", self.grad_sync, GRAD_SYNC_MODES),
                                      ("recompute", self.recompute, RECOMPUTE_MODES)):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be a non-negative integer, got {self.prefetch!r}")
         if self.is_async and (self.grad_sync, self.recompute) != ("end", "none"):
             raise ValueError(
                 f"{self.schedule} stashes weight versions per step: it runs with grad_sync=end and recompute=none, "
@@ -128,10 +123,11 @@ class PipelineEngine:
             {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout,
             shared=shared,
         )
+        replicas_ranks = [self.topology.replica_group(r) for r in range(replicas)]
+        data_group, header_group = replica_groups(replicas_ranks, self.rank, self.timeout)
         self.executor = StageExecutor(
-            model, self.stage_layers, self.topology, self.rank, Messenger(device, self.timeout),
-            recompute=recompute_stages(config.recompute, config.stages), prefetch=config.prefetch,
-            versions=self.versions,
+            model, self.stage_layers, self.topology, self.rank, PipeComm(device, self.timeout, data_group, header_group),
+            recompute=recompute_stages(config.recompute, config.stages), versions=self.versions,
         )
         self.last_record: StepRecord | None = None
 
@@ -227,14 +223,7 @@ class PipelineEngine:
 
     @cache  # noqa: B019 - one engine per process
     def schedule_for(self, micro_batches: int) -> Schedule:
-        schedule = self.config.build(micro_batches)
-        if dist.get_backend() == "nccl" and (pairs := fifo_violations(schedule)):
-            raise ValueError(  # NCCL ignores tags and matches each pair's messages in order
-                f"{schedule.name} with D = {schedule.stages}, N = {micro_batches}, concat = {self.config.concat} "
-                f"sends messages between workers {pairs} in another order than they are consumed, which NCCL "
-                "cannot match; use concat=direct or forward_doubling, or another N"
-            )
-        return schedule
+        return self.config.build(micro_batches)
 
     def last_executed(self, micro_batches: int) -> Schedule:
         """The schedule of the last step: an asynchronous schedule's last window, else the step's schedule."""
@@ -286,7 +275,7 @@ class PipelineEngine:
         value = value.to(self.device, torch.float32)
         work = dist.all_reduce(value, async_op=True)
         finish_gradients()
-        work.wait(self.timeout)
+        work.wait()  # stream-ordered on NCCL; the process group's timeout guards it
         return value
 
     def train_step(self, batch: Batch) -> Tensor:
@@ -315,12 +304,10 @@ class PipelineEngine:
         is all-reduced into ``.grad`` for the optimizer; otherwise ``.grad`` stays unset (no update)."""
         N, step = len(micro_batches), self.steps_taken
         current = window(self.config.schedule, self.config.stages, N, step)
-        following = window(self.config.schedule, self.config.stages, N, step + 1)
         self.versions.begin_step(step)
         first = current.meta["first_mb"]
         self.last_record = self.executor.run(
             current, {first + i: mb for i, mb in enumerate(micro_batches)}, self._totals(micro_batches),
-            next_window=following,
         )
         stage_due, tied_due = self.versions.end_step(step)  # alike on every copy of a stage: the schedule decides
 

@@ -2,7 +2,7 @@
 
 The schedule decides the order (:mod:`strategies.schedules`); this module owns the stage
 buffers (inputs kept for backward, outputs or losses) and moves activations forward and
-activation gradients backward through a :class:`~strategies.p2p.Messenger`.
+activation gradients backward through a :class:`~strategies.p2p.PipeComm`.
 
 Losses are normalised globally (see :func:`micro_batch_loss`), so summing every micro-batch's
 loss over all ranks gives exactly the unsplit model's mini-batch loss, and summing gradients
@@ -11,17 +11,17 @@ gives exactly its gradients (mini-batch SGD, Chimera §2).
 A doubled forward (Chimera §3.5) runs its two micro-batches as two graphs in one action; a
 halved backward's forward runs two half-micro-batch graphs so each half backward is exact.
 
-Communication overlap: the receives of the next ``prefetch`` actions are posted before the
-current action runs, sends are non-blocking, and no host synchronisation (``.item()``) happens
-inside the step. With recomputation (:mod:`strategies.recompute`, GPipe re-materialization) a
+Communication goes in rounds derived from the schedule (:mod:`strategies.schedules.comm`):
+before each action one round sends the previous action's outputs and receives this action's inputs
+(:class:`~strategies.p2p.PipeComm`); no host synchronisation (``.item()``) happens inside the step.
+With recomputation (:mod:`strategies.recompute`, GPipe re-materialization) a
 stage keeps only its input between forward and backward; the step record reports the peak bytes
-kept.
+kept. A failing action is reported with the worker × step grid, the action marked.
 
 Asynchronous schedules (:mod:`strategies.schedules.asynchronous`) run one *window* per step:
 micro-batches are numbered globally, the graphs of micro-batches still in flight carry over to
 the next step, forwards run on the step's stashed weight version (:class:`~strategies.versions.WeightVersions`),
-and the receives of the next window whose messages this window sends are posted before the step
-ends (gloo and NCCL complete a send only once its receive is posted).
+and messages sent in a window arrive in that window (its last round), kept for the next.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .p2p import Messenger, PendingRecv
+from .p2p import Incoming, Outgoing, PipeComm
 from .pipeline_model import Batch, PipelineModel, run_layers
 from .recompute import RngState, SavedBytes, parameter_storages
-from .schedules import Action, Schedule
-from .schedules.asynchronous import crossing_receives
+from .schedules import Action, Schedule, format_grid
+from .schedules.comm import CommPlan, Round, comm_plan
+from .schedules.messages import Message
 from .timing import ActionClock
 from .topology import Topology
 from .versions import WeightVersions
@@ -105,11 +106,16 @@ class _Saved:
     nbytes: int
 
 
-Receive = tuple[int, int, tuple]  # source rank, tag, shape key
+class StepError(RuntimeError):
+    """An action failed; the message shows the worker × step grid with the failing action marked."""
 
 
 class StageExecutor:
-    """Runs this rank's actions on its local stages (one per pipeline for Chimera)."""
+    """Runs this rank's actions on its local stages (one per pipeline for Chimera).
+
+    Communication follows the schedule's rounds (:mod:`strategies.schedules.comm`): before each
+    action one round sends what the previous action produced and receives what this one needs.
+    """
 
     def __init__(
         self,
@@ -117,23 +123,26 @@ class StageExecutor:
         stage_layers: Mapping[int, Sequence[nn.Module]],
         topology: Topology,
         rank: int,
-        messenger: Messenger,
+        comm: PipeComm,
         recompute: frozenset[int] = frozenset(),
-        prefetch: int = 2,
         versions: WeightVersions | None = None,
     ) -> None:
         self.model = model
         self.stage_layers = stage_layers
         self.topology = topology
         self.rank = rank
-        self.messenger = messenger
+        self.comm = comm
         self.recompute = recompute
-        self.prefetch = prefetch
         self.versions = versions
         self._graphs: dict[GraphKey, _Saved] = {}
         self._stored = 0
         self._signatures: dict[int, tuple] = {}  # micro-batches in flight across steps (asynchronous)
-        self._preposted: dict[Action, list[PendingRecv]] = {}
+        self._inbox: dict[Message, Incoming] = {}  # received or posted, not yet consumed
+        self._carried: dict[Message, Incoming] = {}  # an asynchronous window's messages for the next
+        self._outbox: dict[Message, Tensor] = {}  # produced by the last action, sent in the next round
+        self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # (pipe, sending stage, batch shapes)
+        self._probed: set[tuple] = set()  # micro-batch shapes whose message shapes are known
+        self._plans: dict[tuple[int, bool], CommPlan] = {}  # per step schedule (kept alive by the engine's cache)
 
     def run(
         self,
@@ -142,50 +151,45 @@ class StageExecutor:
         totals: Mapping[str, float | Tensor],
         train: bool = True,
         after_backward: Callable[[Action], None] | None = None,
-        next_window: Schedule | None = None,
     ) -> StepRecord:
         """Execute this rank's actions; ``after_backward(action)`` runs after each backward.
 
-        ``micro_batches`` maps micro-batch indices to batches (a sequence: indices 0…N-1). A window
-        of an asynchronous schedule passes ``next_window``, whose receives of messages sent in this
-        window are posted before returning."""
+        ``micro_batches`` maps micro-batch indices to batches (a sequence: indices 0…N-1). In a
+        window of an asynchronous schedule (``"step"`` in its meta) the graphs of micro-batches still
+        in flight, and the messages sent to this rank for the next window, carry over."""
         worker = self.topology.worker_of(self.rank)
-        actions = [a for a in schedule.workers[worker] if train or a.kind == "F"]
+        carried = train and "step" in schedule.meta
+        self._inbox = self._carried if carried else {}
+        plan = (comm_plan(schedule, worker, train, carried_in=self._inbox.keys()) if carried
+                else self._plans.setdefault((id(schedule), train), comm_plan(schedule, worker, train)))
         halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}
         params = [p for layers in self.stage_layers.values() for layer in layers for p in layer.parameters()]
         batches = dict(micro_batches) if isinstance(micro_batches, Mapping) else dict(enumerate(micro_batches))
         ctx = _StepContext(schedule, batches, totals, halved, train, parameter_storages(params))
-        carried = train and "step" in schedule.meta  # an asynchronous window: graphs stay in flight
         self._ctx = ctx
         if train and not carried:
             self._stored = 0
-        record = StepRecord(torch.zeros((), dtype=torch.float64), ActionClock(self.messenger.device))
-        receives = [self._receives(a) for a in actions]
-        posted: dict[int, list[PendingRecv]] = {}
-        if carried:
-            posted = {i: self._preposted.pop(a) for i, a in enumerate(actions) if a in self._preposted}
+        self._learn_shapes(ctx)
+        record = StepRecord(torch.zeros((), dtype=torch.float64), ActionClock(self.comm.device))
         with torch.set_grad_enabled(train):
-            for i, action in enumerate(actions):
-                for j in range(i, min(i + 1 + self.prefetch, len(actions))):
-                    if j not in posted:
-                        posted[j] = [self.messenger.post_recv(*r) for r in receives[j]]
-                inbox = posted.pop(i)
-                for pending in inbox:  # the box starts once its inputs arrived: waiting for a peer is a bubble
-                    self.messenger.wait_recv(pending)
-                start = record.clock.now()
-                if action.kind == "F":
-                    self._forward(action, inbox)
-                else:
-                    self._backward(action, inbox)
-                    if after_backward is not None:
-                        after_backward(action)
+            for i, action in enumerate(plan.actions):
+                self._post(plan.rounds[i])
+                try:
+                    inputs = [self.comm.wait(self._inbox.pop(m)) for m in plan.needs(i)]
+                    start = record.clock.now()  # the box starts once its inputs arrived: waiting is a bubble
+                    if action.kind == "F":
+                        self._forward(action, inputs)
+                    else:
+                        self._backward(action, inputs)
+                        if after_backward is not None:
+                            after_backward(action)
+                except Exception as err:
+                    raise StepError(self._failure(schedule, worker, action, err)) from err
                 record.clock.box(action, start)
-        if carried and next_window is not None:
-            for action in crossing_receives(schedule, next_window, worker):
-                self._preposted[action] = [self.messenger.post_recv(*r) for r in self._receives(action)]
-                for pending in self._preposted[action]:
-                    self.messenger.post_data(pending)
-        self.messenger.flush()
+            self._post(plan.rounds[-1])
+        self.comm.finish()
+        if carried:
+            self._carried = self._inbox  # sent in this window, consumed in the next
         if self._graphs and train and not carried:
             raise RuntimeError(f"rank {self.rank}: activations left after the step: {sorted(self._graphs)}")
         if ctx.losses:
@@ -194,26 +198,78 @@ class StageExecutor:
         record.peak_stored_bytes = ctx.peak_stored
         return record
 
-    # -- receives ------------------------------------------------------------------------------
+    def _failure(self, schedule: Schedule, worker: int, action: Action, err: BaseException) -> str:
+        index = schedule.workers[worker].index(action)
+        return (f"rank {self.rank} (worker {worker}) failed in action {action} of '{schedule.name}' "
+                f"(D = {schedule.stages}, N = {schedule.micro_batches}): {type(err).__name__}: {err}\n"
+                f"{format_grid(schedule, [(worker, index)])}")
 
-    def _receives(self, action: Action) -> list[Receive]:
-        """The messages ``action`` consumes, in the order it waits for them."""
-        ctx, D = self._ctx, self.topology.stages
-        if action.kind == "F":
-            if action.stage == 0:
-                return []
-            src = self.topology.peer(self.rank, action.pipe, action.stage - 1)
-            return [
-                (src, ctx.tag("act", action.pipe, action.stage - 1, mb),
-                 ("act", action.pipe, action.stage - 1, self._signature(mb)))
-                for mb in action.mbs
-            ]
-        if action.stage == D - 1:
-            return []
-        src = self.topology.peer(self.rank, action.pipe, action.stage + 1)
-        signature = (self._signature(action.mb), action.half)
-        return [(src, ctx.tag("grad", action.pipe, action.stage + 1, action.mb, action.half),
-                 ("grad", action.pipe, action.stage + 1, signature))]
+    # -- communication -------------------------------------------------------------------------
+
+    def _post(self, rnd: Round) -> None:
+        """Send what the last action produced and post the receives of this round."""
+        sends = [Outgoing(self._rank_of(t.peer), self._outbox.pop(t.message), t.message) for t in rnd.sends]
+        recvs = []
+        for t in rnd.recvs:
+            incoming = Incoming(self._rank_of(t.peer), *self._message_shape(t.message), t.message)
+            self._inbox[t.message] = incoming
+            recvs.append(incoming)
+        self.comm.post(sends, recvs)
+
+    def _message_shape(self, m: Message) -> tuple[torch.Size, torch.dtype]:
+        """An activation's shape as learnt; a gradient has the shape of the activation it belongs to."""
+        signature = self._signature(m.mb)
+        if m.kind == "act":
+            return self._shapes[(m.pipe, m.stage, signature)]
+        shape, dtype = self._shapes[(m.pipe, m.stage - 1, signature)]
+        if m.half is not None:  # the sizes of Tensor.chunk(2)
+            first = (shape[0] + 1) // 2
+            shape = torch.Size((first if m.half == 0 else shape[0] - first, *shape[1:]))
+        return shape, dtype
+
+    def _learn_shapes(self, ctx: _StepContext) -> None:
+        """Message shapes, once per micro-batch shape, before the first round (shape inference).
+
+        Every worker visits its (pipeline, stage) copies in the same global order; a stage after
+        the first learns its input's shape from the previous stage's worker (a host-side header),
+        runs one no-grad forward on zeros of that shape and announces its output's shape to the
+        next. Each wait is on an earlier (pipeline, stage), so this cannot deadlock. The RNG
+        streams are restored afterwards (dropout draws stay those of a single-process step)."""
+        new: dict[tuple, Batch] = {}
+        for batch in ctx.micro_batches.values():
+            signature = batch_signature(batch)
+            if signature not in self._probed:
+                new.setdefault(signature, batch)
+        if not new:
+            return
+        D, worker = self.topology.stages, self.topology.worker_of(self.rank)
+        held = sorted((p, s) for p, row in enumerate(ctx.schedule.placement) for s, w in enumerate(row) if w == worker)
+        devices = [self.comm.device] if self.comm.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for signature, batch in new.items():
+                for pipe, stage in held:
+                    if stage == 0:
+                        x = self.model.pipeline_input(batch)
+                    else:
+                        shape, dtype = self.comm.learn(self._peer(pipe, stage - 1), f"pipeline {pipe} stage {stage - 1}")
+                        self._shapes[(pipe, stage - 1, signature)] = (shape, dtype)
+                        x = torch.zeros(shape, dtype=dtype, device=self.comm.device)
+                    if stage < D - 1:
+                        out = run_layers(self.stage_layers[stage], x, batch)
+                        _forget_autocast_casts()
+                        self._shapes[(pipe, stage, signature)] = (out.shape, out.dtype)
+                        self.comm.announce(self._peer(pipe, stage + 1), out.shape, out.dtype,
+                                           f"pipeline {pipe} stage {stage}")
+                self._probed.add(signature)
+
+    def _peer(self, pipe: int, stage: int) -> int:
+        return self.topology.peer(self.rank, pipe, stage)
+
+    def _produce(self, message: Message, tensor: Tensor) -> None:
+        self._outbox[message] = tensor
+
+    def _rank_of(self, worker: int) -> int:
+        return self.topology.rank_of(self.topology.replica_of(self.rank), worker)
 
     def _signature(self, mb: int) -> tuple:
         """Shapes of micro-batch ``mb``: from this step's batch, or remembered from its forward."""
@@ -238,14 +294,14 @@ class StageExecutor:
         self._stored += saved.nbytes
         self._ctx.peak_stored = max(self._ctx.peak_stored, self._stored)
 
-    def _forward(self, action: Action, inbox: list[PendingRecv]) -> None:
+    def _forward(self, action: Action, inputs: list[Tensor]) -> None:
         ctx, D, stage = self._ctx, self.topology.stages, action.stage
         recompute = ctx.train and stage in self.recompute
         for k, mb in enumerate(action.mbs):
             batch = ctx.micro_batches[mb]
             if self.versions is not None and ctx.train:
                 self._signatures[mb] = batch_signature(batch)
-            x = self.model.pipeline_input(batch) if stage == 0 else self.messenger.wait_recv(inbox[k])
+            x = self.model.pipeline_input(batch) if stage == 0 else inputs[k]
             outputs = []
             for half in (0, 1) if mb in ctx.halved else (None,):
                 part = batch if half is None else half_of(batch, half)
@@ -255,6 +311,7 @@ class StageExecutor:
                     rng = RngState.capture(inp.device)
                     with torch.no_grad():
                         out = self._stage_forward(stage, inp, part)
+                    _forget_autocast_casts()
                     kept = inp.numel() * inp.element_size() if stage > 0 else 0  # stage 0: the batch itself
                     self._keep(key, _Saved(inp, None, rng, kept))
                 elif ctx.train:
@@ -272,13 +329,10 @@ class StageExecutor:
                 else:
                     outputs.append(out)
             if stage < D - 1:
-                dst = self.topology.peer(self.rank, action.pipe, stage + 1)
                 sent = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-                signature = batch_signature(batch)
-                tag = ctx.tag("act", action.pipe, stage, mb)
-                self.messenger.send(sent, dst, tag, ("act", action.pipe, stage, signature))
+                self._produce(Message("act", action.pipe, stage, mb), sent)
 
-    def _backward(self, action: Action, inbox: list[PendingRecv]) -> None:
+    def _backward(self, action: Action, inputs: list[Tensor]) -> None:
         ctx, D, stage = self._ctx, self.topology.stages, action.stage
         mb, half = action.mb, action.half
         saved = self._graphs.pop((action.pipe, stage, mb, half))
@@ -294,13 +348,18 @@ class StageExecutor:
         if stage == D - 1:
             out.backward()
         else:
-            torch.autograd.backward(out, self.messenger.wait_recv(inbox[0]))
+            torch.autograd.backward(out, inputs[0])
         if stage > 0:
-            dst = self.topology.peer(self.rank, action.pipe, stage - 1)
-            signature = (self._signature(mb), half)
-            tag = ctx.tag("grad", action.pipe, stage, mb, half)
-            self.messenger.send(inp.grad, dst, tag, ("grad", action.pipe, stage, signature))
+            self._produce(Message("grad", action.pipe, stage, mb, half), inp.grad)
         self._signatures.pop(mb, None)  # the micro-batch is done on this stage
+
+
+def _forget_autocast_casts() -> None:
+    """Drop autocast's cached weight casts after a no-grad forward: made without autograd history,
+    a later forward with gradients would reuse them and its weights would get no gradient
+    (pytorch/pytorch#112583 on older torch). Autocast clears the cache itself when its region ends."""
+    if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
+        torch.clear_autocast_cache()
 
 
 @dataclass
@@ -313,11 +372,3 @@ class _StepContext:
     parameter_storages: frozenset[int]
     losses: list[Tensor] = field(default_factory=list)
     peak_stored: int = 0
-
-    def tag(self, kind: str, pipe: int, stage: int, mb: int, half: int | None = None) -> int:
-        """A message id unique among the messages in flight for (kind, pipe, sending stage, micro-batch,
-        half). Asynchronous windows keep at most N + D - 1 consecutive micro-batches in flight."""
-        s = self.schedule
-        span = s.micro_batches + s.stages
-        code = (((0 if kind == "act" else 1) * s.pipelines + pipe) * s.stages + stage) * span + mb % span
-        return code * 3 + (2 if half is None else half)

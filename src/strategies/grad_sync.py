@@ -160,7 +160,7 @@ class GradientSynchronizer:
         self.last_buckets, self._started = self._started, []
         self._launched.clear()
         for work, flat, params in works:
-            work.wait(self.timeout)
+            work.wait()  # NCCL: stream-ordered (the group's timeout is the guard); gloo: up to that timeout
             offset = 0
             for p in params:
                 n = p.numel()

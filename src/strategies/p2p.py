@@ -1,22 +1,34 @@
-"""Non-blocking, tagged point-to-point transfers of activations and activation gradients.
+"""Point-to-point transport of activations and activation gradients, one round at a time.
 
-Sends are posted with ``isend`` and never block compute (where the backend reports completion,
-as NCCL does, completed sends are released as new ones are posted; gloo's stay until the end of
-the step). Receives can be posted ahead of need (:meth:`Messenger.post_recv`: the executor
-pre-posts the inputs of its next actions) and are waited with a timeout when the data is needed,
-so transfers overlap compute, a schedule that validates cannot deadlock on gloo (which deadlocks
-on blocking send-before-recv) and a dead peer ends the wait with an error instead of a hang.
+:mod:`strategies.schedules.comm` decides which messages go out together around each action; this
+module moves them. Each round's sends and receives are issued as one ``dist.batch_isend_irecv`` on
+a process group that carries nothing but this pipeline replica's p2p traffic (torch.distributed.pipelining
+and Megatron do the same), so under NCCL both directions of a round progress together and no
+collective queues behind a receive.
 
-Every message carries a tag unique within the step (gloo honours tags, so receives of different
-sizes never match out of order). A tensor's shape travels in a small header only the first time
-a (message kind, stage boundary, micro-batch shape) is seen; both sides key that cache
-identically because every rank of a replica reads the same micro-batches.
+Messages carry no tags: NCCL ignores them and matches each ordered pair first in, first out, and
+the rounds post every pair's messages in that order, so gloo (on CPU) matches exactly as NCCL
+does and the CPU tests exercise the GPU's matching rules.
+
+A receiver must know a message's shape and dtype before posting it. The executor learns them once
+per micro-batch shape, before the step's first round (a no-grad forward of one micro-batch through
+the stages, whose output shapes travel in small headers over a separate gloo group, on the host:
+:meth:`PipeComm.announce` and :meth:`PipeComm.learn`); activation gradients have their activations'
+shapes. Rounds themselves never wait on the host.
+
+Waiting: on a GPU a receive is waited stream-ordered (the compute stream waits for it; the host
+does not block), and the process group's timeout is the hang guard; :meth:`PipeComm.finish` ends
+each step by waiting for every transfer with the same timeout on the host, naming the peer that
+stopped answering. On CPU (gloo) waits block the host, bounded by the group's timeout. With CUDA
+tensors on a gloo group (several ranks sharing one GPU, for testing) messages are staged through
+the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from dataclasses import dataclass
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -25,6 +37,7 @@ from torch import Tensor
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER_LEN = 10  # dtype code, ndim, up to 8 dims
+_POLL_S = 0.001
 
 
 class PeerTimeoutError(RuntimeError):
@@ -32,110 +45,164 @@ class PeerTimeoutError(RuntimeError):
 
 
 @dataclass
-class PendingRecv:
-    """A posted (or, until its shape is known, announced) receive."""
+class Outgoing:
+    """A tensor to send to global rank ``peer``."""
 
-    src: int
-    tag: int
-    shape_key: Hashable
-    header: Tensor | None = None
-    header_work: dist.Work | None = None
+    peer: int
+    tensor: Tensor
+    label: Hashable = None  # what the message is (error messages, recordings)
+
+
+@dataclass
+class Incoming:
+    """A receive from global rank ``peer``; ``buffer`` holds the tensor once its round is waited."""
+
+    peer: int
+    shape: torch.Size
+    dtype: torch.dtype
+    label: Hashable = None
     buffer: Tensor | None = None
-    work: dist.Work | None = None
-    received: bool = False  # waited once (gloo: a second wait on the same receive would wait for another)
+    round: PostedRound | None = None
 
 
-class Messenger:
-    def __init__(self, device: torch.device, timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
+@dataclass
+class PostedRound:
+    """The works of one round, the tensors they must keep alive, and who is on the other side."""
+
+    works: list[dist.Work]
+    peers: tuple[int, ...]
+    recv_peers: tuple[int, ...]
+    keep_alive: list[Tensor] = field(default_factory=list)
+    staged: list[tuple[Incoming, Tensor]] = field(default_factory=list)  # host buffer → device buffer
+    waited: bool = False
+
+
+class PipeComm:
+    """One rank's p2p transport: rounds on the data group, shape headers on the host group."""
+
+    def __init__(self, device: torch.device, timeout: timedelta, data_group: dist.ProcessGroup | None,
+                 header_group: dist.ProcessGroup | None) -> None:
         self.device = device
         self.timeout = timeout
-        self.group = group
-        self._pending: list[dist.Work] = []
-        self._keep_alive: list[Tensor] = []
-        self._sent_shapes: set[Hashable] = set()
-        self._known_shapes: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}
-        self._header_posted: set[Hashable] = set()
+        self.data_group = data_group
+        self.header_group = header_group
+        backend = dist.get_backend(data_group)
+        self.stream_ordered = backend == "nccl"  # waits enqueue on the device; the host goes on
+        self.staged = device.type != "cpu" and backend == "gloo"
+        self._posted: list[PostedRound] = []
+        self._header_sends: list[tuple[dist.Work, Tensor, int]] = []
 
-    def send(self, tensor: Tensor, dst: int, tag: int, shape_key: Hashable) -> None:
-        tensor = tensor.detach().contiguous()
-        if shape_key not in self._sent_shapes:
-            if tensor.dim() > _HEADER_LEN - 2:
-                raise ValueError(f"cannot send a {tensor.dim()}-d tensor (at most {_HEADER_LEN - 2} dims)")
-            header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            self._post_send(header, dst, 2 * tag + 1)
-            self._sent_shapes.add(shape_key)
-        self._post_send(tensor, dst, 2 * tag)
+    # -- rounds ---------------------------------------------------------------------------------
 
-    def recv(self, src: int, tag: int, shape_key: Hashable) -> Tensor:
-        """Receive now (posting the receive if :meth:`post_recv` did not already)."""
-        return self.wait_recv(self.post_recv(src, tag, shape_key))
+    def post(self, sends: Sequence[Outgoing], recvs: Sequence[Incoming]) -> PostedRound | None:
+        """Post one round: every send and receive in one batch."""
+        if not sends and not recvs:
+            return None
+        ops: list[dist.P2POp] = []
+        posted = PostedRound([], tuple(sorted({o.peer for o in sends} | {i.peer for i in recvs})),
+                             tuple(sorted({i.peer for i in recvs})))
+        for out in sends:
+            tensor = out.tensor.detach().contiguous()
+            if self.staged:
+                tensor = tensor.cpu()
+            posted.keep_alive.append(tensor)
+            ops.append(dist.P2POp(dist.isend, tensor, out.peer, group=self.data_group))
+        for inc in recvs:
+            buffer = torch.empty(inc.shape, dtype=inc.dtype, device="cpu" if self.staged else self.device)
+            if self.staged:
+                posted.staged.append((inc, buffer))
+            else:
+                inc.buffer = buffer
+            inc.round = posted
+            ops.append(dist.P2POp(dist.irecv, buffer, inc.peer, group=self.data_group))
+        posted.works = dist.batch_isend_irecv(ops)
+        self._posted.append(posted)
+        return posted
 
-    def post_recv(self, src: int, tag: int, shape_key: Hashable) -> PendingRecv:
-        """Post the receive of message ``tag`` from ``src`` now; wait for it with :meth:`wait_recv`.
+    def wait(self, inc: Incoming) -> Tensor:
+        """The received tensor; waits for its round (stream-ordered on NCCL, on the host on gloo)."""
+        posted = inc.round
+        if posted is None:
+            raise RuntimeError(f"receive from rank {inc.peer} was never posted")
+        self._complete(posted, posted.recv_peers or posted.peers)
+        if inc.buffer is None:
+            raise RuntimeError(f"receive from rank {inc.peer} has no buffer after its round")
+        return inc.buffer
 
-        With the shape known (every message after the first of its kind) the data receive is
-        posted at once; otherwise the header receive is posted (once per shape key) and the data
-        receive follows when the header has arrived.
-        """
-        pending = PendingRecv(src, tag, shape_key)
-        if shape_key in self._known_shapes:
-            self._post_data(pending)
-        elif shape_key not in self._header_posted:
-            pending.header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            pending.header_work = dist.irecv(pending.header, src, group=self.group, tag=2 * tag + 1)
-            self._header_posted.add(shape_key)
-        return pending
+    def finish(self) -> None:
+        """Wait until every posted round has completed (end of a step), at most the timeout."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        for posted in self._posted:
+            if self.stream_ordered:  # poll the events: no device-wide synchronisation, a bounded wait
+                while not all(work.is_completed() for work in posted.works):
+                    if time.monotonic() > deadline:
+                        self._timed_out(posted.peers, "its pipeline messages of this step")
+                    time.sleep(_POLL_S)
+            self._complete(posted, posted.peers)
+        self._posted.clear()
+        for work, _, peer in self._header_sends:
+            self._wait_work(work, (peer,))
+        self._header_sends.clear()
 
-    def wait_recv(self, pending: PendingRecv) -> Tensor:
-        """The received tensor (waiting again for one already received returns at once)."""
-        if not pending.received:
-            self.post_data(pending)
-            self._wait(pending.work, f"tensor (tag {pending.tag}) from rank {pending.src}")
-            pending.received = True
-        return pending.buffer
+    # -- shapes (host side) ------------------------------------------------------------------------
 
-    def post_data(self, pending: PendingRecv) -> None:
-        """Make sure the data receive is posted, first waiting for the shape header if it came with
-        one (a receive that must be posted before a step ends: its sender completes only then)."""
-        if pending.work is not None:
-            return
-        if pending.header_work is not None:
-            self._wait(pending.header_work, f"shape header from rank {pending.src}")
-            code, ndim, *dims = pending.header.tolist()  # once per shape key
-            self._known_shapes[pending.shape_key] = (torch.Size(dims[:ndim]), _DTYPES[code])
-        if pending.shape_key not in self._known_shapes:
-            raise RuntimeError(f"shape of {pending.shape_key} unknown: its first message was never waited")
-        self._post_data(pending)
+    def announce(self, peer: int, shape: torch.Size, dtype: torch.dtype, what: str) -> None:
+        """Tell ``peer`` a shape and dtype (gloo, never blocking: waited in :meth:`finish`)."""
+        if len(shape) > _HEADER_LEN - 2:
+            raise ValueError(f"cannot send a {len(shape)}-d tensor (at most {_HEADER_LEN - 2} dims)")
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(dtype), len(shape)
+        header[2: 2 + len(shape)] = torch.tensor(list(shape), dtype=torch.int64)
+        self._header_sends.append((dist.isend(header, peer, group=self.header_group), header, peer))
 
-    def _post_data(self, pending: PendingRecv) -> None:
-        shape, dtype = self._known_shapes[pending.shape_key]
-        pending.buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        pending.work = dist.irecv(pending.buffer, pending.src, group=self.group, tag=2 * pending.tag)
-
-    def flush(self) -> None:
-        """Wait until every posted send has completed (end of step)."""
-        for work in self._pending:
-            self._wait(work, "a send to complete")
-        self._pending.clear()
-        self._keep_alive.clear()
-
-    def _post_send(self, tensor: Tensor, dst: int, tag: int) -> None:
-        if len(self._pending) >= 4:  # release completed sends and their tensors (gloo reports a send
-            # completed only once waited, so there they live until flush; NCCL releases them here)
-            still = [i for i, work in enumerate(self._pending) if not work.is_completed()]
-            self._pending = [self._pending[i] for i in still]
-            self._keep_alive = [self._keep_alive[i] for i in still]
-        self._keep_alive.append(tensor)
-        self._pending.append(dist.isend(tensor, dst, group=self.group, tag=tag))
-
-    def _wait(self, work: dist.Work, what: str) -> None:
-        limit = f"{self.timeout.total_seconds():.0f}s (strategy.timeout_s)"
-        hint = "the peer hung, crashed or was killed, or one pipeline action takes longer than the timeout"
+    def learn(self, peer: int, what: str) -> tuple[torch.Size, torch.dtype]:
+        """The shape and dtype ``peer`` announces next (blocks the host, at most the timeout)."""
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         try:
-            completed = work.wait(self.timeout)
-        except RuntimeError as err:  # gloo raises on timeout or on a closed peer connection
-            raise PeerTimeoutError(f"rank {dist.get_rank()} waited for {what} longer than {limit}: {hint} ({err})") from err
-        if completed is False:
-            raise PeerTimeoutError(f"rank {dist.get_rank()} waited for {what} longer than {limit}: {hint}")
+            dist.irecv(header, peer, group=self.header_group).wait()
+        except RuntimeError as err:  # gloo: the group's timeout, or a closed connection
+            self._timed_out((peer,), f"the shape of {what}", err)
+        code, ndim, *dims = header.tolist()
+        return torch.Size(dims[:ndim]), _DTYPES[code]
+
+    # -- waiting ----------------------------------------------------------------------------------
+
+    def _complete(self, posted: PostedRound, peers: Sequence[int]) -> None:
+        """Wait for a round once (on gloo a second wait of a receive would wait for another message)."""
+        if posted.waited:
+            return
+        for work in posted.works:
+            self._wait_work(work, peers)
+        for inc, host_buffer in posted.staged:
+            inc.buffer = host_buffer.to(self.device)
+        posted.waited = True
+
+    def _wait_work(self, work: dist.Work, peers: Sequence[int]) -> None:
+        try:
+            work.wait()  # NCCL: stream-ordered; gloo: blocks the host up to the group's timeout
+        except RuntimeError as err:
+            self._timed_out(peers, "a pipeline message", err)
+
+    def _timed_out(self, peers: Sequence[int], what: str, err: BaseException | None = None) -> None:
+        names = " or ".join(f"rank {p}" for p in peers) or "a peer"
+        limit = f"{self.timeout.total_seconds():.0f}s (strategy.timeout_s)"
+        detail = f" ({err})" if err is not None else ""
+        raise PeerTimeoutError(
+            f"{names} stopped answering: rank {dist.get_rank()} waited for {what} longer than {limit}; "
+            f"the peer hung, crashed or was killed, or one pipeline action takes longer than the timeout{detail}"
+        ) from err
+
+
+def replica_groups(replica_ranks: Sequence[Sequence[int]], rank: int, timeout: timedelta
+                   ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's (data, header) p2p groups: one pair per pipeline replica, created in the same
+    order on every rank. Headers always go over gloo (host-side shape exchange)."""
+    backend = dist.get_backend()
+    header_backend = None if backend in ("gloo", "fake") else "gloo"
+    mine: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
+    for ranks in replica_ranks:
+        data = dist.new_group(list(ranks), timeout=timeout)
+        header = dist.new_group(list(ranks), timeout=timeout, backend=header_backend)
+        if rank in ranks:
+            mine = (data, header)
+    return mine

@@ -113,24 +113,6 @@ def stashed_versions(name: str, stages: int, micro_batches: int, steps: int = 8)
     return tuple(peaks)
 
 
-def crossing_receives(current: Schedule, following: Schedule, worker: int) -> list[Action]:
-    """Actions of ``worker`` in the ``following`` window that consume a message sent in the
-    ``current`` one (the backward right after a step boundary, whose gradient the next stage sent
-    at the end of its window): the runtime posts their receives before the step ends."""
-    sent = {a for acts in current.workers for a in acts}
-    out = []
-    for a in following.workers[worker]:
-        if a.kind == "F" and a.stage > 0:
-            producer = Action("F", a.pipe, a.stage - 1, a.mbs)
-        elif a.kind == "B" and a.stage < current.stages - 1:
-            producer = Action("B", a.pipe, a.stage + 1, a.mbs, a.half)
-        else:
-            continue
-        if producer in sent:
-            out.append(a)
-    return out
-
-
 def steady_step(name: str, stages: int, micro_batches: int) -> int:
     """The first step whose window looks like every later one (the fill is over)."""
     return -(-(stages - 1) // micro_batches) + 1

@@ -2,9 +2,9 @@
 
 A forward of stage s < D-1 sends one activation per micro-batch to the worker of stage s+1; a
 backward of stage s > 0 sends one activation gradient (per half, for backward halving) to the
-worker of stage s-1. gloo matches messages by tag, but NCCL ignores tags and matches a pair's
-sends and receives in order (first in, first out): a schedule is safe for NCCL only if, for every
-pair, the sender sends in the order the receiver consumes. :func:`fifo_violations` checks that.
+worker of stage s-1. NCCL ignores tags and matches a pair's sends and receives in order (first in,
+first out); :func:`fifo_violations` lists the pairs whose consumption order differs from their send
+order, which the communication rounds (:mod:`.comm`) handle by receiving in send order.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Message(NamedTuple):
     half: int | None = None
 
 
-def _sent(action: Action, stages: int) -> list[tuple[int, Message]]:
+def sent_messages(action: Action, stages: int) -> list[tuple[int, Message]]:
     """(receiving stage, message) for every message ``action`` sends."""
     if action.kind == "F":
         return [(action.stage + 1, Message("act", action.pipe, action.stage, m))
@@ -32,7 +32,7 @@ def _sent(action: Action, stages: int) -> list[tuple[int, Message]]:
             ] if action.stage > 0 else []
 
 
-def _received(action: Action, stages: int) -> list[tuple[int, Message]]:
+def received_messages(action: Action, stages: int) -> list[tuple[int, Message]]:
     """(sending stage, message) for every message ``action`` consumes."""
     if action.kind == "F":
         return [(action.stage - 1, Message("act", action.pipe, action.stage - 1, m))
@@ -49,9 +49,9 @@ def pair_messages(schedule: Schedule) -> tuple[dict[tuple[int, int], list[Messag
     receives: dict[tuple[int, int], list[Message]] = defaultdict(list)
     for worker, actions in enumerate(schedule.workers):
         for a in actions:
-            for stage, msg in _sent(a, D):
+            for stage, msg in sent_messages(a, D):
                 sends[(worker, place[a.pipe][stage])].append(msg)
-            for stage, msg in _received(a, D):
+            for stage, msg in received_messages(a, D):
                 receives[(place[a.pipe][stage], worker)].append(msg)
     return dict(sends), dict(receives)
 

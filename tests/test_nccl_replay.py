@@ -1,0 +1,117 @@
+"""The runtime's real op sequence, replayed under NCCL's rules (strategies.nccl_replay).
+
+Each rank's engine runs against a recording transport under torch's ``fake`` backend
+(strategies.recording): rounds, stream-ordered waits, shape headers and collectives are recorded in
+the order the rank issues them, then replayed with one FIFO per (rank, stream), batched ops
+completing together, rendezvous sends, no tags and collectives on their group's stream. Covers
+every schedule × D ∈ {2, 4, 8} × N (below, at and above D) × Chimera's variants, the first step
+(shape headers) and a steady one, training and evaluation, W = 2, and asynchronous windows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strategies.engine import PipelineConfig
+from strategies.nccl_replay import P2P, HostWait, Post, ReplayError, StreamWait, replay
+from strategies.recording import record_programs
+from toy_model import ToyMLP, toy_batches
+
+B, WIDTH = 2, 4
+
+
+def _shape(peer: int, what: str) -> tuple[torch.Size, torch.dtype]:
+    return torch.Size((B, WIDTH)), torch.float32
+
+
+def _programs(schedule: str, D: int, N: int, W: int = 1, *, pipelines: int | None = None, concat: str = "direct",
+              train_steps: int = 2, evaluate: bool = True, tied: bool = False, grad_sync: str = "end",
+              recompute: str = "none") -> list:
+    config = PipelineConfig(schedule, D, B, pipelines, concat, 30.0, grad_sync=grad_sync, recompute=recompute)
+    batches = toy_batches(train_steps + 1, W * N * B, width=WIDTH)
+
+    def mine(rank: int, batch: dict, engine) -> dict:
+        r = engine.topology.replica_of(rank)
+        return {k: v[r * N * B:(r + 1) * N * B] for k, v in batch.items()}
+
+    steps = [lambda engine, rank, b=b: engine.train_step(mine(rank, b, engine)) for b in batches[:train_steps]]
+    if evaluate:
+        steps.append(lambda engine, rank: engine.eval_step(mine(rank, batches[-1], engine)))
+    return record_programs(lambda: ToyMLP(layers=max(D, 4), width=WIDTH, tied=tied), config, W, steps, _shape)
+
+
+def _grid() -> list[tuple]:
+    cases = []
+    for D in (2, 4, 8):
+        for N in sorted({max(D // 2, 1), D, 2 * D + 1}):
+            for name in ("gpipe", "dapple", "gems"):
+                cases.append((name, D, N, None, "direct"))
+            for pipelines in sorted({2, 4} & {2 * f for f in range(1, D // 2 + 1) if (D // 2) % f == 0}):
+                for concat in ("direct", "forward_doubling", "backward_halving"):
+                    cases.append(("chimera", D, N, pipelines, concat))
+    return cases
+
+
+@pytest.mark.parametrize("name, D, N, pipelines, concat", _grid())
+def test_every_schedule_completes_under_nccl_rules(name: str, D: int, N: int, pipelines: int | None,
+                                                   concat: str) -> None:
+    replay(_programs(name, D, N, pipelines=pipelines, concat=concat))
+
+
+@pytest.mark.parametrize("case", [
+    {"schedule": "chimera", "D": 4, "N": 4, "W": 2, "tied": True, "grad_sync": "eager"},
+    {"schedule": "dapple", "D": 2, "N": 3, "W": 2, "grad_sync": "eager_opt", "recompute": "always"},
+    {"schedule": "gpipe", "D": 4, "N": 4, "W": 2, "tied": True},
+    {"schedule": "chimera", "D": 2, "N": 4, "W": 2, "concat": "backward_halving", "grad_sync": "eager"},
+])
+def test_replicas_eager_sync_and_recomputation_complete_under_nccl_rules(case: dict) -> None:
+    replay(_programs(**case))
+
+
+@pytest.mark.parametrize("name, D, N", [("pipedream_2bw", 4, 4), ("pipedream_2bw", 4, 5), ("pipedream_2bw", 2, 3),
+                                        ("pipedream", 4, 1), ("pipedream", 2, 1)])
+def test_asynchronous_windows_complete_under_nccl_rules(name: str, D: int, N: int) -> None:
+    """Five consecutive windows (the fill and steady steps), an evaluation between them: messages
+    crossing a step boundary never leave a receive in front of the step's collectives."""
+    replay(_programs(name, D, N, train_steps=5))
+
+
+# -- the replay itself, on hand-written programs (the expected outcome is known by construction) --
+
+def _round(op: int, *ops: P2P) -> list:
+    return [Post(op, "p2p", ops), StreamWait(op)]
+
+
+def test_replay_catches_a_receive_posted_before_the_send_its_peer_waits_for() -> None:
+    """1F1B at D = 2 with the receive of the gradient posted ahead of the activation's send."""
+    rank0 = _round(0, P2P(False, 1, "grad0")) + _round(1, P2P(True, 1, "act0")) + [HostWait(0), HostWait(1)]
+    rank1 = _round(0, P2P(False, 0, "act0")) + _round(1, P2P(True, 0, "grad0")) + [HostWait(0), HostWait(1)]
+    with pytest.raises(ReplayError, match="deadlock"):
+        replay([rank0, rank1])
+
+
+def test_replay_catches_two_peers_that_both_send_first() -> None:
+    rank0 = _round(0, P2P(True, 1, "a")) + _round(1, P2P(False, 1, "b")) + [HostWait(1)]
+    rank1 = _round(0, P2P(True, 0, "b")) + _round(1, P2P(False, 0, "a")) + [HostWait(1)]
+    with pytest.raises(ReplayError, match="deadlock"):
+        replay([rank0, rank1])
+    batched0 = _round(0, P2P(True, 1, "a"), P2P(False, 1, "b")) + [HostWait(0)]
+    batched1 = _round(0, P2P(True, 0, "b"), P2P(False, 0, "a")) + [HostWait(0)]
+    replay([batched0, batched1])
+
+
+def test_replay_catches_swapped_messages_without_tags() -> None:
+    rank0 = _round(0, P2P(True, 1, "mb0"), P2P(True, 1, "mb1"))
+    rank1 = _round(0, P2P(False, 0, "mb1"), P2P(False, 0, "mb0"))
+    with pytest.raises(ReplayError, match="expects mb1"):
+        replay([rank0, rank1])
+
+
+def test_replay_catches_a_receive_in_front_of_a_collective_on_the_same_stream() -> None:
+    """A receive whose send comes after the peer's all-reduce, queued before this rank's all-reduce."""
+    rank0 = [Post(0, "world", (P2P(False, 1, "x"),)), Post(1, "world", collective="sum", members=(0, 1)),
+             HostWait(1)]
+    rank1 = [Post(0, "world", collective="sum", members=(0, 1)), HostWait(0), Post(1, "world", (P2P(True, 0, "x"),))]
+    with pytest.raises(ReplayError, match="deadlock"):
+        replay([rank0, rank1])
