@@ -136,8 +136,8 @@ def detect_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
     tasks = slurm_tasks(env)
     if tasks is not None and tasks > 1:
         nnodes, per_node = _int(env, "SLURM_NNODES"), _int(env, "SLURM_NTASKS_PER_NODE")
-        addr = env.get("MASTER_ADDR") or slurm_root_address(env.get("SLURM_JOB_NODELIST")
-                                                             or env.get("SLURM_NODELIST") or "127.0.0.1")
+        addr = env.get("MASTER_ADDR") or slurm_root_address(env.get("SLURM_NODELIST")  # as Lightning reads it
+                                                             or env.get("SLURM_JOB_NODELIST") or "127.0.0.1")
         port = env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID"))
         if nnodes is not None and nnodes != num_nodes:
             raise ConfigError(f"SLURM runs this job on SLURM_NNODES = {nnodes} nodes but trainer.num_nodes = "
