@@ -68,6 +68,7 @@ def test_auto_under_an_external_launcher_takes_its_processes_per_node() -> None:
     assert probe_node({"LOCAL_WORLD_SIZE": "4"}).launched_per_node == 4
     assert probe_node({"SLURM_NTASKS_PER_NODE": "8"}).launched_per_node == 8
     assert probe_node({}).launched_per_node is None
+    assert probe_node({"SLURM_NTASKS_PER_NODE": "1"}).launched_per_node is None  # one task per node: its GPUs
 
 
 def test_cpu_and_gpu_still_force_one() -> None:

@@ -31,7 +31,8 @@ BASELINES = ("ddp", "single")
 @dataclass(frozen=True)
 class NodeDevices:
     """What this node offers: CUDA devices, whether they compute bf16 natively, and how many
-    processes an external launcher (torchrun, SLURM) started here (None: this job starts its own)."""
+    processes an external launcher (torchrun, SLURM with several tasks per node) started here
+    (None: this job starts its own)."""
 
     cuda_devices: int = 0
     bf16: bool = False
@@ -58,13 +59,19 @@ class AcceleratorChoice:
         return f"accelerator: {self.accelerator} × {trainer['devices']} per node, {precision} ({self.reason})"
 
 
+def _count(value: str | None) -> int | None:
+    return int(value) if value and value.strip().isdigit() else None
+
+
 def probe_node(env: Mapping[str, str] | None = None) -> NodeDevices:
     """Ask torch what this node has (imports torch; creates no CUDA tensor)."""
     import torch
 
     env = os.environ if env is None else env
-    launched = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_NTASKS_PER_NODE")
-    per_node = int(launched.split("(")[0]) if launched and launched.split("(")[0].isdigit() else None
+    per_node = _count(env.get("LOCAL_WORLD_SIZE"))  # torchrun's --nproc_per_node
+    slurm = _count(env.get("SLURM_NTASKS_PER_NODE"))
+    if per_node is None and slurm is not None and slurm > 1:  # one SLURM task per node: train.py starts the workers
+        per_node = slurm
     if not torch.cuda.is_available():
         return NodeDevices(launched_per_node=per_node)
     count = torch.cuda.device_count()
