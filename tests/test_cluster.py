@@ -101,6 +101,26 @@ def test_fp16_with_loss_scaling_is_refused_for_pipelines_only() -> None:
     check_precision("gpipe", {"precision": "bf16-mixed"})
 
 
+def test_the_paper_command_on_a_cpu_machine_is_refused_by_the_preflight(tmp_path: Path) -> None:
+    """``python train.py model=gpt2 trainer.devices=8 strategy=chimera`` as a new user types it: here
+    auto picks 8 CPU processes, which cannot hold the 1.39 B-parameter model; nothing is started."""
+    import psutil
+    import torch
+
+    if torch.cuda.is_available() or psutil.virtual_memory().available > 200 * 2**30:
+        pytest.skip("this machine could run the command")
+    command = ["model=gpt2", "trainer.devices=8", "strategy=chimera"]
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *command, f"hydra.run.dir={tmp_path}"],
+                            cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "predicted memory does not fit: chimera W=4 D=2" in result.stderr and "GiB" in result.stderr
+    assert "add devices, lower data.global_batch_size or use a smaller model" in result.stderr
+    assert "(accelerator: cpu × 8 per node, 32-true (auto: no CUDA))" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "job.yaml").exists()  # nothing was started
+
+
 # -- launchers, ranks and rendezvous ---------------------------------------------------------------
 
 def _unset(monkeypatch: pytest.MonkeyPatch, *keys: str) -> None:
@@ -113,8 +133,9 @@ def _unset(monkeypatch: pytest.MonkeyPatch, *keys: str) -> None:
 TORCHRUN_NODE1 = {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0",
                   "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 SLURM_RANK3 = {"SLURM_JOB_ID": "4123456", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "4", "SLURM_NNODES": "2",
-               "SLURM_NTASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-               "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+               "SLURM_NTASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_PROCID": "3",
+               "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NODELIST": "gpu[07-08]",
+               "SLURM_JOB_NODELIST": "gpu[07-08]"}
 
 
 def test_torchrun_rank_comes_from_rank_not_node_rank(monkeypatch: pytest.MonkeyPatch) -> None:
