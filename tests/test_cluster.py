@@ -65,6 +65,7 @@ def test_auto_without_cuda_runs_the_cpu_job() -> None:
 def test_auto_under_an_external_launcher_takes_its_processes_per_node() -> None:
     torchrun_node = NodeDevices(cuda_devices=8, bf16=True, launched_per_node=4)
     assert resolve_accelerator(_trainer("auto"), torchrun_node).trainer["devices"] == 4
+    assert probe_node({"LOCAL_WORLD_SIZE": "4"}, cuda=False) == NodeDevices(launched_per_node=4)
     assert probe_node({"LOCAL_WORLD_SIZE": "4"}).launched_per_node == 4
     assert probe_node({"SLURM_NTASKS_PER_NODE": "8"}).launched_per_node == 8
     assert probe_node({}).launched_per_node is None

@@ -63,15 +63,18 @@ def _count(value: str | None) -> int | None:
     return int(value) if value and value.strip().isdigit() else None
 
 
-def probe_node(env: Mapping[str, str] | None = None) -> NodeDevices:
-    """Ask torch what this node has (imports torch; creates no CUDA tensor)."""
-    import torch
-
+def probe_node(env: Mapping[str, str] | None = None, *, cuda: bool = True) -> NodeDevices:
+    """What this node has: the launcher's processes from ``env``, and with ``cuda`` the GPUs, from
+    torch (imported only then; no CUDA tensor is created)."""
     env = os.environ if env is None else env
     per_node = _count(env.get("LOCAL_WORLD_SIZE"))  # torchrun's --nproc_per_node
     slurm = _count(env.get("SLURM_NTASKS_PER_NODE"))
     if per_node is None and slurm is not None and slurm > 1:  # one SLURM task per node: train.py starts the workers
         per_node = slurm
+    if not cuda:
+        return NodeDevices(launched_per_node=per_node)
+    import torch
+
     if not torch.cuda.is_available():
         return NodeDevices(launched_per_node=per_node)
     count = torch.cuda.device_count()
@@ -131,8 +134,7 @@ def choose_accelerator(trainer: Mapping[str, Any]) -> AcceleratorChoice:
     """:func:`resolve_accelerator` for this node. Only ``auto`` and GPU runs pay for importing torch
     (to look at the node's GPUs); ``trainer=cpu`` needs nothing."""
     accelerator = trainer.get("accelerator", AUTO)
-    looks = accelerator == AUTO or accelerator in GPU_NAMES
-    return resolve_accelerator(trainer, probe_node() if looks else NodeDevices())
+    return resolve_accelerator(trainer, probe_node(cuda=accelerator == AUTO or accelerator in GPU_NAMES))
 
 
 def check_precision(strategy: str, trainer: Mapping[str, Any]) -> None:
