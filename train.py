@@ -43,7 +43,8 @@ def check_launcher_plugin(argv: list[str]) -> None:
     """``hydra/launcher=slurm`` needs Hydra's submitit plugin; without it Hydra composes the preset
     and then fails on launch with "Unknown plugin class", so say what to install instead."""
     chosen = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "hydra/launcher"]
-    if not chosen or chosen[-1] not in SUBMITIT_LAUNCHERS:
+    inspecting = any(a in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for a in argv)
+    if not chosen or chosen[-1] not in SUBMITIT_LAUNCHERS or inspecting:  # --cfg hydra shows it without a run
         return
     if "-m" not in argv and "--multirun" not in argv:  # Hydra uses a launcher in multirun mode only
         print(f"error: hydra/launcher={chosen[-1]} submits jobs in Hydra's multirun mode only; add -m (one job is a "

@@ -289,6 +289,10 @@ def test_slurm_preset_without_the_plugin_or_without_multirun_says_what_to_do(tmp
     single = subprocess.run([sys.executable, str(ROOT / "train.py"), "hydra/launcher=slurm", "trainer=gpu"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert single.returncode == 2 and "add -m" in single.stderr
+    shown = subprocess.run([sys.executable, str(ROOT / "train.py"), "hydra/launcher=slurm", "trainer=gpu", "--cfg",
+                            "hydra", "-p", "hydra.launcher"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0 and "tasks_per_node: ${trainer.devices}" in shown.stdout, shown.stderr
     try:
         import hydra_plugins.hydra_submitit_launcher  # noqa: F401
     except ImportError:
