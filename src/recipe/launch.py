@@ -203,13 +203,13 @@ def run(cfg: DictConfig) -> float | None:
 
             preflight(OmegaConf.to_container(cfg, resolve=True), layout)
     except ValueError as err:  # ConfigError, or the planner's PreflightError (does not fit in memory)
-        message = str(err) + (f"\n({choice.describe()})" if choice is not None else "")
+        chosen = f"\n({choice.describe()})" if choice is not None else ""
         if not multirun:
-            print(f"error: {message}", file=sys.stderr)
+            print(f"error: {err}{chosen}", file=sys.stderr)
             sys.exit(2)
         if launch.is_global_zero if launch is not None else is_global_zero():
-            write_results(out_dir, **_skipped_fields(cfg, message))
-        print(f"skipped {out_dir}: {message}", flush=True)
+            write_results(out_dir, **_skipped_fields(cfg, str(err)))
+        print(f"skipped {out_dir}: {err}{chosen}", flush=True)
         return None
     if launch.is_global_zero:
         several = launch.external or int(trainer_cfg.get("num_nodes", 1)) > 1
