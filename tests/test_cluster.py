@@ -361,16 +361,21 @@ def test_fake_slurm_job_one_task_per_rank_writes_results_once(tmp_path: Path) ->
 @pytest.mark.slow
 def test_two_torchrun_nodes_over_loopback_write_results_once(tmp_path: Path) -> None:
     """``torchrun --nnodes=2 --node_rank=n`` on each "node", one process each: torchrun sets RANK and
-    GROUP_RANK, no NODE_RANK; rank 1 (local rank 0 of node 1) must not act as rank 0."""
+    GROUP_RANK, no NODE_RANK; rank 1 (local rank 0 of node 1) must not act as rank 0. The checkpoint's
+    stages (stage 1 written by rank 1) land in rank 0's directory too."""
     from distributed import free_port
 
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}",
                                str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / f'rank{n}'}", "trainer.devices=1",
-                               "trainer.num_nodes=2", *COMMON], cwd=tmp_path, text=True, env=_clean_env(),
+                               "trainer.num_nodes=2", "checkpoint.every_n_steps=2", *COMMON], cwd=tmp_path,
+                              text=True, env=_clean_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for n in (0, 1)]
     outputs = _communicate(procs)
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     _check_written_once_by_rank_zero(tmp_path, outputs, "torchrun")
+    saved = tmp_path / "rank0" / "checkpoints" / "step-000002.ckpt"
+    assert (saved / "stage0.pt").is_file() and (saved / "stage1.pt").is_file()
+    assert not (tmp_path / "rank1" / "checkpoints").exists()
