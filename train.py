@@ -36,6 +36,32 @@ def resolve_auto_strategy(argv: list[str]) -> list[str]:
     return others + chosen
 
 
+SUBMITIT_LAUNCHERS = ("slurm", "submitit_slurm", "submitit_local")  # conf/hydra/launcher/slurm.yaml and the plugin's
+
+
+def check_launcher_plugin(argv: list[str]) -> None:
+    """``hydra/launcher=slurm`` needs Hydra's submitit plugin; without it Hydra composes the preset
+    and then fails on launch with "Unknown plugin class", so say what to install instead."""
+    chosen = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "hydra/launcher"]
+    inspecting = any(a in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for a in argv)
+    if not chosen or chosen[-1] not in SUBMITIT_LAUNCHERS or inspecting:  # --cfg hydra shows it without a run
+        return
+    if "-m" not in argv and "--multirun" not in argv:  # Hydra uses a launcher in multirun mode only
+        print(f"error: hydra/launcher={chosen[-1]} submits jobs in Hydra's multirun mode only; add -m (one job is a "
+              "sweep of one), otherwise the job would run here", file=sys.stderr)
+        sys.exit(2)
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        print(f"error: hydra/launcher={chosen[-1]} needs Hydra's submitit launcher plugin, which is not installed; "
+              'pip install -e ".[slurm]" (hydra-submitit-launcher)', file=sys.stderr)
+        sys.exit(2)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from recipe.launch import run
@@ -44,5 +70,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    check_launcher_plugin(sys.argv[1:])
     sys.argv[1:] = resolve_auto_strategy(sys.argv[1:])
     main()

@@ -71,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     from planner.partition import partition_overrides, recommend_partition
     from planner.profile import load_or_profile
     from planner.recommend import format_table, plan_all, plan_rows
+    from recipe.accelerator import choose_accelerator
 
     cfg = compose_config(overrides)
-    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer = choose_accelerator(OmegaConf.to_container(cfg.trainer, resolve=True)).trainer  # trainer=auto: this node
     accelerator = str(trainer.get("accelerator", "cpu"))
     per_node, nodes = int(trainer.get("devices", 1)), int(trainer.get("num_nodes", 1))
     devices = per_node * nodes

@@ -18,6 +18,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from recipe.accelerator import NodeDevices, resolve_accelerator
 from recipe.launch import launch_workers, num_layers
 from recipe.layout import ConfigError, resolve_layout
 from recipe.results import find_results
@@ -38,8 +39,9 @@ def _compose(name: str = "config", overrides: list[str] = (), hydra: bool = Fals
 
 
 def _layout(cfg):
-    return resolve_layout(OmegaConf.to_container(cfg.strategy, resolve=True),
-                          OmegaConf.to_container(cfg.trainer, resolve=True), cfg.data.global_batch_size,
+    """The layout as train.py derives it on a CPU node (``trainer=auto`` resolved first)."""
+    trainer = resolve_accelerator(OmegaConf.to_container(cfg.trainer, resolve=True), NodeDevices()).trainer
+    return resolve_layout(OmegaConf.to_container(cfg.strategy, resolve=True), trainer, cfg.data.global_batch_size,
                           num_layers(cfg.model))
 
 
@@ -275,6 +277,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
         (["trainer=gpu", "trainer.devices=2"], "trainer.devices = 2 GPUs but this node has no GPU; use trainer=cpu"),
         (["strategy=chimera", "strategy.D=3", "trainer.devices=3"], "chimera needs an even strategy.D"),
         (["strategy.micro_batch_size=5"], "not divisible by W·B"),
+        (["trainer.num_nodes=2"], "trainer.num_nodes = 2 but MASTER_ADDR, MASTER_PORT, NODE_RANK are not set"),
     ],
 )
 def test_bad_settings_stop_before_launch(tmp_path: Path, overrides: list[str], fragment: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 AUTO = "strategy=auto"
 
@@ -25,13 +24,15 @@ def auto_overrides(overrides: Sequence[str], config_dir: str | Path, *, cache_di
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from recipe.accelerator import choose_accelerator
+
     from .memory import device_budget
     from .profile import load_or_profile
     from .recommend import best_config
 
     with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[o for o in rest if not o.startswith("strategy")])
-    trainer: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
+    trainer = choose_accelerator(OmegaConf.to_container(cfg.trainer, resolve=True)).trainer  # trainer=auto: this node
     accelerator = str(trainer.get("accelerator", "cpu"))
     per_node, nodes = int(trainer.get("devices", 1)), int(trainer.get("num_nodes", 1))
     costs = load_or_profile(cfg.model, cache_dir=cache_dir, comm=comm, log=log,

@@ -8,7 +8,6 @@ derived layout and the W&B group, so a worker needs no Hydra context.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,10 @@ class JobSpec:
 
 
 def is_rank_zero() -> bool:
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
+    """Global rank 0 of the job (``RANK``, or ``SLURM_PROCID`` under SLURM: torchrun sets no ``NODE_RANK``)."""
+    from .cluster import is_global_zero
+
+    return is_global_zero()
 
 
 def build_loggers(spec: JobSpec) -> list[Any]:

@@ -11,7 +11,10 @@ under Hydra, Lightning #15737 and #18175). The parent never imports Lightning or
   the rank, its exit code and the tail of its log (``logs/rank<r>.log``).
 * A rank that hangs ends it too: its heartbeat (:mod:`recipe.heartbeat`) older than
   ``strategy.timeout_s`` names it, also when a peer's timed-out wait ended first.
-* Under an external launcher (torchrun, SLURM) the processes already exist: the job runs in-process.
+* Under an external launcher (torchrun, SLURM) the processes already exist: the job runs in-process
+  (:mod:`recipe.cluster` tells which, and refuses a multi-node job whose nodes could not meet).
+* ``trainer=auto`` becomes the node's GPUs or CPU processes first (:mod:`recipe.accelerator`).
+* Only global rank 0 prints the layout and the summary and writes ``results.json``.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from .accelerator import GPU_NAMES, AcceleratorChoice, check_precision, choose_accelerator
+from .cluster import Launch, detect_launch, is_global_zero, worker_env
 from .heartbeat import HEARTBEAT_ENV, SILENT_S, heartbeat_age
-from .job import JobSpec, is_rank_zero
+from .job import JobSpec
 from .layout import ConfigError, Layout, check_devices, check_model, resolve_layout
 from .results import read_results, summary_table, write_results
 
@@ -41,14 +46,6 @@ GRACE_S = 10.0  # how long the other ranks get to exit on their own after one di
 class Outcome:
     ok: bool
     reason: str = ""
-
-
-def external_launcher() -> bool:
-    """True when torchrun or SLURM already started this process as one rank of the job."""
-    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
-        return True
-    tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
-    return tasks > 1 and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
 def num_layers(model_cfg: DictConfig | dict) -> int:
@@ -81,20 +78,19 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 
 def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path, module: str = "recipe.worker",
-                   grace_s: float = GRACE_S, hang_s: float | None = None) -> Outcome:
-    """Start ``devices`` workers (``python -m module job_file``) of this node, stream rank 0's
-    output, stop them all if one dies or, with ``hang_s``, stops answering for that long."""
+                   grace_s: float = GRACE_S, hang_s: float | None = None, launch: Launch | None = None) -> Outcome:
+    """Start ``devices`` workers (``python -m module job_file``) of this node (``launch``: which node
+    and where the ranks meet; default one node), stream rank 0's output, stop them all if one dies
+    or, with ``hang_s``, stops answering for that long."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    node_rank = int(os.environ.get("NODE_RANK", 0))
+    launch = launch or Launch("self", 0, None)
+    node_rank = launch.node_rank
     base_env = {
         **os.environ,
-        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
-        "WORLD_SIZE": str(layout.world_size),
-        "NODE_RANK": str(node_rank),
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
     }
+    port = launch.master_port or str(_free_port())
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     logs, beats = [], []
@@ -103,7 +99,8 @@ def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path, 
             rank = node_rank * devices + local_rank
             beats.append(log_dir / f"rank{rank}.heartbeat")
             beats[-1].unlink(missing_ok=True)
-            env = {**base_env, "LOCAL_RANK": str(local_rank), "RANK": str(rank), HEARTBEAT_ENV: str(beats[-1])}
+            env = {**worker_env(base_env, launch, layout.world_size, devices, local_rank, port),
+                   HEARTBEAT_ENV: str(beats[-1])}
             proc = subprocess.Popen([sys.executable, "-m", module, str(job_file)], env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             logs.append(log_dir / f"rank{rank}.log")
@@ -162,12 +159,9 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _gpus_on_this_node(trainer_cfg: dict[str, Any]) -> int | None:
-    if trainer_cfg.get("accelerator") not in ("gpu", "cuda"):
-        return None
-    import torch  # only GPU runs pay for the import in the parent
-
-    return torch.cuda.device_count()
+def _gpus(choice: AcceleratorChoice) -> int | None:
+    """GPUs of this node when the job runs on GPUs (probed by :func:`choose_accelerator`)."""
+    return choice.node.cuda_devices if choice.accelerator in GPU_NAMES else None
 
 
 def _group(cfg: DictConfig, multirun: bool, sweep_dir: str) -> str:
@@ -191,48 +185,60 @@ def run(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     out_dir = Path(hydra_cfg.runtime.output_dir)
-    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    launch: Launch | None = None
+    choice: AcceleratorChoice | None = None
     try:
+        choice = choose_accelerator(OmegaConf.to_container(cfg.trainer, resolve=True))
+        trainer_cfg = choice.trainer
+        with open_dict(cfg):  # every later reader (pre-flight, workers, W&B config) sees the concrete trainer
+            cfg.trainer = trainer_cfg
         layout = resolve_layout(OmegaConf.to_container(cfg.strategy, resolve=True), trainer_cfg,
                                 cfg.data.global_batch_size, num_layers(cfg.model))
         check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True))
-        check_devices(trainer_cfg, _gpus_on_this_node(trainer_cfg))
+        check_devices(trainer_cfg, _gpus(choice))
+        check_precision(layout.strategy, trainer_cfg)
+        launch = detect_launch(os.environ, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
         if cfg.get("preflight", True):
             from planner.preflight import preflight  # estimates on fake tensors: no memory is allocated
 
             preflight(OmegaConf.to_container(cfg, resolve=True), layout)
     except ValueError as err:  # ConfigError, or the planner's PreflightError (does not fit in memory)
+        chosen = f"\n({choice.describe()})" if choice is not None else ""
         if not multirun:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {err}{chosen}", file=sys.stderr)
             sys.exit(2)
-        write_results(out_dir, **_skipped_fields(cfg, str(err)))
-        print(f"skipped {out_dir}: {err}", flush=True)
+        if launch.is_global_zero if launch is not None else is_global_zero():
+            write_results(out_dir, **_skipped_fields(cfg, str(err)))
+        print(f"skipped {out_dir}: {err}{chosen}", flush=True)
         return None
-    if is_rank_zero():
-        print(layout.describe(), flush=True)
+    if launch.is_global_zero:
+        several = launch.external or int(trainer_cfg.get("num_nodes", 1)) > 1
+        print(f"{layout.describe()}; {choice.describe()}" + (f"\n{launch.describe()}" if several else ""), flush=True)
     spec = JobSpec(OmegaConf.to_container(cfg, resolve=True), layout, str(out_dir),
                    _group(cfg, multirun, hydra_cfg.sweep.dir))
     job_file = spec.save()
-    if external_launcher():
+    if launch.external:
         from .job import run_job
 
         try:
             run_job(spec)
-        except Exception as err:  # record it, then let the launcher see the failure
-            reason = f"rank {os.environ.get('RANK', '?')} raised {type(err).__name__}: {err}"
-            write_results(out_dir, status="failed", reason=reason, **layout.result_fields())
+        except Exception as err:  # record it (global rank 0, once), then let the launcher see the failure
+            if launch.is_global_zero:
+                reason = f"rank {launch.rank} raised {type(err).__name__}: {err}"
+                write_results(out_dir, status="failed", reason=reason, **layout.result_fields())
             raise
         outcome = Outcome(True)
     else:
-        outcome = launch_workers(job_file, layout, int(trainer_cfg.get("devices", 1)), out_dir / "logs",
-                                 hang_s=float(cfg.strategy.get("timeout_s", 120)))
+        outcome = launch_workers(job_file, layout, int(trainer_cfg["devices"]), out_dir / "logs",
+                                 hang_s=float(cfg.strategy.get("timeout_s", 120)), launch=launch)
     if not outcome.ok:
-        write_results(out_dir, status="failed", reason=outcome.reason, **layout.result_fields())
+        if launch.is_global_zero:
+            write_results(out_dir, status="failed", reason=outcome.reason, **layout.result_fields())
         print(f"error: job failed: {outcome.reason}", file=sys.stderr, flush=True)
         if not multirun:
             sys.exit(1)
         return None
-    if not is_rank_zero():
+    if not launch.is_global_zero:
         return None
     result = read_results(out_dir / "results.json")
     print(summary_table([result]), flush=True)
