@@ -281,10 +281,11 @@ class PipelineEngine:
     def train_step(self, batch: Batch) -> Tensor:
         """Forward and backward of the replica's mini-batch, gradients summed; returns the loss."""
         micro_batches = self.split(batch)
-        for p in self.local_parameters():
-            p.grad = None
         if self.versions is not None:
+            for p in self.local_parameters():
+                p.grad = None  # the step's due version hands its gradient over at the end
             return self._async_step(micro_batches)
+        self.synchronizer.zero_grad(self.local_parameters())
         plan = self.launch_plan(len(micro_batches))
         sync = self.synchronizer
 

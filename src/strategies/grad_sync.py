@@ -24,6 +24,7 @@ data (:func:`launch_plan`), never hard-coded. Every all-reduce is waited before 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -84,18 +85,55 @@ def launch_plan(
     return {a: tuple(sorted(stages)) for a, stages in plan.items()}
 
 
+@dataclass
+class _Bucket:
+    """Parameters all-reduced together, their gradients views of one flat buffer (no copy per step)."""
+
+    keys: tuple[int | str, ...]
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup
+    flat: torch.Tensor | None = None
+
+    def views(self) -> list[torch.Tensor]:
+        if self.flat is None:
+            p0 = self.params[0]
+            self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
+        out, offset = [], 0
+        for p in self.params:
+            out.append(self.flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+
+    def install(self) -> None:
+        """Zero the buffer and make every ``.grad`` a view of it: backward accumulates in place."""
+        for p, view in zip(self.params, self.views()):
+            view.zero_()
+            p.grad = view
+
+    def pack(self) -> None:
+        """Gradients set elsewhere (stashed weight versions) move into the buffer; a parameter without
+        a gradient adds zeros and keeps none (the optimizer leaves it alone)."""
+        for p, view in zip(self.params, self.views()):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+
 class GradientSynchronizer:
-    """One flat all-reduce per local stage copy (plus the tied group), launched on request.
+    """One flat all-reduce per bucket of local stage copies (plus the tied group), launched on request.
 
-    Per step: :meth:`launch` any stage whose gradients are final (eager modes), then
-    :meth:`finish` launches the rest and waits for all, writing the sums back into ``.grad``.
+    Per step: :meth:`zero_grad` before the first backward, :meth:`launch` any stage whose gradients
+    are final (eager modes), then :meth:`finish` launches the rest and waits for all.
 
-    With ``shared`` groups, :meth:`finish` fuses what is left into one all-reduce per set of member
-    ranks: in Chimera every stage a worker holds (and the tied embeddings) is copied on the same
+    Buckets: with ``shared`` groups (``grad_sync=end``) the stages copied on the same ranks are one
+    bucket: in Chimera every stage a worker holds (and the tied embeddings) is copied on the same
     ranks, so a worker's whole gradient goes in one collective instead of one per stage (on gloo a
-    collective costs a few milliseconds however small). Fusing is only safe when no member launched
-    any of the fused buckets early, so the engine passes ``shared`` with ``grad_sync=end`` only.
-    ``last_buckets`` lists the buckets of the last step's all-reduces (one tuple of keys each).
+    collective costs a few milliseconds however small); otherwise one bucket per stage and one for
+    the tied parameters. Every gradient is a view of its bucket's flat buffer, as in DDP's
+    gradient-as-bucket-view: the all-reduce runs in place and no gradient-sized copy is made per
+    step. ``last_buckets`` lists the buckets of the last step's all-reduces (one tuple of keys each).
     """
 
     def __init__(
@@ -113,59 +151,61 @@ class GradientSynchronizer:
         self.tied_params = list(tied_params)
         self.tied_group = tied_group
         self.timeout = timeout
-        self.shared = dict(shared or {})
+        shared = dict(shared or {})
         # the local stages whose layers hold a tied parameter: the tied sum waits for all of them
         self.tied_stages = frozenset(s for s, ps in stage_params.items() if any(id(p) in tied_ids for p in ps))
+        self._bucket_of: dict[int | str, _Bucket] = {}
+        keys: list[int | str] = sorted(self.buckets) + ["tied"]
+        for key in keys:
+            if key in self._bucket_of or not self._params_of(key):
+                continue
+            if key in shared:
+                fused = [k for k in keys if shared.get(k) is shared[key] and self._params_of(k)]
+                bucket = _Bucket(tuple(fused), [p for k in fused for p in self._params_of(k)], shared[key])
+            else:
+                group = self.tied_group if key == "tied" else self.stage_groups[key]
+                bucket = _Bucket((key,), list(self._params_of(key)), group)
+            if len({(p.dtype, p.device) for p in bucket.params}) > 1:
+                raise ValueError(f"gradient bucket {bucket.keys} mixes dtypes or devices: keep a stage's parameters "
+                                 "in one dtype on one device")
+            for k in bucket.keys:
+                self._bucket_of[k] = bucket
         self._launched: set[int | str] = set()
-        self._works: list[tuple[dist.Work, torch.Tensor, Sequence[nn.Parameter]]] = []
+        self._works: list[dist.Work] = []
         self._started: list[tuple[int | str, ...]] = []
         self.last_buckets: list[tuple[int | str, ...]] = []
+
+    def zero_grad(self, params: Sequence[nn.Parameter]) -> None:
+        """Before a step: bucketed gradients become zeroed views of their buffers, the others ``None``."""
+        for p in params:
+            p.grad = None
+        for bucket in {id(b): b for b in self._bucket_of.values()}.values():
+            bucket.install()
 
     def launch(self, stage: int) -> None:
         """Start the all-reduce of ``stage``'s gradients (its last local backward is done)."""
         if stage in self._launched:
             return
         self._launched.add(stage)
-        group = self.stage_groups.get(stage)
-        if group is not None and self.buckets.get(stage):
-            self._start((stage,), self.buckets[stage], group)
+        self._start_bucket_of(stage)
         if self.tied_stages and self.tied_stages <= self._launched:
-            self._launch_tied()
+            self._launched.add("tied")
+            self._start_bucket_of("tied")
 
     def finish(self, tied: bool = True) -> None:
-        """Launch what is left (fused per shared group), wait for every all-reduce, copy the sums into
-        ``.grad``; ``tied=False`` leaves the tied group out (an asynchronous step where no tied
-        gradient is due)."""
+        """Launch what is left, wait for every all-reduce (the sums are then in ``.grad``);
+        ``tied=False`` leaves the tied group out (an asynchronous step where no tied gradient is due)."""
         if not tied:
             self._launched.add("tied")
-        left: list[int | str] = [s for s in sorted(self.buckets) if s not in self._launched]
-        if "tied" not in self._launched:
-            left.append("tied")
-        fused: dict[int, list[int | str]] = {}
-        for key in left:
-            if key in self.shared:
-                fused.setdefault(id(self.shared[key]), []).append(key)
-        for keys in fused.values():
-            if len(keys) > 1:
-                params = [p for key in keys for p in self._params_of(key)]
-                self._launched.update(keys)
-                if params:
-                    self._start(tuple(keys), params, self.shared[keys[0]])
-        for key in left:
-            if key == "tied":
-                self._launch_tied()
-            else:
-                self.launch(key)
+        for key in [*sorted(self.buckets), "tied"]:
+            if key not in self._launched:
+                self._launched.add(key)
+                self._start_bucket_of(key)
         works, self._works = self._works, []
         self.last_buckets, self._started = self._started, []
         self._launched.clear()
-        for work, flat, params in works:
+        for work in works:
             work.wait()  # NCCL: stream-ordered (the group's timeout is the guard); gloo: up to that timeout
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p))
-                offset += n
 
     def sync(self) -> None:
         """Everything at once, after the last backward (``grad_sync="end"``)."""
@@ -176,17 +216,12 @@ class GradientSynchronizer:
             return self.tied_params if self.tied_group is not None else []
         return self.buckets[key] if self.stage_groups.get(key) is not None else []
 
-    def _launch_tied(self) -> None:
-        if "tied" in self._launched:
+    def _start_bucket_of(self, key: int | str) -> None:
+        bucket = self._bucket_of.get(key)
+        if bucket is None or bucket.keys in self._started:
             return
-        self._launched.add("tied")
-        if self.tied_group is not None and self.tied_params:
-            self._start(("tied",), self.tied_params, self.tied_group)
-
-    def _start(self, keys: tuple[int | str, ...], params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        self._started.append(keys)
-        self._works.append((dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat, params))
+        if len(bucket.keys) > 1 and not set(bucket.keys) <= self._launched:
+            return  # a fused bucket goes once all its keys are final
+        bucket.pack()
+        self._started.append(bucket.keys)
+        self._works.append(dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True))
