@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .engine import PipelineConfig, PipelineEngine
+from .optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
 from .process_group import end_process_group
 from .pipeline_model import Batch, sequential_loss
 
@@ -256,12 +257,19 @@ class PipelineModule(pl.LightningModule):
     flops_per_batch: int | None = None  # read by Lightning's ThroughputMonitor; None: no MFU reported
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0,
-                 nonfinite_loss: str = "stop", model_config: Mapping[str, Any] | None = None) -> None:
+                 nonfinite_loss: str = "stop", model_config: Mapping[str, Any] | None = None,
+                 optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None) -> None:
+        """``optimizer``: ``params -> Optimizer`` holding its own hyper-parameters (Hydra's
+        ``_partial_`` of ``conf/optim/*.yaml``); without it AdamW(``lr``, ``weight_decay``).
+        ``scheduler``: ``optimizer -> LRScheduler`` stepped after every optimizer step (``conf/scheduler``;
+        a ``total_steps`` it leaves open becomes the trainer's number of steps); without it the
+        learning rate stays constant. Weight decay skips biases and norms (:func:`strategies.optim.param_groups`)."""
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
         self.model = model
         self.lr, self.weight_decay, self.nonfinite_loss = lr, weight_decay, nonfinite_loss
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         # how to rebuild the model (a Hydra config with _target_): kept in checkpoints for scripts/export_hf.py
         self.model_config = dict(model_config) if model_config is not None else None
 
@@ -320,9 +328,25 @@ class PipelineModule(pl.LightningModule):
             if p.grad is not None:
                 p.grad.mul_(scale)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        params = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
+        """The optimizer over this rank's parameters (under a pipeline: its stages only), and the
+        learning-rate schedule as a per-step Lightning scheduler when one is configured."""
+        if self.optimizer_factory is None:
+            optimizer = torch.optim.AdamW(param_groups(self, self.weight_decay), lr=self.lr)
+        else:
+            optimizer = self.optimizer_factory(param_groups(self))
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = build_scheduler(self.scheduler_factory, optimizer, self._total_steps())
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "lr"}}
+
+    def _total_steps(self) -> int | None:
+        trainer = self._trainer
+        if trainer is None:
+            return None
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        return int(total) if total != float("inf") else None
 
 
 def _batch_size(batch: Batch) -> int:
