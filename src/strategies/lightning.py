@@ -276,6 +276,10 @@ class PipelineModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.model_config is not None:
             checkpoint[ckpt.MODEL_CONFIG_KEY] = self.model_config
+        if self.pipeline is None and "optimizer_states" in checkpoint:  # plain file: name each optimizer position
+            names = {id(p): n for n, p in self.named_parameters()}
+            checkpoint[ckpt.OPTIMIZER_NAMES_KEY] = [[names[id(p)] for g in opt.param_groups for p in g["params"]]
+                                                    for opt in self.trainer.optimizers]
 
     def partition(self, stages: int) -> list[range] | None:
         """Layers per stage; ``None`` splits by layer count. Override to balance by cost."""
