@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from recipe.layout import ConfigError, resolve_layout
 
@@ -151,3 +152,43 @@ def test_every_strategy_sees_the_same_batches(tmp_path: Path) -> None:
     assert sorted(runs) == ["dapple", "ddp", "gpipe", "single"]
     logged = [row["train/lr"] for row in runs["gpipe"].history if "train/lr" in row]
     assert logged == pytest.approx(reference["lr_history"])  # every step
+
+
+def _ddp_share_vs_whole_batch(rank: int, world: int) -> float:
+    """Rank ``rank`` of a DDP world: its half of a BERT mini-batch through ``PipelineModule``'s replica
+    loss, gradients averaged as DDP does, against the gradient of the whole mini-batch in one process."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from datamodules import build_datasets
+    from strategies.lightning import PipelineModule
+    from strategies.pipeline_model import sequential_loss
+
+    cfg = {**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "bert-tiny.yaml")), "num_hidden_layers": 1}
+    torch.manual_seed(0)
+    module = PipelineModule(instantiate(cfg))
+    data, _ = build_datasets("synthetic", family="bert", seq_len=32, vocab_size=1000, seed=3, num_samples=8)
+    batch = {k: torch.stack([data[i][k] for i in range(8)]) for k in data[0]}
+    masked = (batch["labels"] != -100).sum(dim=1)
+    assert masked[:4].sum() != masked[4:].sum()  # the replicas hold different numbers of masked tokens
+    sequential_loss(module.model, batch).backward()
+    whole = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    module._trainer = SimpleNamespace(world_size=world)
+    half = {k: v.chunk(world)[rank] for k, v in batch.items()}
+    module._replica_loss(half).backward()
+    worst = 0.0
+    for p, want in zip(module.parameters(), whole):
+        dist.all_reduce(p.grad)
+        worst = max(worst, float((p.grad / world - want).abs().max()))
+    return worst
+
+
+@pytest.mark.slow
+def test_ddp_normalises_every_loss_term_over_the_mini_batch() -> None:
+    from distributed import run_world
+
+    assert max(run_world(2, _ddp_share_vs_whole_batch)) < 1e-6

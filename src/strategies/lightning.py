@@ -34,7 +34,8 @@ from . import checkpoint as ckpt
 from .engine import PipelineConfig, PipelineEngine
 from .optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
 from .process_group import end_process_group
-from .pipeline_model import Batch, sequential_loss
+from .executor import loss_counts, micro_batch_loss
+from .pipeline_model import Batch, run_layers, sequential_loss
 
 
 class PipelineStrategy(DDPStrategy):
@@ -293,7 +294,7 @@ class PipelineModule(pl.LightningModule):
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         engine = self.pipeline
-        loss = engine.train_step(batch) if engine else sequential_loss(self.model, batch)
+        loss = engine.train_step(batch) if engine else self._replica_loss(batch)
         if not torch.isfinite(loss.detach()):  # the pipeline's loss is global: every rank decides alike
             if self.nonfinite_loss == "stop" or engine is None:
                 raise FloatingPointError(
@@ -306,6 +307,22 @@ class PipelineModule(pl.LightningModule):
             return loss.detach()
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=_batch_size(batch))
         return loss
+
+    def _replica_loss(self, batch: Batch) -> Tensor:
+        """Without a pipeline: one process takes the whole mini-batch; under DDP each of the W replicas
+        returns W × its share of the mini-batch loss, every term normalised by its count over all
+        replicas (as the pipeline does), so that DDP's gradient average is the mini-batch gradient
+        even where replicas hold different numbers of loss items (BERT's masked tokens)."""
+        replicas = self._trainer.world_size if self._trainer is not None else 1
+        if replicas == 1 or not dist.is_initialized():
+            return sequential_loss(self.model, batch)
+        counts = loss_counts(self.model, batch)
+        names = sorted(counts)
+        totals = torch.stack([counts[n] for n in names]).to(self.device)
+        dist.all_reduce(totals)
+        totals = totals.to(torch.float32)
+        output = run_layers(self.model.pipeline_layers(), self.model.pipeline_input(batch), batch)
+        return replicas * micro_batch_loss(self.model, output, batch, {n: totals[i] for i, n in enumerate(names)})
 
     def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
         engine = self.pipeline
