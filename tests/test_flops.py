@@ -55,6 +55,10 @@ def test_model_config_flops_tied_and_untied() -> None:
     model_flops_per_token(_model_cfg("bert-tiny"))
     assert torch.equal(before, torch.random.get_rng_state())  # no random numbers drawn
     assert model_flops_per_token({"_target_": "torch.nn.Identity"}) is None  # not a transformer config
+    # a builder that cannot build on the meta device (here: unexpected keys): the model built for training counts
+    built = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64))
+    foreign = {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 2, "n_layer": 1, "n_embd": 64}
+    assert model_flops_per_token(foreign, 32, model=built) == 6 * (64 * 64 + 64) + 12 * 64 * 32
 
 
 def test_lookup_only_embeddings_are_not_counted() -> None:

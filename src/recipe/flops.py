@@ -112,18 +112,26 @@ def transformer_shape(model_cfg: Mapping[str, Any]) -> tuple[int, int] | None:
     return (int(layers), int(width)) if layers is not None and width is not None else None
 
 
-def model_flops_per_token(model_cfg: Mapping[str, Any], seq_len: int | None = None) -> int | None:
+def model_flops_per_token(model_cfg: Mapping[str, Any], seq_len: int | None = None,
+                          model: nn.Module | None = None) -> int | None:
     """FLOPs per training token of the model a ``conf/model`` config builds (on the meta device: no
-    memory, no random numbers drawn); None when the config is not a transformer this module knows."""
+    memory, no random numbers drawn; ``model`` is counted instead when its builder takes no ``device``);
+    None when the config is not a transformer this module knows."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     shape = transformer_shape(model_cfg)
     seq = seq_len if seq_len is not None else model_cfg.get("seq_len")
     if shape is None or seq is None:
         return None
-    with torch.random.fork_rng(devices=[]):
-        model = instantiate(dict(model_cfg), device="meta")
-    return flops_per_token(matmul_parameters(model), *shape, int(seq))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            built = instantiate(dict(model_cfg), device="meta")
+    except (TypeError, InstantiationException):
+        if model is None:
+            raise
+        built = model
+    return flops_per_token(matmul_parameters(built), *shape, int(seq))
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,8 @@ def run_job(spec: JobSpec) -> float | None:
     throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))
     seq_len = (cfg.get("data") or {}).get("seq_len") or cfg["model"].get("seq_len")
     metrics = PipelineMetrics(layout, spec.out_dir, throughput, warmup_steps=int(metrics_cfg.get("warmup_steps", 1)),
-                              flops_per_token=model_flops_per_token(cfg["model"], seq_len), peak_tflops=peak_tflops)
+                              flops_per_token=model_flops_per_token(cfg["model"], seq_len, model),
+                              peak_tflops=peak_tflops)
     loggers = build_loggers(spec)
     trainer = pl.Trainer(**trainer_kwargs(trainer_cfg, {
         "strategy": strategy, "logger": loggers or False, "default_root_dir": spec.out_dir,
