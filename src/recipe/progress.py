@@ -4,8 +4,9 @@
 
 Rates cover the steps since the previous line (the global batch, all W replicas); TFLOP/s per
 device and MFU follow :mod:`recipe.flops`; the peak memory is the largest over the ranks (CUDA
-max allocated, or the process's peak RSS on CPUs). With ``trainer.enable_progress_bar=true``
-Lightning's bar replaces the lines and shows the learning rate and MFU beside the loss.
+max allocated, or the process's peak RSS on CPUs). With ``+trainer.enable_progress_bar=true``
+Lightning's bar replaces the lines and shows MFU (a fraction) beside the loss; the learning rate stays in
+the loggers (the bars print floats with three decimals).
 """
 
 from __future__ import annotations
@@ -71,9 +72,8 @@ class ProgressLine(Callback):
         metrics = {"throughput/tflops_per_device": tflops, "throughput/mfu": mfu}
         for logger in trainer.loggers:
             logger.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=step - 1)
-        if trainer.progress_bar_callback is not None:  # the bar shows the step and loss; add lr and MFU
-            for name, value in (("lr", lr), ("mfu", mfu)):
-                if value is not None:
-                    pl_module.log(name, value, prog_bar=True, logger=False, rank_zero_only=True)
+        if trainer.progress_bar_callback is not None:  # the bar shows the step and loss; add MFU
+            if mfu is not None:
+                pl_module.log("mfu", mfu, prog_bar=True, logger=False, rank_zero_only=True)
             return
         print(format_progress(step, trainer.max_steps, loss, lr, samples, tokens, tflops, mfu, peak), flush=True)
