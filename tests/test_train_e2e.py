@@ -69,6 +69,10 @@ def test_bad_layout_stops_before_launch(tmp_path: Path) -> None:
         ({"name": "chimera", "D": 4, "pipelines": 3, "micro_batch_size": 1}, {"devices": 4}, 8, "one of [2, 4]"),
         ({"name": "gpipe", "D": 16, "micro_batch_size": 1}, {"devices": 16}, 16, "only 6 pipeline layers"),
         ({"name": "gpipe", "D": 0, "micro_batch_size": 1}, {"devices": 2}, 8, "strategy.D must be a positive integer"),
+        ({"name": "gpipe", "D": 2, "micro_batch_size": 1}, {"devices": 2, "strategy": "ddp"}, 8,
+         "trainer.strategy = 'ddp' would bypass the layout; choose the strategy with the strategy group"),
+        ({"name": "gpipe", "D": 2, "micro_batch_size": 1}, {"devices": 2, "peak_tflops": 0}, 8,
+         "trainer.peak_tflops = 0 must be a positive number"),
     ],
 )
 def test_layout_rules(strategy: dict, trainer: dict, batch: int, fragment: str) -> None:

@@ -32,9 +32,9 @@ from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .engine import PipelineConfig, PipelineEngine
+from .executor import loss_counts, micro_batch_loss
 from .optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
 from .process_group import end_process_group
-from .executor import loss_counts, micro_batch_loss
 from .pipeline_model import Batch, run_layers, sequential_loss
 
 
