@@ -140,6 +140,25 @@ def test_stages_consolidate_to_the_unsplit_state_and_load_into_any_split(tmp_pat
             assert torch.equal(local_opt.state[p]["exp_avg"], originals[canonical]["exp_avg"]), name
 
 
+def test_a_one_group_optimizer_state_fills_the_weight_decay_groups() -> None:
+    """Optimizer state saved with one parameter group (before biases and norms got their own) loads into
+    the two groups by name; each group keeps its weight decay, the rest of the hyper-parameters come along."""
+    module, _, _ = _trained_module()
+    index = ckpt.ModelIndex.of(module, module.model.pipeline_layers())
+    names = ckpt.parameter_names(module, index)
+    old = torch.optim.AdamW(module.parameters(), lr=5e-4, weight_decay=0.0)
+    for p in module.parameters():
+        old.state[p] = {"step": torch.tensor(2.0), "exp_avg": torch.full_like(p, 0.5),
+                        "exp_avg_sq": torch.full_like(p, 0.25)}
+    saved = ckpt.OptimizerState({names[id(p)]: old.state[p] for p in module.parameters()},
+                                [{"lr": 5e-4, "weight_decay": 0.0, "params": [names[id(p)] for p in module.parameters()]}])
+    new = module.configure_optimizers()  # two groups: weight matrices, then biases and norms
+    new.param_groups[0]["weight_decay"] = 0.1  # as optim.weight_decay=0.1 would configure it
+    new.load_state_dict(ckpt.select_optimizer_state(saved, new, names, "old.ckpt"))
+    assert [(g["lr"], g["weight_decay"]) for g in new.param_groups] == [(5e-4, 0.1), (5e-4, 0.0)]
+    assert all(torch.equal(new.state[p]["exp_avg"], torch.full_like(p, 0.5)) for p in module.parameters())
+
+
 def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
     module, optimizer, _ = _trained_module()
     path = _save_two_stages(module, optimizer, tmp_path / "a.ckpt")

@@ -428,16 +428,20 @@ def select_optimizer_state(saved: OptimizerState, optimizer: torch.optim.Optimiz
                            source: str) -> dict[str, Any]:
     """Torch's positional state dict for ``optimizer`` (this rank's parameters) from state by name.
 
-    Hyper-parameters (learning rate, betas, ...) come from the checkpoint's group of the same index.
+    Hyper-parameters (learning rate, betas, ...) come from the checkpoint's group of the same index. A
+    checkpoint with one group (saved before the weight-decay groups) fills every group; each keeps its
+    own weight decay.
     """
-    if len(saved.param_groups) != len(optimizer.param_groups):
+    one_group = len(saved.param_groups) == 1 < len(optimizer.param_groups)
+    if len(saved.param_groups) != len(optimizer.param_groups) and not one_group:
         raise CheckpointError(f"{source} has {len(saved.param_groups)} optimizer parameter groups, this optimizer "
                               f"{len(optimizer.param_groups)}: configure_optimizers must build the same groups")
     state: dict[int, Any] = {}
     groups: list[dict[str, Any]] = []
     position = 0
     for g, group in enumerate(optimizer.param_groups):
-        known = set(saved.param_groups[g]["params"])
+        saved_group = saved.param_groups[0 if one_group else g]
+        known = set(saved_group["params"])
         ids = []
         for p in group["params"]:
             name = names[id(p)]
@@ -448,7 +452,10 @@ def select_optimizer_state(saved: OptimizerState, optimizer: torch.optim.Optimiz
                 state[position] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in saved.state[name].items()}
             ids.append(position)
             position += 1
-        groups.append({**_group_hparams(group), **_group_hparams(saved.param_groups[g]), "params": ids})
+        hparams = _group_hparams(saved_group)
+        if one_group:
+            hparams.pop("weight_decay", None)
+        groups.append({**_group_hparams(group), **hparams, "params": ids})
     return {"state": state, "param_groups": groups}
 
 
