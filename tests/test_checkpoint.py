@@ -33,7 +33,8 @@ from strategies.pipeline_model import sequential_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-COMMON = ["data.global_batch_size=8", "logger=none", "trainer.devices=2", "preflight=false"]  # no memory estimate
+COMMON = ["data.global_batch_size=8", "logger=none", "trainer.devices=2", "preflight=false",  # no memory estimate
+          "scheduler.warmup_steps=2"]  # warm-up before the checkpoint at step 3, cosine decay after it
 DROPOUT = ["model.resid_pdrop=0.1", "model.attn_pdrop=0.1", "model.embd_pdrop=0.1"]
 
 
@@ -117,7 +118,8 @@ def test_stages_consolidate_to_the_unsplit_state_and_load_into_any_split(tmp_pat
         assert all(torch.equal(full["optimizer_states"][0]["state"][i][k], v) for k, v in state.items())
     # a rank holding layers {2, 3} (the tied head among them) of another split reads its part by name
     torch.save(full, tmp_path / "full.ckpt")
-    plain = {k: v for k, v in full.items() if k != ckpt.PIPELINE_KEY}  # as strategy=single/ddp save it
+    plain = {k: v for k, v in full.items() if k != ckpt.PIPELINE_KEY}  # as strategy=single/ddp save it:
+    plain[ckpt.OPTIMIZER_NAMES_KEY] = full[ckpt.PIPELINE_KEY]["param_names"]  # each position's parameter
     torch.save(plain, tmp_path / "plain.ckpt")
     for source in (path, tmp_path / "full.ckpt", tmp_path / "plain.ckpt"):
         local = _drop(module, {2, 3})
@@ -136,6 +138,25 @@ def test_stages_consolidate_to_the_unsplit_state_and_load_into_any_split(tmp_pat
             canonical = index.canonical(name)
             assert torch.equal(p, dict(module.named_parameters(remove_duplicate=False))[name])
             assert torch.equal(local_opt.state[p]["exp_avg"], originals[canonical]["exp_avg"]), name
+
+
+def test_a_one_group_optimizer_state_fills_the_weight_decay_groups() -> None:
+    """Optimizer state saved with one parameter group (before biases and norms got their own) loads into
+    the two groups by name; each group keeps its weight decay, the rest of the hyper-parameters come along."""
+    module, _, _ = _trained_module()
+    index = ckpt.ModelIndex.of(module, module.model.pipeline_layers())
+    names = ckpt.parameter_names(module, index)
+    old = torch.optim.AdamW(module.parameters(), lr=5e-4, weight_decay=0.0)
+    for p in module.parameters():
+        old.state[p] = {"step": torch.tensor(2.0), "exp_avg": torch.full_like(p, 0.5),
+                        "exp_avg_sq": torch.full_like(p, 0.25)}
+    saved = ckpt.OptimizerState({names[id(p)]: old.state[p] for p in module.parameters()},
+                                [{"lr": 5e-4, "weight_decay": 0.0, "params": [names[id(p)] for p in module.parameters()]}])
+    new = module.configure_optimizers()  # two groups: weight matrices, then biases and norms
+    new.param_groups[0]["weight_decay"] = 0.1  # as optim.weight_decay=0.1 would configure it
+    new.load_state_dict(ckpt.select_optimizer_state(saved, new, names, "old.ckpt"))
+    assert [(g["lr"], g["weight_decay"]) for g in new.param_groups] == [(5e-4, 0.1), (5e-4, 0.0)]
+    assert all(torch.equal(new.state[p]["exp_avg"], torch.full_like(p, 0.5)) for p in module.parameters())
 
 
 def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
@@ -238,8 +259,8 @@ def _finish(proc: subprocess.Popen, timeout: int = 300) -> str:
     return output
 
 
-def _losses(out: Path) -> list[float]:
-    return json.loads((out / "results.json").read_text())["loss_history"]
+def _losses(out: Path, key: str = "loss_history") -> list[float]:
+    return json.loads((out / "results.json").read_text())[key]
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +306,9 @@ def test_resuming_gives_the_uninterrupted_losses(runs: dict[str, Path], resumed:
     assert losses[:3] == full[:3]  # the history before the checkpoint comes with it
     tolerance = 1e-6 if resumed == "gpipe" else 1e-5  # other layouts sum in another order
     assert max(abs(a - b) for a, b in zip(full[3:], losses[3:])) <= tolerance, (full, losses)
+    # the learning-rate schedule (checkpointed with the trainer state) continues where it stopped
+    full_lr, resumed_lr = _losses(runs["full"], "lr_history"), _losses(runs[resumed], "lr_history")
+    assert resumed_lr == full_lr and len(set(full_lr)) == 6, (full_lr, resumed_lr)
     result = json.loads((runs[resumed] / "results.json").read_text())
     assert (result["strategy"], result["D"], result["W"]) == {"gpipe": ("gpipe", 2, 1), "dapple": ("dapple", 1, 2),
                                                               "chimera": ("chimera", 2, 1)}[resumed]

@@ -26,7 +26,7 @@ from recipe.results import find_results
 ROOT = Path(__file__).resolve().parents[1]
 CONF, RECIPES = ROOT / "conf", ROOT / "recipes"
 GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-          for group in ("strategy", "model", "data", "trainer", "logger")}
+          for group in ("strategy", "model", "data", "trainer", "logger", "optim", "scheduler")}
 RECIPE_NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -100,6 +100,26 @@ def test_every_recipe_composes_and_every_cpu_job_is_valid(recipe: str) -> None:
             assert job_cfg.trainer.accelerator == "gpu" and job_cfg.trainer.num_nodes > 1
 
 
+def test_users_trainer_keys_override_the_recipes() -> None:
+    """``+trainer.<any Trainer argument>`` and the trainer group's keys reach ``Trainer`` over the recipe's
+    own arguments (no duplicate keywords); ``trainer.callbacks`` are added; ``trainer.strategy`` is refused."""
+    from recipe.job import trainer_kwargs
+
+    cfg = _compose(overrides=["+trainer.enable_progress_bar=true", "+trainer.default_root_dir=/elsewhere",
+                              "trainer.peak_tflops=312", "+trainer.callbacks=[{_target_: "
+                              "lightning.pytorch.callbacks.LearningRateMonitor}]"])
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert trainer.pop("peak_tflops") == 312  # read by the job, not a Trainer argument
+    recipe = {"strategy": "S", "logger": False, "callbacks": ["ours"], "default_root_dir": "/job",
+              "enable_progress_bar": False}
+    kwargs = trainer_kwargs(trainer, recipe)
+    assert kwargs["enable_progress_bar"] is True and kwargs["default_root_dir"] == "/elsewhere"
+    assert kwargs["strategy"] == "S" and kwargs["max_steps"] == 40
+    assert kwargs["callbacks"][0] == "ours" and type(kwargs["callbacks"][1]).__name__ == "LearningRateMonitor"
+    with pytest.raises(ValueError, match="choose the strategy with the strategy group"):
+        trainer_kwargs({**trainer, "strategy": "ddp"}, recipe)
+
+
 def test_layout_names_variants() -> None:
     cfg = _compose(overrides=["strategy=chimera_forward_doubling", "trainer.devices=4", "strategy.D=4",
                               "strategy.pipelines=4"])
@@ -152,9 +172,11 @@ def test_multirun_sweep_runs_every_job_once_and_logs_offline(tmp_path: Path) -> 
     from recipe.wandb_offline import find_offline_runs
 
     runs = find_offline_runs(sweep)
-    assert sorted(r.name for r in runs) == ["chimera-W1-D2-B1", "dapple-W1-D2-B1", "gpipe-W1-D2-B1"]
+    assert sorted(r.name for r in runs) == ["chimera-W1-D2-B1-gpt2-tiny", "dapple-W1-D2-B1-gpt2-tiny",
+                                            "gpipe-W1-D2-B1-gpt2-tiny"]
     for run in runs:
         assert run.group == "test-sweep" and run.job_type == run.name.split("-")[0]
+        assert run.tags == [f"strategy={run.job_type}", "model=gpt2-tiny", "W=1", "D=2", "B=1"]
         assert run.summary["samples_per_s"] > 0 and run.summary["tokens_per_s"] > 0
         assert "bubble_ratio_measured" in run.summary and "iteration_s" in run.summary
         assert run.config["derived"]["N"] == 8 and run.config["strategy"]["name"] == run.job_type

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from recipe.layout import ConfigError, resolve_layout
 
@@ -68,6 +69,10 @@ def test_bad_layout_stops_before_launch(tmp_path: Path) -> None:
         ({"name": "chimera", "D": 4, "pipelines": 3, "micro_batch_size": 1}, {"devices": 4}, 8, "one of [2, 4]"),
         ({"name": "gpipe", "D": 16, "micro_batch_size": 1}, {"devices": 16}, 16, "only 6 pipeline layers"),
         ({"name": "gpipe", "D": 0, "micro_batch_size": 1}, {"devices": 2}, 8, "strategy.D must be a positive integer"),
+        ({"name": "gpipe", "D": 2, "micro_batch_size": 1}, {"devices": 2, "strategy": "ddp"}, 8,
+         "trainer.strategy = 'ddp' would bypass the layout; choose the strategy with the strategy group"),
+        ({"name": "gpipe", "D": 2, "micro_batch_size": 1}, {"devices": 2, "peak_tflops": 0}, 8,
+         "trainer.peak_tflops = 0 must be a positive number"),
     ],
 )
 def test_layout_rules(strategy: dict, trainer: dict, batch: int, fragment: str) -> None:
@@ -105,3 +110,89 @@ def test_train_py_asynchronous_strategies_train(tmp_path: Path, strategy: str, e
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     losses = json.loads((tmp_path / "results.json").read_text())["loss_history"]
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.slow
+def test_every_strategy_sees_the_same_batches(tmp_path: Path) -> None:
+    """single, ddp (W = 2) and two pipelines (GPipe D = 2; DAPPLE W = 2 × D = 1) with the same seed and
+    global batch: the same samples every step, so the same fp32 losses (gpt2-tiny has no dropout) and
+    the same learning rates. Rank 0 prints its progress line every step; the single run shows
+    Lightning's progress bar instead (a user's trainer key over the recipe's); W&B names and tags
+    carry strategy, model, W, D and B."""
+    from recipe.wandb_offline import find_offline_runs
+
+    common = ["trainer.max_steps=3", "trainer.log_every_n_steps=1", "data.global_batch_size=8", "preflight=false"]
+    jobs = {"single": ["strategy=single", "trainer.devices=1", "+trainer.enable_progress_bar=true"],
+            "ddp": ["strategy=ddp", "strategy.D=1", "trainer.devices=2"],
+            "gpipe": ["strategy=gpipe", "strategy.D=2", "trainer.devices=2"],
+            "dapple": ["strategy=dapple", "strategy.D=1", "trainer.devices=2"]}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    procs = {}
+    for name, args in jobs.items():  # together: most of each run is importing Lightning
+        (tmp_path / name).mkdir()
+        procs[name] = subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / name}",
+                                        *common, *args], cwd=tmp_path / name, env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, outputs[name][-3000:]
+    results = {name: json.loads((tmp_path / name / "results.json").read_text()) for name in jobs}
+    reference = results["single"]
+    assert len(reference["loss_history"]) == len(reference["lr_history"]) == 3
+    for name, result in results.items():
+        assert result["loss_history"] == pytest.approx(reference["loss_history"], abs=1e-5), name
+        assert result["lr_history"] == reference["lr_history"], name
+        assert result["tflops_per_device"] > 0 and result["mfu"] is None  # CPUs have no known peak
+    assert reference["lr_history"][0] < reference["lr_history"][1] < reference["lr_history"][2]  # warm-up
+    for name in ("ddp", "gpipe", "dapple"):
+        lines = [line for line in outputs[name].splitlines() if line.startswith("step ")]
+        assert [line.split(" | ")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3"], outputs[name][-2000:]
+        assert all(field in lines[-1] for field in (" | loss ", " | lr ", " samples/s | ", " tokens/s | ",
+                                                    " TFLOP/s/device | ", " | MFU n/a | ", " | peak mem "))
+    assert not any(line.startswith("step ") for line in outputs["single"].splitlines())
+    runs = {run.job_type: run for run in find_offline_runs(tmp_path)}
+    assert runs["dapple"].name == "dapple-W2-D1-B1-gpt2-tiny"
+    assert runs["dapple"].tags == ["strategy=dapple", "model=gpt2-tiny", "W=2", "D=1", "B=1"]
+    assert sorted(runs) == ["dapple", "ddp", "gpipe", "single"]
+    logged = [row["train/lr"] for row in runs["gpipe"].history if "train/lr" in row]
+    assert logged == pytest.approx(reference["lr_history"])  # every step
+
+
+def _ddp_share_vs_whole_batch(rank: int, world: int) -> float:
+    """Rank ``rank`` of a DDP world: its half of a BERT mini-batch through ``PipelineModule``'s replica
+    loss, gradients averaged as DDP does, against the gradient of the whole mini-batch in one process."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from datamodules import build_datasets
+    from strategies.lightning import PipelineModule
+    from strategies.pipeline_model import sequential_loss
+
+    cfg = {**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "bert-tiny.yaml")), "num_hidden_layers": 1}
+    torch.manual_seed(0)
+    module = PipelineModule(instantiate(cfg))
+    data, _ = build_datasets("synthetic", family="bert", seq_len=32, vocab_size=1000, seed=3, num_samples=8)
+    batch = {k: torch.stack([data[i][k] for i in range(8)]) for k in data[0]}
+    masked = (batch["labels"] != -100).sum(dim=1)
+    assert masked[:4].sum() != masked[4:].sum()  # the replicas hold different numbers of masked tokens
+    sequential_loss(module.model, batch).backward()
+    whole = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    module._trainer = SimpleNamespace(world_size=world)
+    half = {k: v.chunk(world)[rank] for k, v in batch.items()}
+    module._replica_loss(half).backward()
+    worst = 0.0
+    for p, want in zip(module.parameters(), whole):
+        dist.all_reduce(p.grad)
+        worst = max(worst, float((p.grad / world - want).abs().max()))
+    return worst
+
+
+@pytest.mark.slow
+def test_ddp_normalises_every_loss_term_over_the_mini_batch() -> None:
+    from distributed import run_world
+
+    assert max(run_world(2, _ddp_share_vs_whole_batch)) < 1e-6

@@ -1,10 +1,15 @@
 """The LightningDataModule of every data source (``conf/data/*.yaml``; Hydra target ``build_datamodule``).
 
 It returns DataLoaders of per-replica mini-batches (``batch_size``; ``global_batch_size`` when not
-given), ``drop_last=True`` and seeded shuffling; it does not shard: a distributed strategy injects a
-``DistributedSampler`` over the data-parallel replicas. The training loader resumes mid-epoch from a
-checkpoint (:mod:`datamodules.resumable`, position read by :class:`TrainingPosition`). Importing this
-module imports Lightning (~7 s).
+given) and ``drop_last=True``. Every strategy sees the same global batches: the training loader always
+draws from one ``DistributedSampler`` seeded with ``data.seed`` over the trainer's data-parallel
+replicas (the strategy's ``distributed_sampler_kwargs``: W replicas of a pipeline, the world of DDP, one
+of a single process), so replica ``r`` of W takes every W-th sample of the same permutation and the W
+per-replica batches of step ``i`` together are samples ``[i·B̂, (i+1)·B̂)`` of it, whatever W is.
+(Lightning's own injected sampler would be seeded with the global seed, and a single process would
+shuffle with another generator.) The training loader resumes mid-epoch from a checkpoint
+(:mod:`datamodules.resumable`, position read by :class:`TrainingPosition`). Importing this module
+imports Lightning (~7 s).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from .factory import build_datasets, make_dataloader
 
@@ -68,11 +73,23 @@ class PipelineDataModule(L.LightningDataModule):
         if self.train_set is None:
             self._build()
 
+    def replicas(self) -> tuple[int, int]:
+        """(data-parallel replicas, this process's replica) of the trainer's strategy; (1, 0) alone."""
+        trainer = getattr(self, "trainer", None)
+        shard = trainer.distributed_sampler_kwargs if trainer is not None else None
+        if not shard:
+            return 1, 0
+        return int(shard["num_replicas"]), int(shard["rank"])
+
     def train_dataloader(self) -> DataLoader:
         self.setup()
+        replicas, rank = self.replicas()
+        # drop_last: every W keeps the same floor(n / B̂) global batches of the same permutation
+        sampler = DistributedSampler(self.train_set, num_replicas=replicas, rank=rank, shuffle=True, seed=self.seed,
+                                     drop_last=True)
         return make_dataloader(self.train_set, self.batch_size, shuffle=True, seed=self.seed,
                                num_workers=self.num_workers, pin_memory=self.pin_memory,
-                               position=TrainingPosition(self, self.global_batch_size))
+                               position=TrainingPosition(self, self.global_batch_size), sampler=sampler)
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation batches, or ``[]`` when the source has no validation split (Lightning then skips it)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .corpus import (BertPairDataset, LMBlockDataset, TokenizedCorpus, all_files, load_rows, make_nsp_instances,
                      normalize_data_files, tokenize_corpus)
@@ -127,18 +127,19 @@ def build_datasets(name: str = "synthetic", *, family: str, seq_len: int, vocab_
 
 def make_dataloader(dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int = 0, num_workers: int = 0,
                     drop_last: bool = True, pin_memory: bool = False,
-                    position: Callable[[], dict[str, int]] | None = None) -> DataLoader:
-    """A DataLoader (no distributed sampler: the strategy injects one); shuffling is seeded. With
-    ``position`` (the training position, read when a checkpoint is saved) it resumes mid-epoch
-    (:class:`~datamodules.resumable.ResumableDataLoader`)."""
+                    position: Callable[[], dict[str, int]] | None = None,
+                    sampler: Sampler | None = None) -> DataLoader:
+    """A DataLoader; shuffling is seeded, or ``sampler`` (e.g. the datamodule's ``DistributedSampler``
+    over the data-parallel replicas) picks the order. With ``position`` (the training position, read
+    when a checkpoint is saved) it resumes mid-epoch (:class:`~datamodules.resumable.ResumableDataLoader`)."""
     n = len(dataset)  # type: ignore[arg-type]
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if drop_last and n < batch_size:
         raise ValueError(f"the dataset has {n} samples, fewer than one batch of {batch_size}")
-    generator = torch.Generator().manual_seed(int(seed)) if shuffle else None
-    kwargs = dict(batch_size=batch_size, shuffle=shuffle, generator=generator, drop_last=drop_last,
-                  num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0)
+    generator = torch.Generator().manual_seed(int(seed)) if shuffle and sampler is None else None
+    kwargs = dict(batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler, generator=generator,
+                  drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0)
     if position is not None:
         return ResumableDataLoader(dataset, position=position, **kwargs)
     return DataLoader(dataset, **kwargs)

@@ -7,8 +7,8 @@ batch off, since Lightning fetches one batch ahead; so the position comes from t
 (``position``: the datamodule reads the fit loop's progress): the epoch, the batches of it already
 trained on, and the global batch size.
 
-On resume the first iteration sets the sampler's epoch (the ``DistributedSampler`` a strategy
-injects; Lightning sets it only after its first fetch), and skips the finished batches by index: no
+On resume the first iteration sets the sampler's epoch (the ``DistributedSampler`` of the
+datamodule; Lightning sets it only after its first fetch), and skips the finished batches by index: no
 sample is loaded for them. ``len()`` stays the epoch's full length, as Lightning's loop expects.
 The per-replica batches of any W cover the same global batches, so the position holds when the
 number of replicas changes; a different global batch size mid-epoch is refused.
@@ -82,8 +82,8 @@ class ResumableDataLoader(DataLoader):
 
 
 def _set_epoch(sampler: Any, epoch: int) -> None:
-    """Put ``sampler`` at ``epoch`` when it has ``set_epoch`` (``DistributedSampler``, which every
-    pipeline strategy injects). A one-process run's ``RandomSampler`` replays its seeded generator
+    """Put ``sampler`` at ``epoch`` when it has ``set_epoch`` (the ``DistributedSampler`` the datamodule
+    gives every strategy, one process included). A plain ``RandomSampler`` replays its seeded generator
     from the start: exact in the first epoch, another order in later ones."""
     if callable(getattr(sampler, "set_epoch", None)):
         sampler.set_epoch(epoch)

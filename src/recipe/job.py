@@ -47,8 +47,21 @@ def is_rank_zero() -> bool:
     return is_global_zero()
 
 
+def run_tags(spec: JobSpec) -> list[str]:
+    """W&B tags that filter a sweep: ``strategy=…``, ``model=…``, ``W=…``, ``D=…``, ``B=…``."""
+    layout = spec.layout
+    return [f"strategy={layout.label}", f"model={model_name(spec)}", f"W={layout.W}", f"D={layout.D}",
+            f"B={layout.B}"]
+
+
+def model_name(spec: JobSpec) -> str:
+    return str((spec.config.get("model") or {}).get("name") or "model")
+
+
 def build_loggers(spec: JobSpec) -> list[Any]:
-    """The ``logger`` group: ``wandb`` (offline unless told otherwise), ``csv`` or ``none``."""
+    """The ``logger`` group: ``wandb`` (offline unless told otherwise), ``csv`` or ``none``. The W&B
+    run is named ``{strategy}-W{W}-D{D}-B{B}-{model}`` and tagged by :func:`run_tags`; keys set in
+    the logger config (``logger.name=…``, ``logger.tags=[…]``) take precedence (tags are added)."""
     from hydra.utils import instantiate
 
     cfg = dict(spec.config.get("logger") or {})
@@ -57,9 +70,11 @@ def build_loggers(spec: JobSpec) -> list[Any]:
         return []
     layout = spec.layout
     if kind == "csv":
-        logger = instantiate(cfg, save_dir=spec.out_dir, name="", version="")
+        logger = instantiate({"save_dir": spec.out_dir, "name": "", "version": "", **cfg})
     else:
-        logger = instantiate(cfg, name=layout.run_name, group=spec.group, job_type=layout.label, save_dir=spec.out_dir)
+        tags = run_tags(spec) + list(cfg.pop("tags", None) or [])
+        logger = instantiate({"name": f"{layout.run_name}-{model_name(spec)}", "group": spec.group,
+                              "job_type": layout.label, "save_dir": spec.out_dir, **cfg, "tags": tags})
     logger.log_hyperparams({**spec.config, "derived": layout.as_dict()})
     return [logger]
 
@@ -105,6 +120,25 @@ def resolve_ckpt_path(value: str | None, pipeline: bool = True) -> str | None:
     return str(path)
 
 
+def trainer_kwargs(trainer_cfg: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
+    """``Trainer`` arguments: the recipe's (strategy, loggers, callbacks, output directory, no progress
+    bar) overridden by every ``trainer.*`` key the user set; ``trainer.callbacks`` (Hydra configs or
+    callbacks) are added to the recipe's. ``trainer.strategy`` is refused: the ``strategy`` group
+    derives the layout."""
+    from hydra.utils import instantiate
+
+    user = dict(trainer_cfg)
+    if user.get("strategy") is not None:
+        raise ValueError(f"trainer.strategy={user['strategy']!r} is not a setting of this recipe: choose the "
+                         "strategy with the strategy group (strategy=gpipe, strategy=ddp, ...)")
+    user.pop("strategy", None)
+    extra = user.pop("callbacks", None) or []
+    extra = [instantiate(c) if isinstance(c, dict) else c for c in (extra if isinstance(extra, list) else [extra])]
+    kwargs = {**recipe, **user}
+    kwargs["callbacks"] = [*recipe.get("callbacks", []), *extra]
+    return kwargs
+
+
 def run_job(spec: JobSpec) -> float | None:
     """Train as configured; return the final training loss (every rank) or None."""
     import lightning.pytorch as pl
@@ -113,10 +147,13 @@ def run_job(spec: JobSpec) -> float | None:
 
     from strategies.lightning import PipelineModule, PipelineStrategy
 
+    from .flops import model_flops_per_token
     from .metrics import PipelineMetrics, ReplicaThroughputMonitor
+    from .progress import ProgressLine
 
     cfg, layout = spec.config, spec.layout
     trainer_cfg = dict(cfg["trainer"])
+    peak_tflops = trainer_cfg.pop("peak_tflops", None)  # ours, not a Trainer argument
     if trainer_cfg.get("accelerator") == "cpu":
         torch.set_num_threads(1)
     pl.seed_everything(cfg["seed"], workers=True, verbose=False)  # same seed everywhere: identical stage copies
@@ -124,9 +161,12 @@ def run_job(spec: JobSpec) -> float | None:
     if is_rank_zero() and layout.D > 1:
         print(model.partition_table(model.partition(layout.D)), flush=True)
     data = instantiate(cfg["data"], batch_size=layout.global_batch_size // layout.W)
-    optim = cfg["optim"]
-    module = PipelineModule(model, lr=optim["lr"], weight_decay=optim["weight_decay"],
-                            nonfinite_loss=cfg.get("nonfinite_loss", "stop"), model_config=cfg["model"])
+    optim = dict(cfg.get("optim") or {})
+    # conf/optim and conf/scheduler are _partial_: the module completes them with its parameter groups
+    module = PipelineModule(model, lr=optim.get("lr", 1e-3), weight_decay=optim.get("weight_decay", 0.0),
+                            nonfinite_loss=cfg.get("nonfinite_loss", "stop"), model_config=cfg["model"],
+                            optimizer=instantiate(optim, _convert_="all") if optim.get("_target_") else None,
+                            scheduler=instantiate(cfg["scheduler"], _convert_="all") if cfg.get("scheduler") else None)
     checkpointing = checkpoint_callbacks(spec)
     if checkpointing:
         trainer_cfg["enable_checkpointing"] = True
@@ -135,11 +175,16 @@ def run_job(spec: JobSpec) -> float | None:
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), pipeline=isinstance(strategy, PipelineStrategy))
     metrics_cfg = cfg.get("metrics", {})
     throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))
-    metrics = PipelineMetrics(layout, spec.out_dir, throughput, warmup_steps=int(metrics_cfg.get("warmup_steps", 1)))
+    seq_len = (cfg.get("data") or {}).get("seq_len") or cfg["model"].get("seq_len")
+    metrics = PipelineMetrics(layout, spec.out_dir, throughput, warmup_steps=int(metrics_cfg.get("warmup_steps", 1)),
+                              flops_per_token=model_flops_per_token(cfg["model"], seq_len, model),
+                              peak_tflops=peak_tflops)
     loggers = build_loggers(spec)
-    trainer = pl.Trainer(**trainer_cfg, strategy=strategy, logger=loggers or False,
-                         callbacks=[throughput, metrics, *checkpointing], default_root_dir=spec.out_dir,
-                         enable_progress_bar=False)
+    trainer = pl.Trainer(**trainer_kwargs(trainer_cfg, {
+        "strategy": strategy, "logger": loggers or False, "default_root_dir": spec.out_dir,
+        "callbacks": [throughput, metrics, ProgressLine(metrics, layout.W), *checkpointing],
+        "enable_progress_bar": False,
+    }))
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     finally:

@@ -79,6 +79,7 @@ def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> L
 def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int) -> Layout:
     """Derive W and N and check every rule of the pipeline layout."""
     name = str(strategy.get("name", "gpipe"))
+    _check_trainer_keys(trainer)
     devices = trainer.get("devices", 1)
     if devices == "auto" or devices == -1:
         raise ConfigError("trainer.devices must be a number for pipeline runs (W·D must be known before launch)")
@@ -132,6 +133,18 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
     N = global_batch_size // (W * B)
     _check_schedule(name, D, N, B, pipelines, str(strategy.get("concat") or "direct"))
     return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, name, pipelines))
+
+
+def _check_trainer_keys(trainer: dict[str, Any]) -> None:
+    """``trainer.*`` keys the recipe cannot take: a Trainer strategy (the ``strategy`` group derives the
+    layout) and a peak that is not positive."""
+    if trainer.get("strategy") is not None:
+        raise ConfigError(f"trainer.strategy = {trainer['strategy']!r} would bypass the layout; choose the strategy "
+                          "with the strategy group instead (strategy=gpipe, strategy=ddp, ...)")
+    peak = trainer.get("peak_tflops")
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
+        raise ConfigError(f"trainer.peak_tflops = {peak!r} must be a positive number (the device's peak TFLOP/s, "
+                          "for MFU) or null (looked up from the GPU's name)")
 
 
 def _check_schedule(name: str, D: int, N: int, B: int, pipelines: int, concat: str) -> None:

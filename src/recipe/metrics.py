@@ -8,6 +8,9 @@
   clock on CPU, CUDA events on GPUs); the theoretical one is the
   simulator's for the schedule that was executed (t_b = 2·t_f).
 * Peak memory per rank: CUDA max allocated on GPU, the process's peak RSS on CPU.
+* The learning rate of every step (logged every step, kept as ``lr_history``) and the model FLOPs
+  utilisation (:mod:`recipe.flops`: achieved TFLOP/s per device from the median token rate, MFU
+  against the device's peak).
 
 At the end rank 0 draws the last step's measured timeline (rows = ranks, like the paper's
 figures), writes ``results.json`` and puts the summary into the W&B run.
@@ -33,6 +36,7 @@ from typing_extensions import override
 from strategies.lightning import PipelineStrategy
 from strategies.schedules import simulate
 
+from .flops import Utilisation, resolve_utilisation
 from .layout import Layout
 from .results import write_results
 
@@ -102,19 +106,35 @@ class PipelineMetrics(Callback):
     """Loss history, measured bubble ratio, peak memory per rank, timeline picture and results.json."""
 
     def __init__(self, layout: Layout, out_dir: str | Path, throughput: ReplicaThroughputMonitor,
-                 warmup_steps: int = 1) -> None:
+                 warmup_steps: int = 1, flops_per_token: int | None = None, peak_tflops: float | None = None) -> None:
         self.layout, self.out_dir, self.throughput, self.warmup_steps = layout, Path(out_dir), throughput, warmup_steps
+        self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
+        self.utilisation = Utilisation(flops_per_token, layout.world_size)  # the peak is known once set up
         self.loss_history: list[float] = []
+        self.lr_history: list[float | None] = []
+        self._lr: float | None = None
         self.bubbles: list[float] = []
         self.peak_memory: list[int] = []
 
     @override
     def state_dict(self) -> dict[str, Any]:  # kept in checkpoints: a resumed run reports the whole history
-        return {"loss_history": list(self.loss_history)}
+        return {"loss_history": list(self.loss_history), "lr_history": list(self.lr_history)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loss_history = [float(x) for x in state_dict.get("loss_history", [])]
+        self.lr_history = [None if x is None else float(x) for x in state_dict.get("lr_history", [])]
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.utilisation = resolve_utilisation(self.flops_per_token, self.layout.world_size,
+                                               trainer.strategy.root_device, trainer.precision, self.peak_tflops)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # the rate this step's update uses: Lightning steps the scheduler before on_train_batch_end
+        self._lr = float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else None
 
     @staticmethod
     def _engine(trainer: pl.Trainer):  # noqa: ANN205 - PipelineEngine | None
@@ -131,6 +151,10 @@ class PipelineMetrics(Callback):
             busy = sum(end - start for _, start, end in record.timeline)
             span = record.timeline[-1][2] - record.timeline[0][1]
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.lr_history.append(self._lr)
+        if self._lr is not None and trainer.is_global_zero:  # every step, like ThroughputMonitor's rates
+            for logger in trainer.loggers:
+                logger.log_metrics({"train/lr": self._lr}, step=trainer.global_step - 1)
         local = torch.tensor([float("nan") if loss is None else float(loss), busy, span, float(peak_memory_bytes(trainer.strategy.root_device))],
                              dtype=torch.float64)
         gathered = _all_gather_rows(local.to(trainer.strategy.root_device)).cpu()
@@ -172,16 +196,19 @@ class PipelineMetrics(Callback):
             save_png(rows, self._engine(trainer).last_executed(self.layout.N), str(picture),
                      title=f"{self.layout.run_name}: measured step (rows = ranks)")
         warm = self.bubbles[self.warmup_steps:] or self.bubbles
+        tokens_per_s = self.throughput.median("tokens_per_s", self.warmup_steps)
         summary = {
             "samples_per_s": self.throughput.median("samples_per_s", self.warmup_steps),
-            "tokens_per_s": self.throughput.median("tokens_per_s", self.warmup_steps),
+            "tokens_per_s": tokens_per_s,
             "iteration_s": self.throughput.median("iteration_s", self.warmup_steps),
             "bubble_ratio_measured": statistics.median(warm) if warm else None,
             "bubble_ratio_theory": self.theory_bubble_ratio(trainer),
+            "tflops_per_device": self.utilisation.tflops_per_device(tokens_per_s),
+            "mfu": self.utilisation.mfu(tokens_per_s),
         }
         write_results(
             self.out_dir, status="ok", reason="", **self.layout.result_fields(), **summary,
-            peak_memory_bytes=self.peak_memory, loss_history=self.loss_history,
+            peak_memory_bytes=self.peak_memory, loss_history=self.loss_history, lr_history=self.lr_history,
             final_loss=self.loss_history[-1] if self.loss_history else None,
         )
         for logger in trainer.loggers:

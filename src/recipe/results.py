@@ -7,7 +7,10 @@ Every job (one Hydra job; a multirun sweep puts them in ``<sweep_dir>/<job_num>/
 - the layout: ``strategy``, ``W``, ``D``, ``B``, ``N``, ``global_batch_size``, ``world_size``;
 - medians after warm-up: ``samples_per_s``, ``tokens_per_s``, ``iteration_s``;
 - ``bubble_ratio_measured`` and ``bubble_ratio_theory``;
-- ``peak_memory_bytes`` (one int per rank), ``loss_history`` (loss per optimizer step), ``final_loss``.
+- ``tflops_per_device`` (model FLOPs achieved per device, median) and ``mfu`` (that over the device's
+  peak; null where the peak is unknown, e.g. on CPUs);
+- ``peak_memory_bytes`` (one int per rank), ``loss_history`` (loss per optimizer step), ``final_loss``,
+  ``lr_history`` (the learning rate of each optimizer step).
 
 Skipped and failed jobs may leave the measured values null. ``scripts/compare.py`` puts many
 jobs side by side with :func:`find_results` and :func:`summary_table`.
@@ -41,12 +44,15 @@ RESULT_KEYS: tuple[str, ...] = (
     "iteration_s",
     "bubble_ratio_measured",
     "bubble_ratio_theory",
+    "tflops_per_device",
+    "mfu",
     "peak_memory_bytes",
     "loss_history",
     "final_loss",
+    "lr_history",
 )
 
-_LIST_KEYS = ("peak_memory_bytes", "loss_history")
+_LIST_KEYS = ("peak_memory_bytes", "loss_history", "lr_history")
 _MIB = 1024 * 1024
 
 
@@ -68,9 +74,12 @@ class RunResult:
     iteration_s: float | None = None
     bubble_ratio_measured: float | None = None
     bubble_ratio_theory: float | None = None
+    tflops_per_device: float | None = None
+    mfu: float | None = None
     peak_memory_bytes: tuple[int, ...] = ()
     loss_history: tuple[float, ...] = ()
     final_loss: float | None = None
+    lr_history: tuple[float, ...] = ()
     path: Path | None = None
 
     @property

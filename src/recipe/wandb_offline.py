@@ -3,7 +3,7 @@
 wandb 0.31 writes no ``wandb-summary.json`` offline: everything lives in the run's ``.wandb``
 file, a LevelDB-style log (7-byte file header, 32 KiB blocks, records of ``crc32 | length |
 type``) of ``wandb_internal_pb2.Record`` messages. This reads the run's name, group, job type,
-config, summary and history, so tests and ``scripts/compare.py`` users can inspect offline runs.
+tags, config, summary and history, so tests and ``scripts/compare.py`` users can inspect offline runs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class OfflineRun:
     name: str = ""
     group: str = ""
     job_type: str = ""
+    tags: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -70,6 +71,7 @@ def read_offline_run(path: str | Path) -> OfflineRun:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run.name, run.group, run.job_type = record.run.display_name, record.run.run_group, record.run.job_type
+            run.tags = list(record.run.tags)
             run.config.update({_key(i): json.loads(i.value_json) for i in record.run.config.update})
         elif kind == "config":
             run.config.update({_key(i): json.loads(i.value_json) for i in record.config.update})

@@ -49,6 +49,9 @@ META_FILE = "meta.json"
 TRAINER_FILE = "trainer.pt"
 MODEL_CONFIG_KEY = "model_config"  # how to rebuild the model (a Hydra config), stored by PipelineModule
 PIPELINE_KEY = "pipeline"  # the consolidated file's own section
+# Plain (single/DDP) Lightning checkpoints: per optimizer, the parameter name of each position (written by
+# PipelineModule; the parameter groups put positions out of module order)
+OPTIMIZER_NAMES_KEY = "optimizer_param_names"
 
 
 class CheckpointError(ValueError):
@@ -365,7 +368,8 @@ def _by_name(packed: Mapping[str, Any], names: Sequence[str]) -> OptimizerState:
 def from_lightning_checkpoint(checkpoint: Mapping[str, Any], source: str, index: ModelIndex | None) -> FullState:
     """A consolidated file, or a plain Lightning checkpoint of the unsplit module (single, DDP)."""
     section = checkpoint.get(PIPELINE_KEY) or {}
-    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", PIPELINE_KEY)}
+    rest = {k: v for k, v in checkpoint.items()
+            if k not in ("state_dict", "optimizer_states", PIPELINE_KEY, OPTIMIZER_NAMES_KEY)}
     if "state_dict" not in checkpoint:
         raise CheckpointError(f"{source} has no 'state_dict': not a Lightning checkpoint")
     optimizers: list[OptimizerState] = []
@@ -373,7 +377,9 @@ def from_lightning_checkpoint(checkpoint: Mapping[str, Any], source: str, index:
     for i, packed in enumerate(packed_all):
         if section:
             names = section["param_names"][i]
-        elif index is not None:
+        elif checkpoint.get(OPTIMIZER_NAMES_KEY):
+            names = [index.canonical(n) if index is not None else n for n in checkpoint[OPTIMIZER_NAMES_KEY][i]]
+        elif index is not None:  # one parameter group in module order (files of earlier versions)
             names = list(index.param_order)
         else:  # a plain checkpoint read without the model: its optimizer state cannot be named
             optimizers = []
@@ -422,16 +428,20 @@ def select_optimizer_state(saved: OptimizerState, optimizer: torch.optim.Optimiz
                            source: str) -> dict[str, Any]:
     """Torch's positional state dict for ``optimizer`` (this rank's parameters) from state by name.
 
-    Hyper-parameters (learning rate, betas, ...) come from the checkpoint's group of the same index.
+    Hyper-parameters (learning rate, betas, ...) come from the checkpoint's group of the same index. A
+    checkpoint with one group (saved before the weight-decay groups) fills every group; each keeps its
+    own weight decay.
     """
-    if len(saved.param_groups) != len(optimizer.param_groups):
+    one_group = len(saved.param_groups) == 1 < len(optimizer.param_groups)
+    if len(saved.param_groups) != len(optimizer.param_groups) and not one_group:
         raise CheckpointError(f"{source} has {len(saved.param_groups)} optimizer parameter groups, this optimizer "
                               f"{len(optimizer.param_groups)}: configure_optimizers must build the same groups")
     state: dict[int, Any] = {}
     groups: list[dict[str, Any]] = []
     position = 0
     for g, group in enumerate(optimizer.param_groups):
-        known = set(saved.param_groups[g]["params"])
+        saved_group = saved.param_groups[0 if one_group else g]
+        known = set(saved_group["params"])
         ids = []
         for p in group["params"]:
             name = names[id(p)]
@@ -442,7 +452,10 @@ def select_optimizer_state(saved: OptimizerState, optimizer: torch.optim.Optimiz
                 state[position] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in saved.state[name].items()}
             ids.append(position)
             position += 1
-        groups.append({**_group_hparams(group), **_group_hparams(saved.param_groups[g]), "params": ids})
+        hparams = _group_hparams(saved_group)
+        if one_group:
+            hparams.pop("weight_decay", None)
+        groups.append({**_group_hparams(group), **hparams, "params": ids})
     return {"state": state, "param_groups": groups}
 
 

@@ -32,8 +32,10 @@ from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .engine import PipelineConfig, PipelineEngine
+from .executor import loss_counts, micro_batch_loss
+from .optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
 from .process_group import end_process_group
-from .pipeline_model import Batch, sequential_loss
+from .pipeline_model import Batch, run_layers, sequential_loss
 
 
 class PipelineStrategy(DDPStrategy):
@@ -256,18 +258,29 @@ class PipelineModule(pl.LightningModule):
     flops_per_batch: int | None = None  # read by Lightning's ThroughputMonitor; None: no MFU reported
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0,
-                 nonfinite_loss: str = "stop", model_config: Mapping[str, Any] | None = None) -> None:
+                 nonfinite_loss: str = "stop", model_config: Mapping[str, Any] | None = None,
+                 optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None) -> None:
+        """``optimizer``: ``params -> Optimizer`` holding its own hyper-parameters (Hydra's
+        ``_partial_`` of ``conf/optim/*.yaml``); without it AdamW(``lr``, ``weight_decay``).
+        ``scheduler``: ``optimizer -> LRScheduler`` stepped after every optimizer step (``conf/scheduler``;
+        a ``total_steps`` it leaves open becomes the trainer's number of steps); without it the
+        learning rate stays constant. Weight decay skips biases and norms (:func:`strategies.optim.param_groups`)."""
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
         self.model = model
         self.lr, self.weight_decay, self.nonfinite_loss = lr, weight_decay, nonfinite_loss
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         # how to rebuild the model (a Hydra config with _target_): kept in checkpoints for scripts/export_hf.py
         self.model_config = dict(model_config) if model_config is not None else None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.model_config is not None:
             checkpoint[ckpt.MODEL_CONFIG_KEY] = self.model_config
+        if self.pipeline is None and "optimizer_states" in checkpoint:  # plain file: name each optimizer position
+            names = {id(p): n for n, p in self.named_parameters()}
+            checkpoint[ckpt.OPTIMIZER_NAMES_KEY] = [[names[id(p)] for g in opt.param_groups for p in g["params"]]
+                                                    for opt in self.trainer.optimizers]
 
     def partition(self, stages: int) -> list[range] | None:
         """Layers per stage; ``None`` splits by layer count. Override to balance by cost."""
@@ -281,7 +294,7 @@ class PipelineModule(pl.LightningModule):
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         engine = self.pipeline
-        loss = engine.train_step(batch) if engine else sequential_loss(self.model, batch)
+        loss = engine.train_step(batch) if engine else self._replica_loss(batch)
         if not torch.isfinite(loss.detach()):  # the pipeline's loss is global: every rank decides alike
             if self.nonfinite_loss == "stop" or engine is None:
                 raise FloatingPointError(
@@ -294,6 +307,22 @@ class PipelineModule(pl.LightningModule):
             return loss.detach()
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=_batch_size(batch))
         return loss
+
+    def _replica_loss(self, batch: Batch) -> Tensor:
+        """Without a pipeline: one process takes the whole mini-batch; under DDP each of the W replicas
+        returns W × its share of the mini-batch loss, every term normalised by its count over all
+        replicas (as the pipeline does), so that DDP's gradient average is the mini-batch gradient
+        even where replicas hold different numbers of loss items (BERT's masked tokens)."""
+        replicas = self._trainer.world_size if self._trainer is not None else 1
+        if replicas == 1 or not dist.is_initialized():
+            return sequential_loss(self.model, batch)
+        counts = loss_counts(self.model, batch)
+        names = sorted(counts)
+        totals = torch.stack([counts[n] for n in names]).to(self.device)
+        dist.all_reduce(totals)
+        totals = totals.to(torch.float32)
+        output = run_layers(self.model.pipeline_layers(), self.model.pipeline_input(batch), batch)
+        return replicas * micro_batch_loss(self.model, output, batch, {n: totals[i] for i, n in enumerate(names)})
 
     def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
         engine = self.pipeline
@@ -320,9 +349,25 @@ class PipelineModule(pl.LightningModule):
             if p.grad is not None:
                 p.grad.mul_(scale)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        params = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
+        """The optimizer over this rank's parameters (under a pipeline: its stages only), and the
+        learning-rate schedule as a per-step Lightning scheduler when one is configured."""
+        if self.optimizer_factory is None:
+            optimizer = torch.optim.AdamW(param_groups(self, self.weight_decay), lr=self.lr)
+        else:
+            optimizer = self.optimizer_factory(param_groups(self))
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = build_scheduler(self.scheduler_factory, optimizer, self._total_steps())
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "lr"}}
+
+    def _total_steps(self) -> int | None:
+        trainer = self._trainer
+        if trainer is None:
+            return None
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        return int(total) if total != float("inf") else None
 
 
 def _batch_size(batch: Batch) -> int:
