@@ -19,6 +19,10 @@ after the imports, before the build), ``peak_bytes`` (the process's peak residen
 ``ru_maxrss``), ``peak_minus_baseline_bytes``, ``held_bytes`` (real, non-meta parameter and buffer
 bytes reachable from the model afterwards) and ``stage_param_bytes`` (the rank's layers alone).
 The partition is the model's own (``model.partition(D)``, as ``train.py`` uses).
+
+``--runs BASELINE RUN`` instead compares two finished ``train.py`` job directories: each rank's peak
+resident memory (``results.json: peak_memory_bytes``) of RUN minus that of a tiny BASELINE run of the
+same layout, against the fp32 bytes of RUN's whole model (from its ``job.yaml``, built on meta).
 """
 
 from __future__ import annotations
@@ -112,6 +116,27 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def compare_runs(baseline: Path, run: Path) -> dict[str, Any]:
+    """Per-rank peak memory of ``run`` above the tiny ``baseline`` run, and its ratio to the fp32 bytes
+    of ``run``'s whole model."""
+    from omegaconf import OmegaConf
+
+    from models import build_model
+
+    base = json.loads((baseline / "results.json").read_text())["peak_memory_bytes"]
+    peaks = json.loads((run / "results.json").read_text())["peak_memory_bytes"]
+    if len(base) != len(peaks):
+        raise ValueError(f"{baseline} has {len(base)} ranks, {run} has {len(peaks)}: compare the same layout")
+    model_cfg = OmegaConf.to_container(OmegaConf.load(run / "job.yaml"), resolve=True)["config"]["model"]
+    params = build_model(model_cfg, device="meta").num_parameters()
+    model_bytes = 4 * params
+    above = [p - b for p, b in zip(peaks, base)]
+    return {"baseline_dir": str(baseline), "run_dir": str(run), "model": model_cfg.get("name"), "params": params,
+            "model_fp32_bytes": model_bytes, "baseline_peak_bytes": base, "run_peak_bytes": peaks,
+            "above_baseline_bytes": above, "above_baseline_over_model": [round(a / model_bytes, 4) for a in above],
+            "max_over_model": round(max(above) / model_bytes, 4)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_setup.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON file to write")
@@ -120,8 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", default="all", help="ranks to measure, e.g. 0,7 (default all)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--runs", nargs=2, metavar=("BASELINE", "RUN"), help="compare two train.py job directories")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "RANK"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.runs:
+        result = compare_runs(Path(args.runs[0]), Path(args.runs[1]))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result, indent=1))
+        return 0
     if args.child:
         print(json.dumps(_child(args.model, args.stages, int(args.child[1]), args.child[0])))
         return 0
