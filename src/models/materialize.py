@@ -7,9 +7,9 @@ initialisation (``transformers``' ``_init_weights``), each module under a privat
 from ``(seed, layer index, module path inside the layer)``. A parameter's initial value therefore
 depends on the seed and on where it sits, never on which other layers the process holds: the full
 single-process build (every layer) and the stages materialised on different ranks are bit-identical,
-so no rank ever needs the whole model (the model states of Megatron-LM-style pipeline parallelism,
-Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", §2.2, live only on the ranks of their stage).
+and no rank ever needs the whole model. (Pipeline parallelism exists because large models must be
+"distributed among many ... accelerators to just fit into main memory", each stage holding a group of
+consecutive layers: Chimera, Li & Hoefler, SC'21, §1.)
 
 * Modules are initialised children first, as ``PreTrainedModel.initialize_weights`` does, so a parent
   overriding a child's init (GPT-2's scaled residual projections) wins as in ``transformers``.
@@ -17,9 +17,10 @@ Megatron-LM", §2.2, live only on the ranks of their stage).
   lowest layer index) gives it: a rank holding only the head runs the embedding layer's init too,
   where every tensor but the shared one is still meta (init on meta tensors is a no-op).
 * Buffers (BERT's position ids) are recreated by the same init functions.
-* Tensors are initialised on the CPU in the dtype they were declared with (float32 for floating
-  tensors of a float32 model) and moved to ``device`` layer by layer, so the values do not depend on
-  the device either; one layer at a time passes through host memory.
+* Tensors are initialised on the CPU, floating ones in float32, then cast to the dtype they were
+  declared with (a bf16 model equals the fp32 build cast to bf16) and moved to ``device`` layer by
+  layer, so the values do not depend on the device either; one layer at a time passes through host
+  memory.
 * Python identity is kept (:func:`torch.utils.swap_tensors`): tied parameters stay one ``Parameter``
   and modules that reference a layer's submodules (the unsplit HF model) see the real tensors.
 
@@ -29,7 +30,6 @@ global generator, so every strategy leaves the build with the same random state.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -80,6 +80,14 @@ def _replace(t: Tensor, value: Tensor) -> None:
     if isinstance(t, nn.Parameter):
         value = nn.Parameter(value, requires_grad=t.requires_grad)
     torch.utils.swap_tensors(t, value)
+
+
+def _move(t: Tensor, value: Tensor) -> None:
+    """``t.data = value`` as ``nn.Module.to`` does (CPU to CUDA, dtype casts), else a swap."""
+    if torch._has_compatible_shallow_copy_type(t, value):
+        t.data = value
+    else:
+        _replace(t, value)
 
 
 def allocate_empty(modules: Iterable[nn.Module], device: str | torch.device) -> None:
@@ -142,7 +150,7 @@ def materialize_layers(
             for t in _tensors(layer):
                 key = id(t)
                 if key in wanted and owner[key] == i and (t.device != device or t.dtype != target[key]):
-                    _replace(t, t.detach().to(device=device, dtype=target[key]))
-    with contextlib.suppress(StopIteration):
-        left = next(t for t in wanted.values() if t.is_meta)
-        raise RuntimeError(f"a tensor of shape {tuple(left.shape)} is still on the meta device after materialising")
+                    _move(t, t.detach().to(device=device, dtype=target[key]))
+    left = [tuple(t.shape) for t in wanted.values() if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors of shapes {left[:4]} are still on the meta device after materialising")
