@@ -167,13 +167,15 @@ def main(argv: list[str] | None = None) -> int:
         for rank in ranks:
             row = _run_child(args, rank, mode)
             rows.append(row)
-            print(f"{mode:4s} rank {rank}: layers {row['layers'][0]}-{row['layers'][1] - 1}, set-up {row['setup_s']:.2f} s "
-                  f"({row['setup_cpu_s']:.2f} s CPU), "
-                  f"peak RSS {row['peak_bytes'] / 2**30:.2f} GiB (baseline {row['baseline_bytes'] / 2**30:.2f} GiB), "
-                  f"held {row['held_bytes'] / 2**30:.3f} GiB, stage {row['stage_param_bytes'] / 2**30:.3f} GiB", flush=True)
+            gib = {k: row[k] / 2**30 for k in ("peak_bytes", "baseline_bytes", "held_bytes", "stage_param_bytes")}
+            print(f"{mode:4s} rank {rank}: layers {row['layers'][0]}-{row['layers'][1] - 1}, "
+                  f"set-up {row['setup_s']:.2f} s ({row['setup_cpu_s']:.2f} s CPU), peak RSS {gib['peak_bytes']:.2f} GiB "
+                  f"(baseline {gib['baseline_bytes']:.2f} GiB), held {gib['held_bytes']:.3f} GiB, "
+                  f"stage {gib['stage_param_bytes']:.3f} GiB", flush=True)
     import torch
 
-    result = {"command": "python scripts/bench_setup.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    given = argv if argv is not None else sys.argv[1:]
+    result = {"command": "python scripts/bench_setup.py " + " ".join(given),
               "model": args.model, "stages": args.stages, "dtype": "float32", "device": "cpu",
               "machine": f"{platform.machine()} {os.cpu_count()} cores, "
                          f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM",

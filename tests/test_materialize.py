@@ -19,7 +19,8 @@ SMALL = {"gpt2-tiny": {"n_layer": 6, "n_embd": 32, "n_head": 2, "vocab_size": 96
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer by name, shared ones under each of their names."""
-    return {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    return {**dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False))}
 
 
 def _real_ids(model) -> set[int]:

@@ -164,5 +164,5 @@ def build_bert(
     hf_config = make_hf_config(BertConfig, {**config, "attn_implementation": attn_implementation})
     hf, seed = build_on_meta(BertForPreTraining, hf_config, init_seed)
     model = BertPipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost,
-                 init_seed=seed)
+                              init_seed=seed)
     return finish_build(model, device)

@@ -148,5 +148,5 @@ def build_gpt2(
     hf_config = make_hf_config(GPT2Config, {**config, "attn_implementation": attn_implementation})
     hf, seed = build_on_meta(GPT2LMHeadModel, hf_config, init_seed)
     model = GPT2PipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost,
-                 init_seed=seed)
+                              init_seed=seed)
     return finish_build(model, device)

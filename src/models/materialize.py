@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["allocate_empty", "has_meta", "materialize_layers", "module_seed", "resolve_seed"]
+__all__ = ["allocate_empty", "materialize_layers", "module_seed", "resolve_seed"]
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -62,11 +62,6 @@ def _tensors(module: nn.Module) -> Iterator[Tensor]:
         if id(t) not in seen:
             seen.add(id(t))
             yield t
-
-
-def has_meta(modules: Iterable[nn.Module]) -> bool:
-    """Whether any parameter or buffer of ``modules`` is still on the meta device."""
-    return any(t.is_meta for m in modules for t in _tensors(m))
 
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
