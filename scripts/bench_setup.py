@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             gib = {k: row[k] / 2**30 for k in ("peak_bytes", "baseline_bytes", "held_bytes", "stage_param_bytes")}
             print(f"{mode:4s} rank {rank}: layers {row['layers'][0]}-{row['layers'][1] - 1}, "
                   f"set-up {row['setup_s']:.2f} s ({row['setup_cpu_s']:.2f} s CPU), "
-                  f"peak RSS {gib['peak_bytes']:.2f} GiB (baseline {gib['baseline_bytes']:.2f} GiB), held {gib['held_bytes']:.3f} GiB, "
-                  f"stage {gib['stage_param_bytes']:.3f} GiB", flush=True)
+                  f"peak RSS {gib['peak_bytes']:.2f} GiB (baseline {gib['baseline_bytes']:.2f} GiB), "
+                  f"held {gib['held_bytes']:.3f} GiB, stage {gib['stage_param_bytes']:.3f} GiB", flush=True)
     import torch
 
     given = argv if argv is not None else sys.argv[1:]
