@@ -3,9 +3,11 @@
 Four gloo ranks train the tiny GPT-2 (untied and tied embeddings) and the tiny BERT (padded batches,
 MLM + NSP) for 3 SGD-with-momentum steps through :class:`strategies.engine.PipelineEngine` under
 GPipe, DAPPLE and Chimera, with W = 2 × D = 2 and W = 1 × D = 4, and N = D or N = 2D + 1 micro-batches.
-The reference is the unsplit ``GPT2LMHeadModel`` / ``BertForPreTraining`` trained in one process on the
-whole mini-batch (W·N·B samples) with its own loss (``labels=`` and ``next_sentence_label=``). Per-step
-losses and every parameter after the 3 steps must agree to 1e-5.
+The pipelines get models built on the meta device, each rank materialising only its own stages (and
+its copies of tied weights); the reference is the unsplit ``GPT2LMHeadModel`` / ``BertForPreTraining``,
+built whole with the same seed and trained in one process on the whole mini-batch (W·N·B samples)
+with its own loss (``labels=`` and ``next_sentence_label=``). Per-step losses and every parameter
+after the 3 steps must agree to 1e-5, and no rank holds a real tensor outside its stages.
 
 All cases run in one ``run_world`` call: each rank imports ``transformers`` once (seconds).
 """
@@ -46,11 +48,11 @@ def _cases() -> list[dict]:
     return cases
 
 
-def _build(key: str):
+def _build(key: str, device: str | None = None):
     from models import build_model
 
     name, overrides = MODELS[key]
-    model = build_model(name, init_seed=0, **overrides)
+    model = build_model(name, init_seed=0, device=device, **overrides)
     for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         assert getattr(model.config, k, 0.0) == 0.0, k
     return model
@@ -117,18 +119,22 @@ def _pipeline_vs_hf(rank: int, world: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         W, D, N = case["W"], case["D"], case["N"]
         assert W * D == world
-        model = _build(case["model"])
-        batches = _batches(model, W * N * B)
-        ref_losses, ref_params = _reference(model, batches)
+        full = _build(case["model"])  # the unsplit model, built whole as a single process would
+        batches = _batches(full, W * N * B)
+        ref_losses, ref_params = _reference(full, batches)
+        model = _build(case["model"], "meta")  # the pipeline materialises only this rank's layers
         info: dict = {}
         if model.family == "bert":
             mask = torch.stack([b["attention_mask"] for b in batches])
             info["padded"] = int((mask == 0).any(-1).sum())  # padded sequences over the 3 steps
-            info["mask_effect"] = _mask_sensitivity(model, batches[0])
+            info["mask_effect"] = _mask_sensitivity(full, batches[0])
         names = {id(p): n for n, p in model.named_parameters()}  # before the engine drops remote layers
         config = PipelineConfig(case["schedule"], D, B, None, "direct", 60.0)
         engine = PipelineEngine(model, config, W, torch.device("cpu"), partition=model.partition(D))
         params = engine.local_parameters()
+        real = {id(t) for t in (*model.reference().parameters(), *model.reference().buffers()) if not t.is_meta}
+        local = {id(t) for ls in engine.stage_layers.values() for layer in ls for t in (*layer.parameters(), *layer.buffers())}
+        info["only_local_real"] = real == local and not any(t.is_meta for t in params)
         opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
         replica = engine.topology.replica_of(rank)
         losses = []
@@ -153,6 +159,7 @@ def test_gpt2_and_bert_pipelines_equal_unsplit_hf_models() -> None:
         label = f"{case['model']} {case['schedule']} W={case['W']} D={case['D']} N={case['N']}"
         covered: set[str] = set()
         for r in per_rank:
+            assert r["only_local_real"], f"{label}: a rank holds real tensors of layers outside its stages"
             assert r["losses"] == pytest.approx(r["ref_losses"], abs=TOL), label
             for name, err in r["errs"].items():
                 assert err < TOL, f"{label}: {name} differs by {err:.2e}"

@@ -398,6 +398,31 @@ def test_profile_cache_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert again.layers == first.layers
 
 
+def test_profile_of_a_large_model_materialises_two_copies_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose training state would not fit is profiled from a meta build holding the embedding,
+    the head and two blocks; a small one gets every layer."""
+    import planner.profile as prof
+
+    seen: dict = {}
+
+    def capture(model, batch_of, name, **kwargs):  # what profile_pipeline would measure
+        seen["layers"] = list(model.pipeline_layers())
+        return "profiled"
+
+    monkeypatch.setattr(prof, "profile_pipeline", capture)
+    monkeypatch.setattr(prof, "_device_memory", lambda device: 2**40)
+    assert prof.layers_mode("gpt2-tiny") == "all" and prof.profile_model("gpt2-tiny") == "profiled"
+    assert len({id(layer) for layer in seen["layers"]}) == 6
+    monkeypatch.setattr(prof, "_device_memory", lambda device: 2**20)  # a 1 MiB device: gpt2-tiny is "large"
+    assert prof.layers_mode("gpt2-tiny") == "distinct"
+    prof.profile_model("gpt2-tiny")
+    layers = seen["layers"]
+    assert len({id(layer) for layer in layers}) == 4 and layers[3] is layers[4] is layers[2] and layers[1] is not layers[2]
+    assert not any(t.is_meta for layer in layers for t in (*layer.parameters(), *layer.buffers()))
+    with pytest.raises(ValueError, match="layers must be one of"):
+        prof.layers_mode("gpt2-tiny", layers="some")
+
+
 def test_model_costs_json_round_trip() -> None:
     costs = replace(skewed(), tied=((0, 7, 40),), meta={"layer_costs": [0.0] + [1.0] * 6 + [0.0]})
     assert ModelCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs

@@ -4,14 +4,17 @@ A ``HFPipelineModel`` owns an ``nn.ModuleList`` of thin layers around the submod
 ``transformers`` model built from a config (no weights are ever downloaded). The unsplit HF model is
 kept as an unregistered reference (``reference()``): it shares every parameter with the layers, so it
 serves as the numerical reference of the pipelined model and ``model.to(...)``/``train()`` reach it.
+
+The HF model is always built on the meta device and then materialised (:mod:`models.materialize`):
+wholly for a single-process build, or only a rank's own layers under a pipeline
+(:meth:`HFPipelineModel.materialize`), with per-module init streams so both give identical weights.
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +22,7 @@ from torch import nn
 
 from strategies.pipeline_model import PipelineModel, TiedGroup
 
+from .materialize import materialize_layers, resolve_seed
 from .partition import balanced_partition, format_partition_table
 
 COST_KINDS = ("layers", "params")
@@ -49,16 +53,21 @@ def make_hf_config(config_cls: type, fields: Mapping[str, Any]) -> Any:
     return config_cls(**dict(fields))
 
 
-@contextlib.contextmanager
-def build_context(device: str | torch.device | None, init_seed: int | None) -> Iterator[None]:
-    """Build on ``device`` (e.g. ``"meta"`` for parameter counting) with an optional private seed."""
-    with contextlib.ExitStack() as stack:
-        if device is not None:
-            stack.enter_context(torch.device(device))
-        if init_seed is not None:
-            stack.enter_context(torch.random.fork_rng(devices=[]))
-            torch.manual_seed(init_seed)
-        yield
+def build_on_meta(model_cls: type, hf_config: Any, init_seed: int | None) -> tuple[nn.Module, int]:
+    """``model_cls(hf_config)`` on the meta device (no memory, no init work) and the model's init seed
+    (``init_seed``, or one drawn from the global generator)."""
+    seed = resolve_seed(init_seed)
+    with torch.device("meta"):
+        hf = model_cls(hf_config)
+    return hf, seed
+
+
+def finish_build(model: HFPipelineModel, device: str | torch.device | None) -> HFPipelineModel:
+    """``device="meta"``: leave every layer on meta (pipelines materialise their own); otherwise
+    materialise the whole model on ``device`` (the CPU by default)."""
+    if device is None or torch.device(device).type != "meta":
+        model.materialize(None, "cpu" if device is None else device)
+    return model
 
 
 def unique_numel(params: Iterator[nn.Parameter]) -> int:
@@ -81,9 +90,10 @@ class HFPipelineModel(nn.Module, PipelineModel):
     family: str = ""
 
     def __init__(self, hf_model: nn.Module, *, name: str, seq_len: int,
-                 embedding_cost: float = 0.0, head_cost: float = 0.0) -> None:
+                 embedding_cost: float = 0.0, head_cost: float = 0.0, init_seed: int = 0) -> None:
         super().__init__()
         object.__setattr__(self, "_hf", hf_model)  # not a submodule: its parameters live in self.layers
+        self.init_seed = int(init_seed)  # the per-module init streams derive from it (models.materialize)
         self.name = name
         self.seq_len = int(seq_len)
         self.embedding_cost = float(embedding_cost)
@@ -98,6 +108,13 @@ class HFPipelineModel(nn.Module, PipelineModel):
     def tied_parameters(self) -> list[TiedGroup]:
         return []
 
+    def materialize(self, layers: Iterable[int] | None, device: str | torch.device) -> None:
+        """Give pipeline layers ``layers`` (all when ``None``) real tensors on ``device``, initialised as
+        ``transformers`` does from per-module streams of ``init_seed``; the other layers stay on meta.
+        Call it before remote layers are dropped: a head tied to the embedding runs layer 0's init."""
+        indices = range(len(self.layers)) if layers is None else layers
+        materialize_layers(self.layers, indices, device, seed=self.init_seed, init_module=self._hf._init_weights)
+
     # --- reference and helpers -----------------------------------------------------------------
     @property
     def config(self) -> Any:
@@ -105,7 +122,8 @@ class HFPipelineModel(nn.Module, PipelineModel):
         return self._hf.config
 
     def reference(self) -> nn.Module:
-        """The unsplit ``transformers`` model; it shares every parameter with ``pipeline_layers()``."""
+        """The unsplit ``transformers`` model; it shares every parameter with ``pipeline_layers()``
+        (layers never materialised stay on the meta device there too)."""
         return self._hf
 
     def train(self, mode: bool = True) -> HFPipelineModel:

@@ -27,7 +27,7 @@ from transformers.masking_utils import create_bidirectional_mask
 
 from strategies.pipeline_model import Batch, TiedGroup
 
-from .base import HFPipelineModel, build_context, make_hf_config
+from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
 
 IGNORE_INDEX = -100
 
@@ -156,11 +156,13 @@ def build_bert(
 ) -> BertPipelineModel:
     """Hydra target of ``conf/model/bert*.yaml``: ``BertConfig(**config)`` -> ``BertPipelineModel``.
 
-    ``config`` holds ``BertConfig`` fields (``num_hidden_layers``, ``hidden_size``, ...).
+    ``config`` holds ``BertConfig`` fields (``num_hidden_layers``, ``hidden_size``, ...); ``device`` and
+    ``init_seed`` as in :func:`models.gpt2.build_gpt2`.
     """
     if family != "bert":
         raise ValueError(f"build_bert got family={family!r}")
     hf_config = make_hf_config(BertConfig, {**config, "attn_implementation": attn_implementation})
-    with build_context(device, init_seed):
-        hf = BertForPreTraining(hf_config)
-    return BertPipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost)
+    hf, seed = build_on_meta(BertForPreTraining, hf_config, init_seed)
+    model = BertPipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost,
+                              init_seed=seed)
+    return finish_build(model, device)

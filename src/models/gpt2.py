@@ -23,7 +23,7 @@ from transformers.masking_utils import create_causal_mask
 
 from strategies.pipeline_model import Batch, TiedGroup
 
-from .base import HFPipelineModel, build_context, make_hf_config
+from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
 
 IGNORE_INDEX = -100
 
@@ -135,7 +135,10 @@ def build_gpt2(
     """Hydra target of ``conf/model/gpt2*.yaml``: ``GPT2Config(**config)`` -> ``GPT2PipelineModel``.
 
     ``config`` holds ``GPT2Config`` fields (``n_layer``, ``n_embd``, ``tie_word_embeddings``, ...);
-    ``device="meta"`` builds without memory (parameter counts); ``init_seed`` seeds the init privately.
+    ``device="meta"`` builds without memory (parameter counts, or a pipeline that materialises only its
+    own layers: ``model.materialize(layers, device)``); any other device materialises every layer there.
+    ``init_seed`` seeds the per-module init streams (:mod:`models.materialize`); ``None`` draws it from
+    the global generator.
     """
     if family != "gpt2":
         raise ValueError(f"build_gpt2 got family={family!r}")
@@ -143,6 +146,7 @@ def build_gpt2(
     config.setdefault("bos_token_id", vocab - 1)
     config.setdefault("eos_token_id", vocab - 1)
     hf_config = make_hf_config(GPT2Config, {**config, "attn_implementation": attn_implementation})
-    with build_context(device, init_seed):
-        hf = GPT2LMHeadModel(hf_config)
-    return GPT2PipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost)
+    hf, seed = build_on_meta(GPT2LMHeadModel, hf_config, init_seed)
+    model = GPT2PipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost,
+                              init_seed=seed)
+    return finish_build(model, device)

@@ -1,13 +1,14 @@
 """Memory costs of a model without running it: parameter counts and the bytes autograd would keep.
 
 For the pre-flight check (:func:`planner.preflight.preflight`) there is no time to profile, so the
-model is built under ``FakeTensorMode`` (no memory is allocated, even for the paper's 1.39 B GPT-2)
-and every layer runs forward on fake tensors at two micro-batch sizes, counting the distinct
-non-parameter tensors saved for backward exactly as :class:`strategies.recompute.SavedBytes` does on
-a real device: CAPTURE's M_i (a layer alone, output included) and M_a (what it adds after the
-previous layer), fitted with a line in ``B`` (CAPTURE §III-A2). The backward transient, which fake
-tensors cannot show, is estimated as the layer's largest parameter (a freshly computed weight
-gradient before accumulation) plus twice its largest saved tensor (gradients of the same shape).
+model is built on the meta device and given fake tensors (``FakeTensorMode``: no memory is allocated
+and nothing is initialised, even for the paper's 1.39 B GPT-2), and every layer runs forward on fake
+tensors at two micro-batch sizes, counting the distinct non-parameter tensors saved for backward
+exactly as :class:`strategies.recompute.SavedBytes` does on a real device: CAPTURE's M_i (a layer
+alone, output included) and M_a (what it adds after the previous layer), fitted with a line in ``B``
+(CAPTURE §III-A2). The backward transient, which fake tensors cannot show, is estimated as the
+layer's largest parameter (a freshly computed weight gradient before accumulation) plus twice its
+largest saved tensor (gradients of the same shape).
 Times are left at zero: this is a memory estimate only.
 """
 
@@ -81,13 +82,15 @@ def _estimate(cfg_json: str, sizes: tuple[int, ...]) -> ModelCosts:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from models import build_model
+    from models.materialize import allocate_empty
 
     from .profile import make_batch
 
     cfg = json.loads(cfg_json)
     rows: list[list[dict[str, float]]] = []
+    model = build_model({**cfg, "init_seed": 0}, device="meta")  # shapes only: no memory, no init work
     with FakeTensorMode(allow_non_fake_inputs=True), torch.random.fork_rng(devices=[]):
-        model = build_model(cfg)
+        allocate_empty(model.pipeline_layers(), "cpu")  # fake tensors where the meta ones were
         model.train()
         layers = model.pipeline_layers()
         skip = frozenset(p.untyped_storage()._cdata for p in model.parameters())

@@ -16,6 +16,10 @@ layer, the profiler measures, the way :class:`strategies.executor.StageExecutor`
   allocator: ``torch.cuda.max_memory_allocated`` on GPUs, the profiler's CPU memory events otherwise;
 * the size of its output (the activation sent to the next stage) and, once, an AdamW step.
 
+The model is built on the meta device and materialised (:mod:`models.materialize`): whole, or, for a
+model whose training state would not fit comfortably, only two copies per group of identical layers
+(:func:`layers_mode`), so profiling never needs the whole model in one process.
+
 Every quantity is fitted with a line in ``B`` (:func:`planner.costs.fit_line`). Communication
 constants come from :mod:`planner.comm`; :func:`load_or_profile` caches both as JSON keyed by the
 model config and the device (Chimera §3.4: "measured using micro benchmarks").
@@ -327,8 +331,10 @@ def _optimizer_times(layers: Sequence[nn.Module], reps: int) -> list[float]:
     layers (round-robin, like the layer times), identical layers pooled."""
     n = len(layers)
     optimizers: list[torch.optim.Optimizer | None] = []
-    for layer in layers:
-        params = [p for p in _unique(layer.parameters()) if p.requires_grad]
+    seen: set[int] = set()
+    for layer in layers:  # a layer object listed twice (profile_model's "distinct" layers) is timed once
+        params = [p for p in _unique(layer.parameters()) if p.requires_grad] if id(layer) not in seen else []
+        seen.add(id(layer))
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -350,20 +356,65 @@ def _optimizer_times(layers: Sequence[nn.Module], reps: int) -> list[float]:
     return times
 
 
+LAYER_MODES = ("auto", "all", "distinct")
+DISTINCT_FRACTION = 0.25  # "auto": profile distinct layers only when training the whole model would need more
+
+
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def layers_mode(model_cfg: Any, device: str | torch.device = "cpu", layers: str = "auto") -> str:
+    """``"all"`` (every layer gets its own weights) or ``"distinct"`` (one or two weight copies per group
+    of identical layers, see :func:`profile_model`); ``"auto"`` picks ``"distinct"`` when the model's fp32
+    training state (weights, gradients, two AdamW moments: 16 bytes a parameter) would exceed
+    ``DISTINCT_FRACTION`` of the device's memory, so no process ever needs a model that does not fit."""
+    if layers not in LAYER_MODES:
+        raise ValueError(f"layers must be one of {', '.join(LAYER_MODES)}, got {layers!r}")
+    if layers != "auto":
+        return layers
+    from models import build_model
+
+    params = build_model(model_config_dict(model_cfg), device="meta").num_parameters()
+    return "distinct" if 16 * params > DISTINCT_FRACTION * _device_memory(torch.device(device)) else "all"
+
+
+def _alias_identical_layers(model: nn.Module, device: torch.device) -> None:
+    """Materialise the first two layers of every group of identical layers (two, so that a block after a
+    block is measured as in the model) and let the others run the second one's weights."""
+    layers = model.pipeline_layers()
+    groups = _identical_layers(layers)
+    model.materialize(sorted(i for members in groups for i in members[:2]), device)
+    for members in groups:
+        for i in members[2:]:
+            layers[i] = layers[members[1]]
+
+
 def profile_model(model_cfg: Any, *, batch_sizes: Sequence[int] = (1, 4), reps: int = 5, warmup: int = 1,
                   device: str | torch.device = "cpu", threads: int | None = 1, memory: bool = True,
-                  seed: int = 0) -> ModelCosts:
+                  seed: int = 0, layers: str = "auto") -> ModelCosts:
     """Profile every pipeline layer of the model at ``batch_sizes`` (see the module docstring).
 
     ``threads``: intra-op threads while profiling; the CPU runtime gives each rank one thread.
+    ``layers`` (:func:`layers_mode`): with ``"distinct"`` the model is built on the meta device and only
+    the first two of each group of identical layers (transformer blocks) are materialised; the others
+    reuse those weights (identical layers cost the same; their samples are pooled anyway), so the
+    profile of a model larger than one device never holds the whole model.
     """
     from models import build_model
 
     cfg = model_config_dict(model_cfg)
     dev = torch.device(device)
+    mode = layers_mode(cfg, dev, layers)
     with _threads(threads if dev.type == "cpu" else None), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = build_model(cfg).to(dev)
+        model = build_model(cfg, device="meta")
+        if mode == "distinct":
+            _alias_identical_layers(model, dev)
+        else:
+            model.materialize(None, dev)
         return profile_pipeline(model, lambda size: make_batch(model, size, seed), str(cfg.get("name", "model")),
                                 batch_sizes=batch_sizes, reps=reps, warmup=warmup, device=dev, threads=threads,
                                 memory=memory)
@@ -425,11 +476,13 @@ def _tied(model: nn.Module) -> tuple[tuple[int, int, int], ...]:
 
 def load_or_profile(model_cfg: Any, *, cache_dir: str | Path | None = None, refresh: bool = False,
                     comm: str = "measure", batch_sizes: Sequence[int] = (1, 4), reps: int = 5,
-                    device: str = "cpu", threads: int | None = 1, log: Callable[[str], None] | None = None) -> ModelCosts:
+                    device: str = "cpu", threads: int | None = 1, log: Callable[[str], None] | None = None,
+                    layers: str = "auto") -> ModelCosts:
     """The cached profile of this model on this device, profiling (and caching) it when missing.
 
     ``comm``: ``"measure"`` (2-process gloo micro-benchmarks, cached per device), ``"default"``
-    (built-in constants, no processes) or ``"none"`` (free communication).
+    (built-in constants, no processes) or ``"none"`` (free communication); ``layers``: see
+    :func:`profile_model`.
     """
     if comm not in ("measure", "default", "none"):
         raise ValueError(f"comm must be measure, default or none, got {comm!r}")
@@ -437,7 +490,10 @@ def load_or_profile(model_cfg: Any, *, cache_dir: str | Path | None = None, refr
     cfg.pop("_target_", None)
     dev = torch.device(device)
     desc = device_description(dev, threads or torch.get_num_threads())
-    settings = {"batch_sizes": sorted(set(batch_sizes)), "reps": reps}
+    settings: dict[str, Any] = {"batch_sizes": sorted(set(batch_sizes)), "reps": reps}
+    mode = layers_mode(cfg, dev, layers)
+    if mode != "all":
+        settings["layers"] = mode
     root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"profile-{cfg.get('name', 'model')}-{cache_key(cfg, desc, settings)}.json"
@@ -448,7 +504,7 @@ def load_or_profile(model_cfg: Any, *, cache_dir: str | Path | None = None, refr
     else:
         if log:
             log(f"profile: measuring {cfg.get('name', 'model')} on {desc} at B = {settings['batch_sizes']} ...")
-        costs = profile_model(cfg, batch_sizes=batch_sizes, reps=reps, device=dev, threads=threads)
+        costs = profile_model(cfg, batch_sizes=batch_sizes, reps=reps, device=dev, threads=threads, layers=mode)
         path.write_text(json.dumps(costs.to_json(), indent=1))
         if log:
             log(f"profile: saved {path}")

@@ -156,8 +156,13 @@ def run_job(spec: JobSpec) -> float | None:
     peak_tflops = trainer_cfg.pop("peak_tflops", None)  # ours, not a Trainer argument
     if trainer_cfg.get("accelerator") == "cpu":
         torch.set_num_threads(1)
+    strategy = instantiate(cfg["strategy"], **({"micro_batch_size": layout.B}
+                                                if cfg["strategy"].get("micro_batch_size", 0) is None else {}))
+    pipeline = isinstance(strategy, PipelineStrategy)
     pl.seed_everything(cfg["seed"], workers=True, verbose=False)  # same seed everywhere: identical stage copies
-    model = instantiate(cfg["model"])
+    # A pipeline builds on the meta device and materialises only this rank's layers (PipelineEngine): no
+    # rank holds the whole model. Baselines build it whole, from the same per-module init streams.
+    model = instantiate(cfg["model"], **({"device": "meta"} if pipeline else {}))
     if is_rank_zero() and layout.D > 1:
         print(model.partition_table(model.partition(layout.D)), flush=True)
     data = instantiate(cfg["data"], batch_size=layout.global_batch_size // layout.W)
@@ -170,9 +175,7 @@ def run_job(spec: JobSpec) -> float | None:
     checkpointing = checkpoint_callbacks(spec)
     if checkpointing:
         trainer_cfg["enable_checkpointing"] = True
-    strategy = instantiate(cfg["strategy"], **({"micro_batch_size": layout.B}
-                                                if cfg["strategy"].get("micro_batch_size", 0) is None else {}))
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), pipeline=isinstance(strategy, PipelineStrategy))
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), pipeline=pipeline)
     metrics_cfg = cfg.get("metrics", {})
     throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))
     seq_len = (cfg.get("data") or {}).get("seq_len") or cfg["model"].get("seq_len")

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from .executor import StageExecutor, StepRecord, loss_counts
 from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
 from .p2p import PipeComm, replica_groups
-from .pipeline_model import Batch, PipelineModel, split_batch
+from .pipeline_model import Batch, PipelineModel, materialize_local, split_batch
 from .recompute import RECOMPUTE_MODES, recompute_stages
 from .schedules import ASYNC_SCHEDULES, Action, Schedule, build_schedule, dapple, validate
 from .schedules.asynchronous import run as async_run
@@ -110,6 +110,8 @@ class PipelineEngine:
         self.local_stages = self.topology.stages_of(self.rank)
         self.stage_layers = {s: [layers[i] for i in self.partition[s]] for s in self.local_stages}
         self.tied_groups = model.tied_parameters()  # before remote layers are dropped
+        # a model built on the meta device: only this rank's layers (and tied copies) become real
+        materialize_local(model, [i for s in self.local_stages for i in self.partition[s]], device)
         self._drop_remote_layers(layers)
         self.model.to(device)
         stage_groups, tied_group = self._create_groups()

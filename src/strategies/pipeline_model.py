@@ -10,6 +10,11 @@ Parameters that are one tensor shared by several layers (tied word embeddings) a
 ``tied_parameters()`` as groups of (layer index, parameter name); the runtime sums their
 gradients across the stages that hold them, so training equals the unsplit model.
 
+Per-stage construction: a model may be built on the meta device (no memory) and define
+``materialize(layers, device)``, which gives only the listed layers real, initialised tensors on
+``device`` (:meth:`models.base.HFPipelineModel.materialize`); the runtime calls it for the rank's
+own layers, so no rank ever holds the whole model.
+
 Exact mini-batch losses: a model whose loss is a mean over items that differ per micro-batch
 (tokens, masked tokens) may define ``loss_counts(batch) -> {term: count}`` and
 ``loss_terms(output, batch) -> {term: sum}``; the runtime divides each term's sum by its count
@@ -29,7 +34,7 @@ Example, a user's own model in ten lines::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +60,20 @@ class PipelineModel:
 
     def tied_parameters(self) -> list[TiedGroup]:
         return []
+
+
+def materialize_local(model: PipelineModel, layers: Iterable[int], device: torch.device) -> None:
+    """Materialise ``layers`` of a model built on the meta device on ``device`` (nothing to do for a
+    model with real tensors); raise a clear error for a meta model that cannot materialise itself."""
+    indices = sorted(set(layers))
+    modules = model.pipeline_layers()
+    if not any(t.is_meta for i in indices for t in (*modules[i].parameters(), *modules[i].buffers())):
+        return
+    materialize = getattr(model, "materialize", None)
+    if not callable(materialize):
+        raise TypeError(f"{type(model).__name__} was built on the meta device but has no "
+                        "materialize(layers, device): build it on a real device, or define materialize")
+    materialize(indices, device)
 
 
 def call_layer(layer: nn.Module, x: Tensor, batch: Batch) -> Tensor:
