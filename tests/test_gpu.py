@@ -79,8 +79,6 @@ def _cases(world: int) -> list[dict]:
 
 
 def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    import copy
-
     import torch.distributed as dist
     from torch.utils.data import default_collate
 
@@ -101,14 +99,15 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
     out = []
     for case in cases:
         W, D, N = case["W"], case["D"], case["N"]
-        model = build_model("gpt2-tiny", init_seed=0, **{**GPT2, **case.get("model", {})})
+        settings = {**GPT2, **case.get("model", {})}
+        model = build_model("gpt2-tiny", init_seed=0, device="meta", **settings)  # each rank materialises its stages
+        twin = build_model("gpt2-tiny", init_seed=0, **settings).to(device)  # the unsplit reference, same init
         samples = W * N * B
-        data = SyntheticGPT2Dataset(STEPS * samples, model.seq_len, model.config.vocab_size, seed=3)
+        data = SyntheticGPT2Dataset(STEPS * samples, twin.seq_len, twin.config.vocab_size, seed=3)
         batches = [{k: v.to(device) for k, v in default_collate([data[i] for i in range(s * samples, (s + 1) * samples)]).items()}
                    for s in range(STEPS)]
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=case["bf16"])
 
-        twin = copy.deepcopy(model).to(device)
         hf = twin.reference()
 
         def hf_loss(batch: dict) -> torch.Tensor:
@@ -116,7 +115,7 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
                 return hf(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
 
         ref_losses, ref_params = train_sgd(twin, hf_loss, batches, LR, MOMENTUM, trained=hf)
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}  # the pipeline's names equal the twin's
         config = PipelineConfig(case["schedule"], D, B, None, case.get("concat", "direct"), 60.0,
                                 grad_sync=case["grad_sync"], recompute=case["recompute"])
         if device.type == "cuda":
