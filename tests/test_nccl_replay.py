@@ -115,3 +115,25 @@ def test_replay_catches_a_receive_in_front_of_a_collective_on_the_same_stream() 
     rank1 = [Post(0, "world", collective="sum", members=(0, 1)), HostWait(0), Post(1, "world", (P2P(True, 0, "x"),))]
     with pytest.raises(ReplayError, match="deadlock"):
         replay([rank0, rank1])
+
+
+def test_the_transport_posts_every_message_untagged_in_one_batch_per_round(monkeypatch) -> None:
+    """NCCL ignores tags: the runtime never relies on them (gloo then matches first in, first out too),
+    and a round's sends and receives go out together."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from strategies.p2p import Incoming, Outgoing, PipeComm
+
+    batches: list[list] = []
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: batches.append(list(ops)) or [])
+        comm = PipeComm(torch.device("cpu"), __import__("datetime").timedelta(seconds=5), None, None)
+        comm.post([Outgoing(1, torch.ones(2, 4), "act0")], [Incoming(1, torch.Size((2, 4)), torch.float32, "grad0")])
+        comm.post([Outgoing(1, torch.ones(2, 4), "act1")], [])
+    finally:
+        dist.destroy_process_group()
+    assert [len(ops) for ops in batches] == [2, 1]
+    assert all(op.tag == 0 for ops in batches for op in ops)
+    assert [op.op.__name__ for op in batches[0]] == ["isend", "irecv"]
