@@ -6,6 +6,7 @@
     python scripts/schedule.py chimera --stages 8 --micro-batches 16 --pipelines 4 --png chimera.png
     python scripts/schedule.py gpipe --stages 4 --micro-batches 4 --json
     python scripts/schedule.py gems --stages 4 --micro-batches 4
+    python scripts/schedule.py chimera --stages 4 --micro-batches 16 --concat auto
     python scripts/schedule.py pipedream_2bw --stages 4 --micro-batches 4 --steps 3   (asynchronous: no flushes)
 
 Invalid settings exit with status 2 and an ``error: ...`` line naming the setting and a fix.
@@ -18,7 +19,9 @@ import json
 import math
 import sys
 
-from strategies.schedules import ASYNC_SCHEDULES, CONCAT_METHODS, build_schedule, simulate, validate
+from strategies.schedules import (
+    ASYNC_SCHEDULES, AUTO_CONCAT, CONCAT_METHODS, build_schedule, resolve_concat, simulate, validate,
+)
 from strategies.schedules.asynchronous import run as async_run
 from strategies.schedules.render import ascii_timeline, save_png
 
@@ -39,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="chimera only: number of pipelines, 2f for a divisor f of D/2 (default 2)",
     )
     parser.add_argument(
-        "--concat", choices=CONCAT_METHODS,
-        help="chimera only: how units of D micro-batches are concatenated when N > D (default direct)",
+        "--concat", choices=(*CONCAT_METHODS, AUTO_CONCAT),
+        help="chimera only: how units of D micro-batches are concatenated when N > D (default direct); auto: "
+             "the fastest at t_b = 2 t_f, as strategy.concat=auto picks it for an even micro-batch size",
     )
     parser.add_argument(
         "--steps", type=int, metavar="T",
@@ -97,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.schedule in ASYNC_SCHEDULES:
             schedule = validate(async_run(args.schedule, args.stages, args.micro_batches, args.steps or 3))
         else:
+            concat = resolve_concat(args.schedule, args.stages, args.micro_batches, args.pipelines, None,
+                                    args.concat or "direct")
             schedule = validate(
-                build_schedule(args.schedule, args.stages, args.micro_batches, args.pipelines, args.concat or "direct")
+                build_schedule(args.schedule, args.stages, args.micro_batches, args.pipelines, concat)
             )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -118,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup = f"D={schedule.stages} N={schedule.micro_batches}"
     if schedule.name == "chimera":
-        setup += f" pipelines={schedule.pipelines} concat={schedule.concat}"
+        chosen = f"auto → {schedule.concat}" if args.concat == AUTO_CONCAT else schedule.concat
+        setup += f" pipelines={schedule.pipelines} concat={chosen}"
     if "steps" in schedule.meta:
         setup = (f"D={schedule.stages} N={schedule.meta['micro_batches_per_step']} per update, "
                  f"{schedule.meta['steps']} updates without flushes, then the drain")

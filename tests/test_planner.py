@@ -272,6 +272,28 @@ def test_candidates_cover_the_search_space() -> None:
     assert all(c.B % 2 == 0 for c in chimera if c.concat == "backward_halving")
 
 
+def test_concat_auto_with_the_planners_measured_costs() -> None:
+    """``concat=auto``: as the runtime picks it (best_concat at t_b = 2 t_f) unless the planner has measured
+    costs, then the method fastest at each method's own costs; a plan shows the concrete method."""
+    from planner.recommend import plan_one
+    from strategies.schedules import best_concat, concat_choices
+
+    assert [c.concat for c in candidates(4, 16, 6) if c.strategy == "chimera" and (c.D, c.B, c.pipelines) == (4, 2, 2)
+            and c.recompute == "none"] == list(concat_choices(4, 8, 2))
+    auto = Candidate("chimera", 1, 4, 2, 8, 2, "auto")
+    assert auto.resolved().concat == best_concat(4, 8, 2, 2) == "backward_halving"  # ties fd, half the activations
+    assert auto.schedule().concat == "backward_halving"
+    proportional = toy(4)  # every pass proportional to B: halves cost what whole micro-batches do
+    assert auto.resolved(proportional).concat == "backward_halving"
+    # a fixed cost per backward pass makes two half-size backwards slower than one: doubling wins
+    fixed = replace(proportional, layers=tuple(replace(layer, bwd=LinearFit(1.0, 2.0))
+                                               for layer in proportional.layers))
+    assert auto.resolved(fixed).concat == "forward_doubling"
+    assert plan_one(fixed, auto).candidate.concat == "forward_doubling"
+    halving = replace(auto, concat="backward_halving")  # predicted alone, auto runs what the runtime would
+    assert predict_time(fixed, auto).iteration_s == predict_time(fixed, halving).iteration_s
+
+
 # -- partition --------------------------------------------------------------------------------------
 
 

@@ -129,6 +129,29 @@ def test_layout_names_variants() -> None:
     assert layout.result_fields()["strategy"] == layout.label
 
 
+def test_concat_auto_is_resolved_before_launch() -> None:
+    """strategy.concat=auto: the layout (printed, labelled) and every worker's engine pick the same method,
+    best_concat's (Chimera §3.5) for this D, N, B and pipelines; a bad method stops before launch."""
+    from planner.preflight import candidate_from_config
+    from strategies.engine import PipelineConfig
+    from strategies.schedules import best_concat
+
+    for B, expected in ((1, "forward_doubling"), (2, "backward_halving")):  # N = 8 = 2D: no halving at odd B
+        cfg = _compose(overrides=["strategy=chimera", "strategy.concat=auto", "trainer.devices=4", "strategy.D=4",
+                                  f"strategy.micro_batch_size={B}", f"data.global_batch_size={8 * B}"])
+        layout = _layout(cfg)
+        assert layout.N == 8 and layout.concat == expected == best_concat(4, 8, 2, B)
+        assert layout.describe().endswith(f"; 2 pipelines; concat=auto → {expected}")
+        assert layout.label == f"chimera+{expected}"
+        config = PipelineConfig("chimera", 4, B, 2, "auto")
+        assert config.build(8).concat == expected and config.build(4).concat == "direct"
+        assert candidate_from_config(OmegaConf.to_container(cfg, resolve=True), layout).concat == expected  # pre-flight
+    direct = _layout(_compose(overrides=["strategy=chimera", "trainer.devices=4", "strategy.D=4"]))
+    assert direct.concat == "direct" and "concat" not in direct.describe()
+    with pytest.raises(ConfigError, match="strategy.concat = 'tripling' is not a concatenation method"):
+        _layout(_compose(overrides=["strategy=chimera", "strategy.concat=tripling", "trainer.devices=2"]))
+
+
 def test_baseline_layouts() -> None:
     ddp = _layout(_compose(overrides=["strategy=ddp", "trainer.devices=4", "data.global_batch_size=16"]))
     assert (ddp.W, ddp.D, ddp.B, ddp.N) == (4, 1, 4, 1)

@@ -79,6 +79,7 @@ def test_every_schedule_equals_single_process_on_four_ranks() -> None:
         {"schedule": "chimera", "D": 4, "N": 4, "pipelines": 4},
         {"schedule": "chimera", "D": 4, "N": 8, "concat": "forward_doubling"},
         {"schedule": "chimera", "D": 2, "N": 4, "concat": "backward_halving"},
+        {"schedule": "chimera", "D": 4, "N": 8, "concat": "auto"},  # the engine resolves it (best_concat)
         {"schedule": "dapple", "D": 4, "N": 4, "tied": True},
         {"schedule": "chimera", "D": 2, "N": 2, "tied": True},
         {"schedule": "gpipe", "D": 4, "N": 3, "layers": 6},

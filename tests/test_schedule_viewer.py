@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from strategies.schedules import Schedule, build_schedule, simulate
+from strategies.schedules import Schedule, best_concat, build_schedule, simulate
 from strategies.schedules.asynchronous import run as async_run
 from strategies.schedules.render import Span, ascii_chart, ascii_timeline, to_spans
 
@@ -86,6 +86,21 @@ def test_json_doubled_forward_and_halved_backward(capsys: pytest.CaptureFixture[
     backwards = [a for w in halved["workers"] for a in w if a["kind"] == "B"]
     assert {a["half"] for a in backwards} == {0, 1}
     assert all("half" not in a for w in halved["workers"] for a in w if a["kind"] == "F")
+
+
+def test_concat_auto_shows_the_method_it_picks(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--concat auto`` is strategy.concat=auto's choice (best_concat; the viewer has no micro-batch size,
+    so backward halving competes as for an even one)."""
+    for n in (4, 8, 16):
+        chosen = best_concat(4, n, 2, None)
+        code, out, _ = run_main(["chimera", "--stages", "4", "--micro-batches", str(n), "--concat", "auto"], capsys)
+        assert code == 0 and f"concat=auto → {chosen}," in out.splitlines()[0]
+        code, out, _ = run_main(["chimera", "--stages", "4", "--micro-batches", str(n), "--concat", "auto", "--json"],
+                                capsys)
+        assert code == 0 and out == json.dumps(build_schedule("chimera", 4, n, 2, chosen).to_json()) + "\n"
+    assert best_concat(4, 8, 2, None) == "backward_halving" and best_concat(4, 4, 2, None) == "direct"
+    code, _, err = run_main(["dapple", "--stages", "4", "--micro-batches", "8", "--concat", "auto"], capsys)
+    assert code == 2 and "--concat applies to chimera only" in err
 
 
 def test_ascii_chimera_subprocess() -> None:

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from strategies.schedules import (
-    CONCAT_METHODS, Action, DeadlockError, Schedule, build_schedule, chimera, dapple, gems, gpipe, parse_action,
-    simulate, validate,
+    CONCAT_METHODS, Action, DeadlockError, Schedule, best_concat, build_schedule, chimera, chimera_placement,
+    concat_choices, dapple, gems, gpipe, parse_action, resolve_concat, simulate, validate,
 )
 from strategies.schedules.messages import fifo_violations
 
@@ -189,13 +189,131 @@ def test_chimera_placement_of_figure_8() -> None:
 
 # --- Chimera, N > D and N < D (§3.5, Figure 7) ---------------------------------------------
 
-@pytest.mark.parametrize("d", [2, 4, 6, 8])
-@pytest.mark.parametrize("k", [2, 3, 4])
-def test_direct_concatenation_is_seamless_at_equal_costs(d: int, k: int) -> None:
-    n = k * d
-    sim = simulate(chimera(d, n), 1, 1)
-    assert sim.makespan == 2 * n + d - 2  # no extra bubbles between basic units
+def _chimera_pipe_of(d: int, n: int, pipes: int) -> dict[int, int]:
+    """Chimera §3.5 deals micro-batches in basic units of D, each split into contiguous shares (§3.1,
+    "as evenly as possible": the first shares one longer)."""
+    pipe_of: dict[int, int] = {}
+    for start in range(0, n, d):
+        unit = list(range(start, min(start + d, n)))
+        base, extra = divmod(len(unit), pipes)
+        first = 0
+        for p in range(pipes):
+            size = base + (p < extra)
+            pipe_of.update(dict.fromkeys(unit[first:first + size], p))
+            first += size
+    return pipe_of
+
+
+def _plain_list_makespan(d: int, n: int, pipes: int) -> int | None:
+    """The yardstick for direct concatenation, independent of the generator: at integer times (t_f = 1,
+    t_b = 2) each idle worker starts one ready action, a backward before a forward, the deepest stage,
+    then the oldest micro-batch first, and never holds more than D micro-batches of activations
+    (Chimera Table 2's bound). None when this greedy rule deadlocks."""
+    place, pipe_of = chimera_placement(d, pipes), _chimera_pipe_of(d, n, pipes)
+    f_end: dict[tuple[int, int], int] = {}
+    b_end: dict[tuple[int, int], int] = {}
+    busy, held, t = [0] * d, [0] * d, 0
+    while len(b_end) < n * d:
+        started = False
+        for w in range(d):
+            if busy[w] > t:
+                continue
+            ready = []
+            for m in range(n):
+                s = place[pipe_of[m]].index(w)
+                if (s, m) not in f_end:
+                    if held[w] < d and (s == 0 or f_end.get((s - 1, m), t + 1) <= t):
+                        ready.append((1, -s, m, s))
+                elif (s, m) not in b_end and f_end[(s, m)] <= t and (s == d - 1 or b_end.get((s + 1, m), t + 1) <= t):
+                    ready.append((0, -s, m, s))
+            if ready:
+                backward, _, m, s = min(ready)
+                if backward == 0:
+                    b_end[(s, m)] = busy[w] = t + 2
+                    held[w] -= 1
+                else:
+                    f_end[(s, m)] = busy[w] = t + 1
+                    held[w] += 1
+                started = True
+        if not started and max(busy) <= t:
+            return None
+        t += 1
+    return max(b_end.values())
+
+
+def _lower_bound(d: int, n: int, pipes: int) -> int:
+    """Every worker runs N forwards and N backwards (3N at t_b = 2 t_f); it starts no earlier than its
+    shallowest stage s allows (s·t_f) and after its last backward, at stage s', s'·t_b remain."""
+    place = chimera_placement(d, pipes)
+    return 3 * n + max(3 * min(row.index(w) for row in place) for w in range(d))
+
+
+def test_plain_list_scheduler_yardstick() -> None:
+    """D = 4, N = 16 at t_b = 2 t_f: DAPPLE 57, the plain list scheduler 55."""
+    assert simulate(dapple(4, 16), 1, 2).makespan == 57
+    assert _plain_list_makespan(4, 16, 2) == 55
+
+
+DIRECT_GRID = [(d, n, pipes) for d in (2, 4, 6, 8) for n in sorted({d + 1, 2 * d, 2 * d + 1, 3 * d, 4 * d})
+               for pipes in chimera_pipelines(d) if pipes <= 4]
+
+
+@pytest.mark.parametrize("d, n, pipes", DIRECT_GRID)
+def test_direct_concatenation_at_practical_costs(d: int, n: int, pipes: int) -> None:
+    """N > D, t_b = 2 t_f (§3.5, Figure 7b): no slower than the plain list scheduler under the same
+    activation bound, no faster than the work allows, and no slower than DAPPLE for whole units; every
+    micro-batch stays on the pipeline Chimera deals it to."""
+    s = validate(chimera(d, n, pipes, "direct"))
+    sim = simulate(s, 1, 2)
     assert max(sim.peak_activations) <= d
+    assert {a.mb: a.pipe for acts in s.workers for a in acts} == _chimera_pipe_of(d, n, pipes)
+    plain = _plain_list_makespan(d, n, pipes)
+    assert plain is None or sim.makespan <= plain
+    assert sim.makespan >= _lower_bound(d, n, pipes)
+    if n % d == 0:
+        assert sim.makespan <= simulate(dapple(d, n), 1, 2).makespan
+
+
+CHIMERA_D4_N8 = """\
+P0: 0F0 0F1 0F4 3F2p1 3B2p1 3F3p1 3B3p1 0B0 0F5 0B1 3F6p1 3B6p1 3F7p1 3B7p1 0B4 0B5
+P1: 1F0 2F2p1 1F1 2F3p1 2B2p1 1B0 2B3p1 1B1 1F4 2F6p1 1F5 2F7p1 2B6p1 1B4 2B7p1 1B5
+P2: 1F2p1 2F0 1F3p1 2F1 2B0 1B2p1 2B1 1B3p1 1F6p1 2F4 1F7p1 2F5 2B4 1B6p1 2B5 1B7p1
+P3: 0F2p1 0F3p1 0F6p1 3F0 3B0 3F1 3B1 0B2p1 0F7p1 0B3p1 3F4 3B4 3F5 3B5 0B6p1 0B7p1"""
+
+
+def test_direct_concatenation_golden_d4_n8() -> None:
+    """The second unit's first forward (4) fills worker 0's wait for the first backwards; 29 time
+    units at t_b = 2 t_f against DAPPLE's 33 (the first unit alone, Figure 3, takes 16)."""
+    s = chimera(4, 8)
+    assert s.format() == CHIMERA_D4_N8
+    assert simulate(s, 1, 2).makespan == 29 <= _plain_list_makespan(4, 8, 2)
+    # worker 0 sends activation 4 before gradients 2p1 and 3p1, worker 1 uses it after them (and the mirror
+    # image on pair 3 → 2): two of the six communicating pairs consume out of send order; the runtime's
+    # rounds receive in send order (tests/test_messages.py)
+    assert fifo_violations(s) == [(0, 1), (3, 2)]
+
+
+def test_best_concat_is_the_fastest_simulated_method() -> None:
+    """strategy.concat=auto: the fastest of the methods that apply, ties to fewer activations, then direct."""
+    for d, n, b in [(4, 8, 1), (4, 8, 2), (4, 16, 2), (8, 16, 2), (6, 18, 1), (4, 4, 2), (2, 4, 2)]:
+        methods = concat_choices(d, n, b)
+        sims = {m: simulate(chimera(d, n, 2, m), 1, 2) for m in methods}
+        fastest = min(sim.makespan for sim in sims.values())
+        tied = [m for m in CONCAT_METHODS if m in sims and sims[m].makespan == fastest]
+        expected = min(tied, key=lambda m: max(sims[m].peak_activations))
+        assert best_concat(d, n, 2, b) == expected, (d, n, b)
+    assert concat_choices(4, 4, 2) == ("direct",)  # one basic unit: nothing to concatenate
+    assert concat_choices(4, 6, 2) == ("direct", "backward_halving")  # no full unit of 2D to double
+    assert concat_choices(4, 8, 1) == ("direct", "forward_doubling")  # an odd B cannot be halved
+    assert best_concat(2, 4, 2, 2) == "direct"  # D = 2: all three take 12, the tie goes to direct
+    assert best_concat(4, 8, 2, 1) == "forward_doubling"  # 28 against direct's 29
+    assert best_concat(4, 8, 2, 2) == "backward_halving"  # 28 as well, with half the activations
+    # measured costs per method: slow halves make halving lose
+    slow_halves = {"direct": (1.0, 2.0, 0.0), "forward_doubling": (1.5, 2.0, 0.0), "backward_halving": (1.0, 3.0, 0.0)}
+    assert best_concat(4, 8, 2, 2, costs=slow_halves.__getitem__) == "direct"
+    assert resolve_concat("chimera", 4, 8, None, 2, "auto") == "backward_halving"
+    assert resolve_concat("dapple", 4, 8, None, 2, "auto") == "direct"
+    assert resolve_concat("chimera", 4, 8, None, 2, "forward_doubling") == "forward_doubling"
 
 
 @pytest.mark.parametrize("d", [4, 6, 8])

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from strategies.schedules import ASYNC_SCHEDULES, Schedule, build_schedule, simulate, validate
+from strategies.schedules import (
+    ASYNC_SCHEDULES, AUTO_CONCAT, Schedule, best_concat, build_schedule, concat_choices, resolve_concat, simulate,
+    validate,
+)
 from strategies.schedules.asynchronous import steady_step, steady_step_makespan, window
 
 from .costs import Collective, rabenseifner, sync_timeline
@@ -67,7 +70,21 @@ class Candidate:
         return self.W * self.B * self.N
 
     def schedule(self) -> Schedule:
-        return schedule_of(self.strategy, self.D, self.N, self.pipelines, self.concat)
+        return schedule_of(self.strategy, self.D, self.N, self.pipelines, self.resolved().concat)
+
+    def resolved(self, costs: ModelCosts | None = None, partition: Sequence[range] | None = None) -> Candidate:
+        """This layout with ``concat=auto`` replaced by the method :func:`strategies.schedules.best_concat`
+        picks: at t_b = 2 t_f as the runtime does, or with ``costs``, at this model's measured costs of
+        each method (:func:`stage_costs`), so that the planner recommends the concrete method."""
+        if self.concat != AUTO_CONCAT:
+            return self
+        if costs is None or self.strategy != "chimera":
+            return replace(self, concat=resolve_concat(self.strategy, self.D, self.N, self.pipelines, self.B,
+                                                       self.concat))
+        part = list(partition) if partition is not None else runtime_partition(costs, self.D)
+        method = best_concat(self.D, self.N, self.pipelines, self.B,
+                             costs=lambda m: stage_costs(costs, replace(self, concat=m), part))
+        return replace(self, concat=method)
 
     def recompute_stages(self) -> frozenset[int]:
         from strategies.recompute import recompute_stages
@@ -113,7 +130,7 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
     """Every layout of ``devices`` processes for this global batch (the planner's search space).
 
     W·D = devices; B a power of two with W·B dividing B̂; Chimera with 2f pipelines for every divisor f
-    of D/2 and, when N > D, each concatenation method of §3.5 (backward halving needs an even B);
+    of D/2 and each concatenation method of §3.5 that ``strategy.concat=auto`` compares (``concat_choices``);
     recomputation none / always.
     """
     if devices < 1 or global_batch_size < 1:
@@ -149,13 +166,8 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
                     if D % 2:
                         continue
                     pipes = [2 * f for f in range(1, D // 2 + 1) if (D // 2) % f == 0]
-                    concats = ["direct"]
-                    if N > D:
-                        if N >= 2 * D:
-                            concats.append("forward_doubling")
-                        if B % 2 == 0:
-                            concats.append("backward_halving")
-                    variants = [(p, c) for p in pipes for c in concats]
+                    # every method strategy.concat=auto would compare, each predicted at its own costs
+                    variants = [(p, c) for p in pipes for c in concat_choices(D, N, B)]
                 for pipes, concat in variants:
                     for mode in recompute:
                         out.append(Candidate(name, W, D, B, N, pipes, concat, mode, grad_sync))
@@ -216,8 +228,10 @@ def _last_backward_end(timeline: Sequence, stage: int) -> float:
 
 def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,
                  cores: int | None = None) -> TimePrediction:
-    """Predicted seconds of one training iteration (forward, backward, gradient sync, AdamW step)."""
+    """Predicted seconds of one training iteration (forward, backward, gradient sync, AdamW step).
+    ``concat=auto`` is predicted as the runtime resolves it (:meth:`Candidate.resolved`)."""
     partition = list(partition) if partition is not None else runtime_partition(costs, cand.D)
+    cand = cand.resolved()
     t_f, t_b, t_comm = stage_costs(costs, cand, partition)
     cores = costs.cores if cores is None else cores
     if cand.strategy in ASYNC_SCHEDULES:

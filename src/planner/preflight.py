@@ -38,8 +38,9 @@ def candidate_from_config(cfg: Mapping[str, Any], layout: Any) -> Candidate:
     W, D, B, N = (int(_get(layout, k)) for k in ("W", "D", "B", "N"))
     if name in BASELINES:
         return Candidate("gpipe", W, 1, B, N, 1, "direct", "none", "end")
+    concat = str(_get(layout, "concat", None) or strategy.get("concat") or "direct")  # the layout's is resolved
     return Candidate(name, W, D, B, N, int(_get(layout, "pipelines", 1) or 1),
-                     str(strategy.get("concat") or "direct") if name == "chimera" else "direct",
+                     concat if name == "chimera" else "direct",
                      str(strategy.get("recompute") or "none"), str(strategy.get("grad_sync") or "end"))
 
 

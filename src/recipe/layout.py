@@ -25,6 +25,8 @@ class Layout:
     global_batch_size: int
     pipelines: int
     variant: str = ""  # settings beyond the schedule's defaults, e.g. "forward_doubling+eager_opt"
+    concat: str = "direct"  # Chimera's N > D method that runs (strategy.concat=auto resolved)
+    concat_auto: bool = False  # strategy.concat=auto chose it
 
     @property
     def label(self) -> str:
@@ -49,6 +51,7 @@ class Layout:
             f"layout: {self.label}  W={self.W} replicas × D={self.D} stages = {self.world_size} processes; "
             f"B={self.B} × N={self.N} micro-batches × W={self.W} = global batch {self.global_batch_size}"
             + (f"; {self.pipelines} pipelines" if self.pipelines > 1 else "")
+            + (f"; concat=auto → {self.concat}" if self.concat_auto else "")
         )
 
 
@@ -131,8 +134,11 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
         if pipelines not in valid:
             raise ConfigError(f"strategy.pipelines = {pipelines} must be 2f for a divisor f of D/2 = {D // 2}; choose one of {valid}")
     N = global_batch_size // (W * B)
-    _check_schedule(name, D, N, B, pipelines, str(strategy.get("concat") or "direct"))
-    return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, name, pipelines))
+    requested = str(strategy.get("concat") or "direct") if name == "chimera" else "direct"
+    concat = _resolve_concat(name, D, N, B, pipelines, requested)
+    _check_schedule(name, D, N, B, pipelines, concat)
+    return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, name, pipelines, concat),
+                  concat, requested == "auto")
 
 
 def _check_trainer_keys(trainer: dict[str, Any]) -> None:
@@ -145,6 +151,17 @@ def _check_trainer_keys(trainer: dict[str, Any]) -> None:
     if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
         raise ConfigError(f"trainer.peak_tflops = {peak!r} must be a positive number (the device's peak TFLOP/s, "
                           "for MFU) or null (looked up from the GPU's name)")
+
+
+def _resolve_concat(name: str, D: int, N: int, B: int, pipelines: int, concat: str) -> str:
+    """``strategy.concat=auto``: the method :func:`strategies.schedules.best_concat` picks for this layout,
+    the same the workers' engines pick."""
+    from strategies.schedules import AUTO_CONCAT, CONCAT_METHODS, resolve_concat
+
+    if concat not in (*CONCAT_METHODS, AUTO_CONCAT):
+        raise ConfigError(f"strategy.concat = {concat!r} is not a concatenation method (Chimera §3.5); use one of "
+                          f"{', '.join((*CONCAT_METHODS, AUTO_CONCAT))}")
+    return resolve_concat(name, D, N, pipelines, B, concat)
 
 
 def _check_schedule(name: str, D: int, N: int, B: int, pipelines: int, concat: str) -> None:
@@ -163,11 +180,11 @@ def _check_schedule(name: str, D: int, N: int, B: int, pipelines: int, concat: s
                           f"= {B} is odd; use an even micro_batch_size (e.g. {B + 1}) or concat = direct")
 
 
-def _variant(strategy: dict[str, Any], name: str, pipelines: int) -> str:
+def _variant(strategy: dict[str, Any], name: str, pipelines: int, concat: str = "direct") -> str:
     parts = []
     if name == "chimera":
-        if strategy.get("concat", "direct") != "direct":
-            parts.append(str(strategy["concat"]))
+        if concat != "direct":
+            parts.append(concat)
         if pipelines != 2:
             parts.append(f"{pipelines}pipes")
     if strategy.get("grad_sync", "end") != "end":

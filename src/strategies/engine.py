@@ -25,7 +25,7 @@ from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
 from .p2p import PipeComm, replica_groups
 from .pipeline_model import Batch, PipelineModel, materialize_local, split_batch
 from .recompute import RECOMPUTE_MODES, recompute_stages
-from .schedules import ASYNC_SCHEDULES, Action, Schedule, build_schedule, dapple, validate
+from .schedules import ASYNC_SCHEDULES, Action, Schedule, build_schedule, dapple, resolve_concat, validate
 from .schedules.asynchronous import run as async_run
 from .schedules.asynchronous import weight_delay, window
 from .topology import Topology
@@ -44,7 +44,7 @@ class PipelineConfig:
     stages: int = 2
     micro_batch_size: int = 1
     pipelines: int | None = None
-    concat: str = "direct"
+    concat: str = "direct"  # or "auto" (Chimera only): picked per N by best_concat
     timeout_s: float = 120.0
     grad_sync: str = "end"
     recompute: str = "none"
@@ -70,8 +70,15 @@ class PipelineConfig:
         """The least N the schedule accepts (to build the topology before any batch is seen)."""
         return 1 if self.schedule == "pipedream" else max(self.stages, 1)
 
+    def concat_for(self, micro_batches: int) -> str:
+        """The concatenation method run at N = ``micro_batches`` (``auto``: the fastest, see
+        :func:`strategies.schedules.best_concat`)."""
+        return resolve_concat(self.schedule, self.stages, micro_batches, self.pipelines, self.micro_batch_size,
+                              self.concat)
+
     def build(self, micro_batches: int) -> Schedule:
-        return validate(build_schedule(self.schedule, self.stages, micro_batches, self.pipelines, self.concat))
+        return validate(build_schedule(self.schedule, self.stages, micro_batches, self.pipelines,
+                                       self.concat_for(micro_batches)))
 
 
 def even_partition(num_layers: int, stages: int) -> list[range]:

@@ -10,10 +10,15 @@ Pure functions from sizes to :class:`~strategies.schedules.actions.Schedule` dat
   reverse. Micro-batches are dealt to the pipelines in *basic units* of D (§3.5), each unit
   split evenly (Figure 3: 0, 1 down; 2, 3 up). All pipelines are then list-scheduled together
   at equal slot costs under 1F1B's activation bound per stage, which reproduces the merge of
-  Figure 3 (N = D), Table 3 (2f pipelines), and lets the next unit's forwards fill the
-  previous unit's tail bubbles (``direct`` concatenation, Figure 7b). ``forward_doubling``
-  uses units of 2D micro-batches whose forwards run two at once; ``backward_halving`` units of
-  D micro-batches whose backwards run in two halves; residual micro-batches form basic units.
+  Figure 3 (N = D), Table 3 (2f pipelines). ``direct`` concatenation (Figure 7b) lets the next
+  unit's forwards fill the previous unit's tail bubbles; with t_b = 2 t_f the backwards leave
+  intermediate bubbles that equal slots do not see, so for N > D the units are also list-scheduled
+  in time at t_b = 2 t_f under Chimera's activation bound (≤ D micro-batches in flight per worker,
+  Table 2), by 1F1B's priority and by the longest remaining path, and the order that simulates
+  fastest is kept. ``forward_doubling`` uses units of 2D micro-batches whose forwards run two at
+  once; ``backward_halving`` units of D micro-batches whose backwards run in two halves; residual
+  micro-batches form basic units. Which of the three is fastest "is not a priori" (§3.5):
+  :func:`best_concat` simulates them.
 * GEMS (Chimera §2, Table 2): two replicas in opposite directions on Chimera's placement with
   f = 1; micro-batches alternate between them and every worker runs micro-batch k's forward and
   backward before micro-batch k+1's, so at most two micro-batches are active and each worker holds
@@ -23,14 +28,21 @@ Pure functions from sizes to :class:`~strategies.schedules.actions.Schedule` dat
 
 from __future__ import annotations
 
+import heapq
+import math
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from .actions import Action, Schedule
 from .asynchronous import ASYNC_SCHEDULES
 from .asynchronous import run as async_run
 from .graph import dependencies, forward_index
+from .messages import fifo_violations, received_messages, sent_messages
+from .simulate import Cost, simulate
 
 CONCAT_METHODS = ("direct", "forward_doubling", "backward_halving")
+AUTO_CONCAT = "auto"  # strategy.concat=auto: best_concat picks one of CONCAT_METHODS per layout
+PRACTICAL_COSTS = (1.0, 2.0)  # (t_f, t_b): a backward costs about two forwards (Chimera §3.4, §3.5)
 
 
 def _check_sizes(name: str, stages: int, micro_batches: int) -> None:
@@ -177,6 +189,123 @@ def _list_schedule(
     return workers
 
 
+Priority = Callable[[Action], tuple]
+
+
+def _timed_list_schedule(
+    stages: int,
+    placement: tuple[tuple[int, ...], ...],
+    forwards: dict[tuple[int, int], list[Action]],
+    backwards: dict[tuple[int, int], list[Action]],
+    priority: Priority,
+    t_f: float,
+    t_b: float,
+    in_order: bool = False,
+) -> list[list[Action]]:
+    """Merge all pipelines into per-worker orders by list scheduling in time (Graham's rule).
+
+    Whenever a worker is idle it starts, among its ready candidates, the one ``priority`` ranks
+    first (with ``in_order``, first among those that take their inputs from each peer in the
+    order the peer sent them); a forward costs ``t_f`` per micro-batch, a backward ``t_b`` (half
+    for a halved one). Every (pipe, stage) keeps its forwards and its backwards in micro-batch
+    order and holds at most ``D - s`` micro-batches of activations (1F1B's bound), and every
+    worker at most ``D`` (Chimera Table 2's bound). To never deadlock, a worker keeps room for one
+    micro-batch for each of its stage copies that holds none and still has forwards to run: then
+    the oldest unfinished micro-batch of every pipeline can always take its next step.
+    """
+    every = [a for queues in (forwards, backwards) for acts in queues.values() for a in acts]
+    index = {a: i for i, a in enumerate(every)}
+    fwd_of = forward_index(a for acts in forwards.values() for a in acts)
+    deps = [[index[d] for d in dependencies(a, fwd_of, stages)] for a in every]  # type: ignore[index]
+    rank = [priority(a) for a in every]
+    units = [a.activation_units for a in every]
+    cost = [t_f * len(a.mbs) if a.kind == "F" else t_b * (0.5 if a.half is not None else 1.0) for a in every]
+    inputs = [[(placement[a.pipe][st], msg) for st, msg in received_messages(a, stages)] for a in every]
+    outputs = [[(placement[a.pipe][st], msg) for st, msg in sent_messages(a, stages)] for a in every]
+    queues = {w: [(key, [index[a] for a in forwards[key]], [index[a] for a in backwards[key]])
+                  for key in forwards if placement[key[0]][key[1]] == w and forwards[key]] for w in range(stages)}
+    heads = {(key, kind): 0 for key in forwards for kind in "FB"}
+    in_flight = dict.fromkeys(forwards, 0.0)
+    live = [0.0] * stages
+    done = [math.inf] * len(every)
+    free_at = [0.0] * stages
+    sent: dict[tuple[int, int], list] = defaultdict(list)  # (src, dst) → messages in send order
+    first: dict[tuple[int, int], int] = defaultdict(int)  # (src, dst) → first message not yet consumed
+    taken: set = set()
+    workers: list[list[Action]] = [[] for _ in range(stages)]
+
+    def out_of_order(i: int, w: int) -> bool:
+        return any(first[(src, w)] < len(sent[(src, w)]) and sent[(src, w)][first[(src, w)]] != msg
+                   for src, msg in inputs[i])
+
+    remaining, now, events = len(every), 0.0, []
+    while remaining:
+        for w in range(stages):
+            if free_at[w] > now:
+                continue
+            reserved = sum(1 for key, fq, _ in queues[w] if in_flight[key] == 0 and heads[(key, "F")] < len(fq))
+            best: tuple | None = None
+            for key, fq, bq in queues[w]:
+                for kind, queue in (("F", fq), ("B", bq)):
+                    h = heads[(key, kind)]
+                    if h == len(queue):
+                        continue
+                    i = queue[h]
+                    if kind == "F" and not (in_flight[key] + units[i] <= stages - key[1] and (
+                            in_flight[key] == 0 or live[w] + reserved + units[i] <= stages)):
+                        continue
+                    if all(done[d] <= now for d in deps[i]):
+                        order = (in_order and out_of_order(i, w), rank[i], key)
+                        if best is None or order < best[0]:
+                            best = (order, key, kind, i)
+            if best is None:
+                continue
+            _, key, kind, i = best
+            sign = 1 if kind == "F" else -1
+            heads[(key, kind)] += 1
+            in_flight[key] += sign * units[i]
+            live[w] += sign * units[i]
+            done[i] = free_at[w] = now + cost[i]
+            heapq.heappush(events, done[i])
+            workers[w].append(every[i])
+            for dst, msg in outputs[i]:
+                sent[(w, dst)].append(msg)
+            for src, msg in inputs[i]:
+                taken.add(msg)
+                pair = (src, w)
+                while first[pair] < len(sent[pair]) and sent[pair][first[pair]] in taken:
+                    first[pair] += 1
+            remaining -= 1
+        while events and events[0] <= now:
+            heapq.heappop(events)
+        if remaining and not events:
+            raise RuntimeError("Chimera timed list scheduling made no progress: generator bug")
+        now = events[0] if events else now
+    return workers
+
+
+def _priorities(stages: int, t_f: float, t_b: float) -> list[Priority]:
+    """The list-scheduling rules tried for direct concatenation, in order of preference.
+
+    * 1F1B's: backward first (frees activations), then the deepest stage, then the oldest
+      micro-batch.
+    * Latest start first: the action with the longest remaining path to its micro-batch's end
+      (``(D - s)·t_f + D·t_b`` from a forward of stage s, ``(s + 1)·t_b`` from a backward),
+      micro-batch m counted as released ``λ·m·t_f`` later, for a few release spacings λ.
+    """
+    def tail(a: Action) -> float:
+        return (stages - a.stage) * t_f + stages * t_b if a.kind == "F" else (a.stage + 1) * t_b
+
+    rules: list[Priority] = [lambda a: (a.kind != "B", -a.stage, a.mb)]
+    for spacing in (0.5, 1.0, 0.0, 2.0):
+        rules.append(lambda a, spacing=spacing: (spacing * a.mb * t_f - tail(a), a.mb))
+    return rules
+
+
+def _copy(queues: dict[tuple[int, int], list[Action]]) -> dict[tuple[int, int], list[Action]]:
+    return {key: list(queue) for key, queue in queues.items()}
+
+
 def _unit_tasks(mbs: Sequence[int], method: str) -> list[tuple[tuple[int, ...], list[tuple[int, int | None]]]]:
     """Forward groups of one unit, each with its backward pieces as (micro-batch, half)."""
     if method == "forward_doubling":
@@ -216,10 +345,76 @@ def chimera(stages: int, micro_batches: int, pipelines: int = 2, concat: str = "
     share = max(stages // pipelines, 1)
     scale = 2 if concat == "forward_doubling" else 1
     caps = {(p, s): float(scale * min(stages - s, share)) for p, s in keys}
-    workers = _list_schedule(stages, placement, forwards, backwards, caps)
-    return Schedule(
-        "chimera", stages, micro_batches, placement, tuple(map(tuple, workers)), concat
-    )
+    orders = [_list_schedule(stages, placement, _copy(forwards), _copy(backwards), caps)]
+    if concat == "direct" and micro_batches > stages:
+        t_f, t_b = PRACTICAL_COSTS
+        orders += [_timed_list_schedule(stages, placement, forwards, backwards, rule, t_f, t_b, in_order)
+                   for in_order in (False, True) for rule in _priorities(stages, t_f, t_b)]
+    schedules = [Schedule("chimera", stages, micro_batches, placement, tuple(map(tuple, w)), concat) for w in orders]
+    if len(schedules) == 1:
+        return schedules[0]
+    # The fastest at t_b = 2 t_f; on a tie the fewest pairs receiving out of send order, then the
+    # earlier rule (the equal-slot merge first: it is Figure 7b's seamless concatenation at t_b = t_f).
+    return min(schedules, key=lambda sc: (simulate(sc, *PRACTICAL_COSTS).makespan, len(fifo_violations(sc))))
+
+
+def concat_choices(stages: int, micro_batches: int, micro_batch_size: int | None = None) -> tuple[str, ...]:
+    """The concatenation methods worth comparing for a layout (§3.5): direct always; forward
+    doubling once a full unit of 2D micro-batches exists (N ≥ 2D); backward halving when N > D and
+    the micro-batch splits in two halves (even B; ``None``: any B)."""
+    choices = ["direct"]
+    if micro_batches > stages:
+        if micro_batches >= 2 * stages:
+            choices.append("forward_doubling")
+        if micro_batch_size is None or micro_batch_size % 2 == 0:
+            choices.append("backward_halving")
+    return tuple(choices)
+
+
+CostsOf = Callable[[str], tuple[Cost, Cost, float]]
+
+
+def best_concat(
+    stages: int,
+    micro_batches: int,
+    pipelines: int = 2,
+    micro_batch_size: int | None = None,
+    t_f: Cost = PRACTICAL_COSTS[0],
+    t_b: Cost = PRACTICAL_COSTS[1],
+    t_comm: float = 0.0,
+    *,
+    costs: CostsOf | None = None,
+) -> str:
+    """``strategy.concat=auto``: the concatenation method whose Chimera schedule simulates fastest.
+
+    "To select the best of the three methods is not a priori" (Chimera §3.5): each method of
+    :func:`concat_choices` is built and simulated at ``t_f``/``t_b``/``t_comm`` (per micro-batch,
+    one number or one per stage; by default t_b = 2 t_f), or at ``costs(method)`` where a caller
+    knows each method's own costs (the planner's measured ones: halving runs half-size backwards).
+    Ties go to the method that holds fewer activations, then to the earlier of direct, forward
+    doubling, backward halving. The one rule behind ``strategy.concat=auto`` everywhere: the
+    layout check, the engine, the viewer and the planner.
+    """
+    _check_chimera(stages, micro_batches, pipelines, "direct")
+    ranked = []
+    for order, method in enumerate(concat_choices(stages, micro_batches, micro_batch_size)):
+        schedule = chimera(stages, micro_batches, pipelines, method)
+        f, b, comm = costs(method) if costs is not None else (t_f, t_b, t_comm)
+        sim = simulate(schedule, f, b, t_comm=comm)
+        ranked.append((sim.makespan, max(sim.peak_activations), order, method))
+    return min(ranked)[3]
+
+
+def resolve_concat(
+    name: str, stages: int, micro_batches: int, pipelines: int | None, micro_batch_size: int | None, concat: str
+) -> str:
+    """``concat`` with ``auto`` replaced by :func:`best_concat`'s choice (``direct`` for schedules other
+    than Chimera, which have no units to concatenate)."""
+    if concat != AUTO_CONCAT:
+        return concat
+    if name != "chimera":
+        return "direct"
+    return best_concat(stages, micro_batches, 2 if pipelines is None else pipelines, micro_batch_size)
 
 
 def gems(stages: int, micro_batches: int) -> Schedule:
