@@ -138,8 +138,9 @@ def test_a_dataset_saved_to_disk(tmp_path: Path, corpus: Path) -> None:
     import datasets
 
     docs = [" ".join(p.split("\n")[1:]) for p in corpus.read_text().split("\n\n") if p.strip()]
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"article": docs[:-4]}),
-                          "validation": datasets.Dataset.from_dict({"article": docs[-4:]})}).save_to_disk(tmp_path / "ds")
+    splits = {"train": docs[:-4], "validation": docs[-4:]}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"article": v}) for k, v in splits.items()}).save_to_disk(
+        tmp_path / "ds")
     source = build_source("wikipedia", family="bert", seq_len=32, vocab_size=300, seed=0, path=str(tmp_path / "ds"),
                           hf_name=None, text_column="article", val_split="validation", streaming=False,
                           cache_dir=str(tmp_path / "cache"))
@@ -156,7 +157,8 @@ def test_node_cache_is_built_once(tmp_path: Path) -> None:
         tmp.write_text("prepared")
 
     found: list[Path] = []
-    ranks = [threading.Thread(target=lambda: found.append(prepared(tmp_path / "artefact", build, 30))) for _ in range(3)]
+    ranks = [threading.Thread(target=lambda: found.append(prepared(tmp_path / "artefact", build, 30)))
+             for _ in range(3)]
     for rank in ranks:
         rank.start()
     for rank in ranks:
@@ -214,3 +216,38 @@ def test_the_tokenizer_travels_to_the_export(tmp_path: Path, corpus: Path) -> No
     text = "The cat sat on a mat."
     assert again(text)["input_ids"] == tokenizer(text)["input_ids"] and again.mask_token_id == tokenizer.mask_token_id
     assert export_hf.save_tokenizer({}, tmp_path / "none") == []  # synthetic data: no tokenizer
+
+
+@pytest.mark.slow
+def test_train_py_on_local_text_with_a_saved_tokenizer_then_export(tmp_path: Path, corpus: Path) -> None:
+    """``train.py data=text data.tokenizer=<dir>`` on two ranks (one prepares the node's cache, the other
+    waits and reads it), a checkpoint, and ``export_hf.py``: the exported directory loads as a model and
+    as the tokenizer it trained with. A model vocabulary below the tokenizer's stops before launch."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    tok_dir = save_tokenizer(tmp_path / "tok", corpus, GPT2_LIKE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}
+    common = [sys.executable, str(ROOT / "train.py"), "data=text", f"data.data_files={corpus}",
+              f"data.tokenizer={tok_dir}", f"data.cache_dir={tmp_path / 'cache'}", "trainer=cpu", "logger=none",
+              "preflight=false"]
+    small = subprocess.run([*common, f"hydra.run.dir={tmp_path / 'small'}", "model.vocab_size=100"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert small.returncode == 2 and "set model.vocab_size=301" in small.stderr, small.stderr[-2000:]
+    assert not (tmp_path / "small" / "logs").exists()  # no process started
+    run = tmp_path / "run"
+    done = subprocess.run([*common, f"hydra.run.dir={run}", "strategy=gpipe", "strategy.D=2", "trainer.devices=2",
+                           "trainer.max_steps=2", "checkpoint.every_n_steps=2", "data.global_batch_size=4",
+                           "model.seq_len=16"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert len(json.loads((run / "results.json").read_text())["loss_history"]) == 2
+    assert "tokenizing" in (run / "logs" / "rank0.log").read_text()
+    assert "tokenizing" not in (run / "logs" / "rank1.log").read_text()  # read the node's cache
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import export_hf
+
+    export_hf.export(run / "checkpoints" / "step-000002.ckpt", tmp_path / "hf")  # the sharded checkpoint
+    exported, original = AutoTokenizer.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(tok_dir)
+    text = "The cat sat on a mat."
+    assert exported(text)["input_ids"] == original(text)["input_ids"]
+    assert exported.eos_token_id == original.eos_token_id == 300
+    assert GPT2LMHeadModel.from_pretrained(tmp_path / "hf").config.vocab_size >= len(exported)

@@ -19,7 +19,8 @@ from typing import Any
 
 from .corpus import (BertPairDataset, LMBlockDataset, load_rows, load_text_dataset, make_nsp_instances,
                      split_documents, tokenize_rows)
-from .factory import SOURCE_DEFAULTS, SOURCES, DataSource, build_dataloaders, build_datasets, build_source, make_dataloader
+from .factory import (SOURCE_DEFAULTS, SOURCES, DataSource, build_dataloaders, build_datasets, build_source,
+                      make_dataloader)
 from .masking import BERT_SPECIAL_TOKENS, CLS_ID, IGNORE_INDEX, MASK_ID, PAD_ID, SEP_ID, SpecialIds, mlm_mask
 from .synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
 from .tokenizer import check_tokenizer_config, load_or_train_bpe, load_tokenizer, train_bpe

@@ -120,9 +120,9 @@ def load_text_dataset(path: str | None = None, name: str | None = None, data_fil
 
     With ``data_files`` and no ``path`` the builder comes from the file extension; a ``path`` that is a
     directory written by ``Dataset.save_to_disk``/``DatasetDict.save_to_disk`` is read with
-    ``load_from_disk`` (memory-mapped: ``streaming`` does not apply). Without streaming ``split`` may be any ``datasets`` split expression
-    (``"train[:1%]"``); with it, a split name. ``fingerprint`` names the streamed rows' Arrow cache
-    (default: derived from the arguments).
+    ``load_from_disk`` (memory-mapped: ``streaming`` does not apply). Without streaming ``split`` may be
+    any ``datasets`` split expression (``"train[:1%]"``); with it, a split name. ``fingerprint`` names the
+    streamed rows' Arrow cache (default: derived from the arguments).
     """
     import datasets
 

@@ -10,7 +10,8 @@ the item format: GPT-2 LM blocks or BERT pre-training pairs. Text sources are to
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,18 @@ def _split_tail(dataset: Dataset, fraction: float) -> tuple[Dataset, Dataset | N
     return torch.utils.data.Subset(dataset, range(n - n_val)), torch.utils.data.Subset(dataset, range(n - n_val, n))
 
 
+@contextmanager
+def _scratch(tmp: Path) -> Iterator[Path]:
+    """A fresh directory beside ``tmp`` for the intermediate Arrow files of one build, removed after it."""
+    work = tmp.with_name(tmp.name + ".work")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 class _Corpus:
     """One split of a text source: its rows (loaded only on a cache miss) and how it is prepared."""
 
@@ -96,14 +109,10 @@ class _Corpus:
         key = text_digest([self.key, self.rows_are, tok_key, str(seq_len)])[:24]
 
         def build(tmp: Path) -> None:
-            work = tmp.with_name(tmp.name + ".work")
-            work.mkdir(parents=True, exist_ok=True)
-            try:
+            with _scratch(tmp) as work:
                 tokens = self._tokens(tokenizer, work)
                 group_blocks(tokens, seq_len, self.rows_are, num_proc=self.num_proc,
                              cache_file=str(work / "blocks.arrow")).save_to_disk(str(tmp))
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
 
         return datasets.load_from_disk(str(prepared(self.cache / "blocks" / f"{self.family}-{key}", build,
                                                     self.timeout_s)))
@@ -113,12 +122,8 @@ class _Corpus:
         key = text_digest([self.key, self.rows_are, tok_key])[:24]
 
         def build(tmp: Path) -> None:
-            work = tmp.with_name(tmp.name + ".work")
-            work.mkdir(parents=True, exist_ok=True)
-            try:
+            with _scratch(tmp) as work:
                 assemble_corpus(self._tokens(tokenizer, work), self.rows_are, len(tokenizer)).save(tmp)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
 
         return TokenizedCorpus.load(prepared(self.cache / "tokens" / f"{self.family}-{key}.npz", build, self.timeout_s))
 
@@ -206,9 +211,12 @@ def build_source(name: str = "synthetic", *, family: str, seq_len: int, vocab_si
 
     def corpus(split: str) -> _Corpus:
         key = text_digest([origin, split, str(max_rows), opt["rows_are"], opt["text_column"]])
-        load = lambda: load_text_dataset(split=split, text_column=opt["text_column"], cache_dir=str(cache),  # noqa: E731
-                                         max_rows=max_rows, streaming=bool(opt["streaming"]), fingerprint=key[:32],
-                                         **source)
+
+        def load() -> Any:
+            return load_text_dataset(split=split, text_column=opt["text_column"], cache_dir=str(cache),
+                                     max_rows=max_rows, streaming=bool(opt["streaming"]), fingerprint=key[:32],
+                                     **source)
+
         return _Corpus(key, load, family=family, rows_are=opt["rows_are"], cache=cache, num_proc=num_proc,
                        timeout_s=float(prepare_timeout_s))
 
