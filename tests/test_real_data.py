@@ -80,6 +80,8 @@ def test_gpt2_blocks_with_a_saved_tokenizer(tmp_path: Path, corpus: Path) -> Non
     for source in (one, two):
         got = np.stack([source.train[i]["input_ids"].numpy() for i in range(len(source.train))])
         np.testing.assert_array_equal(got, expected)
+    batch = one.train.__getitems__([3, 0, 5])  # the DataLoader's batched fetch: one Arrow read
+    np.testing.assert_array_equal(np.stack([item["input_ids"].numpy() for item in batch]), expected[[3, 0, 5]])
     assert (expected == eos).any()
 
 
@@ -118,6 +120,8 @@ def test_vocab_must_cover_the_tokenizer(tmp_path: Path, corpus: Path) -> None:
     with pytest.raises(ValueError, match="model.vocab_size"):
         check_tokenizer_config(data)  # what train.py runs before any process starts
     check_tokenizer_config({**data, "vocab_size": n})
+    with pytest.raises(ValueError, match="no pad_token, cls_token, sep_token, mask_token"):
+        check_tokenizer_config({**data, "family": "bert", "vocab_size": n})
     with pytest.raises(ValueError, match="no pad_token, cls_token, sep_token, mask_token"):
         build_source("text", family="bert", seq_len=16, vocab_size=n, data_files=str(corpus), tokenizer=str(tok_dir),
                      cache_dir=str(tmp_path / "cache"))

@@ -374,6 +374,15 @@ class LMBlockDataset(Dataset):
             raise IndexError(index)
         return {"input_ids": torch.from_numpy(np.asarray(self.blocks[int(index)]["input_ids"], dtype=np.int64))}
 
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Tensor]]:
+        """A batch's items in one Arrow read (the DataLoader's batched fetch)."""
+        import torch
+
+        if any(not 0 <= i < self.num_blocks for i in indices):
+            raise IndexError(indices)
+        rows = np.asarray(self.blocks[[int(i) for i in indices]]["input_ids"], dtype=np.int64)
+        return [{"input_ids": torch.from_numpy(row)} for row in rows]
+
 
 def _truncate_pair(a: list[int], b: list[int], max_tokens: int) -> None:
     while len(a) + len(b) > max_tokens:

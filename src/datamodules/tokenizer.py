@@ -211,10 +211,13 @@ def write_tokenizer_files(files: Mapping[str, bytes], out_dir: str | os.PathLike
 
 
 def check_tokenizer_config(data: Mapping[str, Any]) -> None:
-    """Before launch: ``data.tokenizer`` loads and ``model.vocab_size`` covers it (nothing to check for the
-    offline BPE, trained to the model's vocabulary)."""
+    """Before launch: ``data.tokenizer`` loads, ``model.vocab_size`` covers it and BERT data finds its
+    special tokens (nothing to check for the offline BPE, trained to the model's vocabulary)."""
     name = data.get("tokenizer")
     if not name or data.get("name") == "synthetic":
         return
-    tokenizer = load_tokenizer(str(name), str(data.get("family", "gpt2")), bool(data.get("offline", False)))
+    family = str(data.get("family", "gpt2"))
+    tokenizer = load_tokenizer(str(name), family, bool(data.get("offline", False)))
     check_vocab(tokenizer, int(data["vocab_size"]), str(name))
+    if family == "bert":
+        bert_ids(tokenizer, str(name))
