@@ -2,7 +2,7 @@
 Transformers for Language Understanding, Devlin et al., 2019, section 3.1).
 
 The synthetic data and the offline BPE use ``[PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4`` for BERT
-(``BertConfig.pad_token_id`` is 0) and ``<|endoftext|>=0`` for GPT-2 (:data:`DEFAULT_BERT_IDS`). Real
+(``BertConfig.pad_token_id`` is 0, :func:`default_bert_ids`) and ``<|endoftext|>=0`` for GPT-2. Real
 tokenizers bring their own ids (BERT's ``[CLS]=101``, GPT-2's ``<|endoftext|>=50256``):
 :class:`SpecialIds` carries them. Of the real, non-special tokens 15% (at least one) are selected; a
 selected token becomes ``[MASK]`` 80% of the time, a random non-special token 10%, stays unchanged
