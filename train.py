@@ -8,10 +8,6 @@ and writes ``results.json`` next to the logs. Sweeps work the same way:
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs; nothing waits on the network
-
 import sys
 from pathlib import Path
 

@@ -1,8 +1,11 @@
-"""Data for the pipeline recipes: synthetic tokens, local text files, WikiText-2 and Wikipedia.
+"""Data for the pipeline recipes: synthetic tokens, local text files, WikiText-2 and Wikipedia, tokenized by
+any ``transformers`` tokenizer (``data.tokenizer``) or an offline BPE.
 
 Public API::
 
-    build_datasets(name, family=, seq_len=, vocab_size=, seed=, num_samples=, **source) -> (train, val | None)
+    build_source(name, family=, seq_len=, vocab_size=, seed=, num_samples=, tokenizer=, **source)
+        -> DataSource(train, val | None, tokenizer | None)
+    build_datasets(name, ...) -> (train, val | None)
     make_dataloader(dataset, batch_size, shuffle=, seed=) / build_dataloaders(...)   # no Lightning import
     build_datamodule(name, family=, seq_len=, vocab_size=, global_batch_size=, batch_size=, ...)  # Hydra target
     PipelineDataModule                                                                # LightningDataModule
@@ -14,18 +17,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from .corpus import BertPairDataset, LMBlockDataset, load_rows, make_nsp_instances, split_documents, tokenize_corpus
-from .factory import SOURCE_DEFAULTS, SOURCES, build_dataloaders, build_datasets, make_dataloader
-from .masking import BERT_SPECIAL_TOKENS, CLS_ID, IGNORE_INDEX, MASK_ID, PAD_ID, SEP_ID, mlm_mask
+from .corpus import (BertPairDataset, LMBlockDataset, load_rows, load_text_dataset, make_nsp_instances,
+                     split_documents, tokenize_rows)
+from .factory import (SOURCE_DEFAULTS, SOURCES, DataSource, build_dataloaders, build_datasets, build_source,
+                      make_dataloader)
+from .masking import BERT_SPECIAL_TOKENS, CLS_ID, IGNORE_INDEX, MASK_ID, PAD_ID, SEP_ID, SpecialIds, mlm_mask
 from .synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
-from .tokenizer import load_or_train_bpe, train_bpe
+from .tokenizer import check_tokenizer_config, load_or_train_bpe, load_tokenizer, train_bpe
 
 _LAZY = {"PipelineDataModule", "build_datamodule"}
 
 __all__ = [
     "BertPairDataset", "LMBlockDataset", "SyntheticBertDataset", "SyntheticGPT2Dataset", "SOURCES",
-    "SOURCE_DEFAULTS", "build_dataloaders", "build_datasets", "make_dataloader", "load_rows", "make_nsp_instances",
-    "split_documents", "tokenize_corpus", "load_or_train_bpe", "train_bpe", "mlm_mask", "BERT_SPECIAL_TOKENS",
+    "SOURCE_DEFAULTS", "DataSource", "build_dataloaders", "build_datasets", "build_source", "make_dataloader",
+    "load_rows", "load_text_dataset", "make_nsp_instances", "split_documents", "tokenize_rows", "load_or_train_bpe",
+    "load_tokenizer", "check_tokenizer_config", "train_bpe", "mlm_mask", "SpecialIds", "BERT_SPECIAL_TOKENS",
     "CLS_ID", "IGNORE_INDEX", "MASK_ID", "PAD_ID", "SEP_ID", *sorted(_LAZY),
 ]
 

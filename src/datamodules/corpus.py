@@ -1,13 +1,22 @@
-"""Text corpora through ``datasets.load_dataset``, tokenized offline, as GPT-2 blocks or BERT pairs.
+"""Text corpora through ``datasets``: loaded (or streamed), tokenized and grouped with ``Dataset.map``.
 
-* ``load_rows``: local files (``text``/``parquet``/``json``/``csv`` builders, picked from the
-  extension) or a hub dataset (``Salesforce/wikitext``, ``wikimedia/wikipedia``) for users with network or a
-  local cache; ``offline=True`` switches ``datasets``/``huggingface_hub`` to cache-only at run time.
-* ``TokenizedCorpus``: documents -> sentences -> token ids (one flat ``int32`` array plus offsets),
-  cached as ``.npz`` next to the tokenizer.
-* ``LMBlockDataset``: the token stream cut into ``seq_len`` blocks (GPT-2's ``run_clm`` grouping).
-* ``BertPairDataset``: sentence-pair instances built as Google's ``create_pretraining_data.py`` does
-  (50% actual next segment, 50% random segment from another document), MLM-masked per item.
+* :func:`load_text_dataset`: local files (``text``/``parquet``/``json``/``csv`` builders, picked from the
+  extension) or a hub dataset (``Salesforce/wikitext``, ``wikimedia/wikipedia``) as an Arrow dataset of
+  one ``text`` column. With ``streaming=True`` the rows are read as an ``IterableDataset`` and only the
+  first ``max_rows`` are taken (``IterableDataset.take``) and written to Arrow: a large corpus is never
+  downloaded whole.
+* :func:`tokenize_rows`: ``Dataset.map(batched=True, num_proc=…)`` with any ``transformers`` tokenizer.
+  GPT-2 (causal LM): each non-blank line (``rows_are="lines"``) is tokenized with its line break, a
+  blank line ends a document with the tokenizer's EOS (GPT-2's ``<|endoftext|>``; repeated blank lines
+  give one), and every row of ``rows_are="documents"`` is one document ending in EOS. BERT: rows are
+  split into sentences (at ``.``, ``!``, ``?``), each tokenized without special tokens.
+* :func:`group_blocks`: the GPT-2 token stream cut into ``seq_len`` blocks (``run_clm``'s grouping, with
+  no token lost at batch edges), again a batched ``Dataset.map``; the result does not depend on ``num_proc``.
+* :func:`assemble_corpus` + :func:`make_nsp_instances`: BERT sentence pairs as Google's
+  ``create_pretraining_data.py`` builds them (50% actual next segment, 50% random segment from
+  another document), MLM-masked per item (:class:`BertPairDataset`).
+
+The factory (:mod:`datamodules.factory`) keeps each result in a node-wide cache (:mod:`datamodules.cache`).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from __future__ import annotations
 import os
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,24 +33,12 @@ import numpy as np
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from .masking import bert_example, sample_rng
-from .tokenizer import file_digest, load_or_train_bpe, load_tokenizer_file, text_digest
+from .masking import SpecialIds, bert_example, sample_rng
 
 BUILDERS = {".txt": "text", ".raw": "text", ".tokens": "text", ".parquet": "parquet", ".json": "json",
             ".jsonl": "json", ".csv": "csv"}
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-
-
-def set_hub_offline() -> None:
-    """Cache-only mode for ``datasets`` and ``huggingface_hub`` (also when they are already imported)."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    import datasets.config
-    import huggingface_hub.constants
-
-    datasets.config.HF_HUB_OFFLINE = True
-    huggingface_hub.constants.HF_HUB_OFFLINE = True
-
+AUTO_NUM_PROC_ROWS = 10_000  # num_proc=None: one process below this many rows (a pool costs more than it saves)
 
 DataFiles = str | Sequence[str] | Mapping[str, str | Sequence[str]]
 
@@ -65,41 +62,127 @@ def all_files(data_files: list[str] | dict[str, list[str]] | None) -> list[str]:
     return list(data_files)
 
 
-def load_rows(path: str | None = None, name: str | None = None, data_files: DataFiles | None = None,
-              split: str = "train", text_column: str = "text", cache_dir: str | None = None,
-              max_rows: int | None = None, offline: bool = False) -> list[str]:
-    """The ``text_column`` of one split as a list of strings.
+def resolve_num_proc(num_proc: int | None, rows: int) -> int | None:
+    """``num_proc`` for ``Dataset.map``: as given, or (``None``) up to 8 of this node's cores for large
+    datasets and one process for small ones. ``None`` means one process to ``datasets``."""
+    if num_proc is not None:
+        n = int(num_proc)
+        if n < 1:
+            raise ValueError(f"data.num_proc must be a positive integer or null, got {num_proc}")
+        return n if n > 1 else None
+    if rows < AUTO_NUM_PROC_ROWS:
+        return None
+    n = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return n if n > 1 else None
 
-    With ``data_files`` and no ``path`` the builder comes from the file extension. ``split`` may be any
-    ``datasets`` split expression (``"train[:1%]"``).
-    """
-    import datasets
 
-    if offline:
-        set_hub_offline()
-    normalized = normalize_data_files(data_files)
-    files = all_files(normalized)
-    if path is None:
-        if not files:
-            raise ValueError("give a dataset 'path' (hub name or builder) or local 'data_files'")
-        exts = {Path(f).suffix.lower() for f in files}
-        builders = {BUILDERS.get(e) for e in exts}
-        if len(builders) != 1 or None in builders:
-            raise ValueError(f"cannot infer a datasets builder from extensions {sorted(exts)}; set 'path'")
-        path = builders.pop()
+def _builder(path: str | None, files: list[str]) -> str:
+    if path is not None:
+        return path
+    if not files:
+        raise ValueError("give a dataset 'path' (hub name or builder) or local 'data_files'")
+    exts = {Path(f).suffix.lower() for f in files}
+    builders = {BUILDERS.get(e) for e in exts}
+    if len(builders) != 1 or None in builders:
+        raise ValueError(f"cannot infer a datasets builder from extensions {sorted(exts)}; set 'path'")
+    return str(builders.pop())
+
+
+def _load_kwargs(path: str, data_files: Any, split: str, cache_dir: str | None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"split": split}
-    if normalized is not None:
-        kwargs["data_files"] = normalized
+    if data_files is not None:
+        kwargs["data_files"] = data_files
     if cache_dir is not None:
         kwargs["cache_dir"] = str(Path(cache_dir).expanduser() / "datasets")
     if path == "text":
         kwargs["keep_linebreaks"] = False
-    ds = datasets.load_dataset(path, name, **kwargs)
+    return kwargs
+
+
+def _stream_rows(path: str, name: str | None, kwargs: dict[str, Any], text_column: str,
+                 max_rows: int | None) -> Iterator[dict[str, str]]:
+    """The first ``max_rows`` rows of a streamed split (``IterableDataset.take``)."""
+    import datasets
+
+    stream = datasets.load_dataset(path, name, streaming=True, **kwargs)
+    if text_column not in (stream.column_names or [text_column]):
+        raise ValueError(f"column {text_column!r} not in {stream.column_names}")
+    if max_rows is not None:
+        stream = stream.take(int(max_rows))
+    for row in stream:
+        yield {"text": str(row[text_column])}
+
+
+def load_text_dataset(path: str | None = None, name: str | None = None, data_files: DataFiles | None = None,
+                      split: str = "train", text_column: str = "text", cache_dir: str | None = None,
+                      max_rows: int | None = None, streaming: bool = False, fingerprint: str | None = None) -> Any:
+    """The ``text_column`` of one split as an Arrow ``datasets.Dataset`` with one column, ``text``.
+
+    With ``data_files`` and no ``path`` the builder comes from the file extension; a ``path`` that is a
+    directory written by ``Dataset.save_to_disk``/``DatasetDict.save_to_disk`` is read with
+    ``load_from_disk`` (memory-mapped: ``streaming`` does not apply). Without streaming ``split`` may be
+    any ``datasets`` split expression (``"train[:1%]"``); with it, a split name. ``fingerprint`` names the
+    streamed rows' Arrow cache (default: derived from the arguments).
+    """
+    import datasets
+
+    if path is not None and _saved_to_disk(Path(path).expanduser()):
+        ds = datasets.load_from_disk(str(Path(path).expanduser()))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{path} holds the splits {sorted(ds)}, not {split!r}")
+            ds = ds[split]
+        return _text_column(ds, text_column, max_rows)
+    normalized = normalize_data_files(data_files)
+    path = _builder(path, all_files(normalized))
+    kwargs = _load_kwargs(path, normalized, split, cache_dir)
+    if streaming:
+        features = datasets.Features({"text": datasets.Value("string")})
+        gen_kwargs = {"path": path, "name": name, "kwargs": kwargs, "text_column": text_column, "max_rows": max_rows}
+        cache = kwargs.get("cache_dir")
+        return datasets.Dataset.from_generator(_stream_rows, features=features, gen_kwargs=gen_kwargs,
+                                               cache_dir=cache, fingerprint=fingerprint)
+    return _text_column(datasets.load_dataset(path, name, **kwargs), text_column, max_rows)
+
+
+def _saved_to_disk(path: Path) -> bool:
+    return path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
+
+
+def saved_dataset_key(path: str | os.PathLike[str]) -> str | None:
+    """For a ``save_to_disk`` directory: its splits' ``state.json`` files (they hold the fingerprints), else None."""
+    p = Path(path).expanduser()
+    if not _saved_to_disk(p):
+        return None
+    return "\n".join(f"{f.relative_to(p)}:{f.read_text()}" for f in sorted(p.rglob("state.json")))
+
+
+def _text_column(ds: Any, text_column: str, max_rows: int | None) -> Any:
     if text_column not in ds.column_names:
         raise ValueError(f"column {text_column!r} not in {ds.column_names}")
     if max_rows is not None:
         ds = ds.select(range(min(int(max_rows), len(ds))))
-    return [str(t) for t in ds[text_column]]
+    ds = ds.select_columns([text_column])
+    return ds.rename_column(text_column, "text") if text_column != "text" else ds
+
+
+def load_rows(path: str | None = None, name: str | None = None, data_files: DataFiles | None = None,
+              split: str = "train", text_column: str = "text", cache_dir: str | None = None,
+              max_rows: int | None = None, streaming: bool = False) -> list[str]:
+    """:func:`load_text_dataset`'s rows as a list of strings."""
+    return [str(t) for t in load_text_dataset(path, name, data_files, split, text_column, cache_dir, max_rows,
+                                              streaming)["text"]]
+
+
+def iter_texts(ds: Any, batch_size: int = 1000) -> Iterator[str]:
+    """The ``text`` column in batches (for training a tokenizer without holding the corpus)."""
+    for batch in ds.iter(batch_size=batch_size):
+        yield from batch["text"]
+
+
+def _sentences(row: str, rows_are: str) -> list[str]:
+    lines = row.split("\n") if rows_are == "documents" else [row]
+    return [s for line in lines if line.strip() for s in _SENTENCE_END.split(line.strip()) if s]
 
 
 def split_documents(rows: Sequence[str], rows_are: str) -> list[list[str]]:
@@ -109,16 +192,11 @@ def split_documents(rows: Sequence[str], rows_are: str) -> list[list[str]]:
     line; ``"documents"`` (wikipedia): every row is one document. Lines are split into sentences at
     ``.``, ``!``, ``?`` followed by white space.
     """
-    if rows_are not in ("lines", "documents"):
-        raise ValueError(f"rows_are must be 'lines' or 'documents', got {rows_are!r}")
+    _check_rows_are(rows_are)
     docs: list[list[str]] = []
     current: list[str] = []
     for row in rows:
-        lines = row.split("\n") if rows_are == "documents" else [row]
-        for line in lines:
-            line = line.strip()
-            if line:
-                current.extend(s for s in _SENTENCE_END.split(line) if s)
+        current.extend(_sentences(row, rows_are))
         if rows_are == "documents" or not row.strip():
             if current:
                 docs.append(current)
@@ -128,11 +206,105 @@ def split_documents(rows: Sequence[str], rows_are: str) -> list[list[str]]:
     return docs
 
 
+def _check_rows_are(rows_are: str) -> None:
+    if rows_are not in ("lines", "documents"):
+        raise ValueError(f"rows_are must be 'lines' or 'documents', got {rows_are!r}")
+
+
+def _causal_batch(batch: dict[str, list], tokenizer: Any, rows_are: str, eos: int | None) -> dict[str, list]:
+    texts = batch["text"]
+    blank = [not t.strip() for t in texts]
+    if rows_are == "lines":
+        body = [t.strip() + "\n" for t, b in zip(texts, blank) if not b]
+    else:
+        body = ["\n".join(line.strip() for line in t.split("\n") if line.strip()) + "\n" for t, b in zip(texts, blank)
+                if not b]
+    encoded = iter(tokenizer(body, add_special_tokens=False)["input_ids"] if body else [])
+    end = [] if eos is None else [eos]
+    ids = []
+    for b in blank:
+        if b:
+            ids.append(end if rows_are == "lines" else [])
+        else:
+            ids.append(list(next(encoded)) + (end if rows_are == "documents" else []))
+    return {"input_ids": ids, "length": [len(x) for x in ids], "blank": blank}
+
+
+def _bert_batch(batch: dict[str, list], tokenizer: Any, rows_are: str) -> dict[str, list]:
+    texts = batch["text"]
+    per_row = [_sentences(t, rows_are) for t in texts]
+    flat = [s for sents in per_row for s in sents]
+    encoded = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
+    return {"sentences": [[list(next(encoded)) for _ in sents] for sents in per_row],
+            "blank": [not t.strip() for t in texts]}
+
+
+def tokenize_rows(ds: Any, tokenizer: Any, *, family: str, rows_are: str, eos: int | None = None,
+                  num_proc: int | None = None, cache_file: str | None = None) -> Any:
+    """Token ids per row (see the module docstring): GPT-2 ``input_ids``/``length``/``blank``, BERT
+    ``sentences``/``blank``; ``Dataset.map(batched=True, num_proc=…)`` written to ``cache_file``."""
+    _check_rows_are(rows_are)
+    fn, kwargs = ((_bert_batch, {"tokenizer": tokenizer, "rows_are": rows_are}) if family == "bert" else
+                  (_causal_batch, {"tokenizer": tokenizer, "rows_are": rows_are, "eos": eos}))
+    return ds.map(fn, batched=True, fn_kwargs=kwargs, remove_columns=ds.column_names,
+                  num_proc=resolve_num_proc(num_proc, len(ds)), cache_file_name=cache_file,
+                  new_fingerprint=None if cache_file is None else Path(cache_file).stem, desc="tokenizing")
+
+
+def stream_lengths(tokens: Any, rows_are: str) -> np.ndarray:
+    """Tokens each row contributes to the GPT-2 stream: all of them, except that a blank line's EOS is
+    dropped at the start and after another EOS (one EOS between documents)."""
+    lengths = np.asarray(tokens["length"], dtype=np.int64)
+    if rows_are != "lines":
+        return lengths
+    blank = np.asarray(tokens["blank"], dtype=bool)
+    after_eos = True
+    for i in range(len(lengths)):
+        if blank[i]:
+            if after_eos:
+                lengths[i] = 0
+            after_eos = True
+        elif lengths[i]:
+            after_eos = False
+    return lengths
+
+
+def _blocks_batch(batch: dict[str, list], tokens: Any, offsets: np.ndarray, seq_len: int) -> dict[str, list]:
+    first, last = int(batch["block"][0]), int(batch["block"][-1])  # a batch is a contiguous range of blocks
+    start, end = first * seq_len, (last + 1) * seq_len
+    r0 = int(np.searchsorted(offsets, start, side="right")) - 1
+    r1 = int(np.searchsorted(offsets, end, side="left"))
+    rows = tokens[r0:r1]["input_ids"]
+    stream = np.concatenate([np.asarray(row[:offsets[r0 + j + 1] - offsets[r0 + j]], dtype=np.int32)
+                             for j, row in enumerate(rows)])
+    base = int(offsets[r0])
+    return {"input_ids": [stream[k * seq_len - base:(k + 1) * seq_len - base] for k in range(first, last + 1)]}
+
+
+def group_blocks(tokens: Any, seq_len: int, rows_are: str, *, num_proc: int | None = None,
+                 cache_file: str | None = None) -> Any:
+    """The rows' token stream cut into consecutive ``seq_len`` blocks (the tail shorter than a block is
+    dropped): a ``Dataset`` with one ``input_ids`` column, built by a batched ``Dataset.map`` over the
+    block indices (each batch reads the rows it spans), so no token is lost at batch edges."""
+    import datasets
+
+    lengths = stream_lengths(tokens, rows_are)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    n_blocks = int(offsets[-1]) // int(seq_len)
+    if n_blocks == 0:
+        raise ValueError(f"the corpus has {int(offsets[-1])} tokens, fewer than one block of {seq_len}")
+    index = datasets.Dataset.from_dict({"block": np.arange(n_blocks, dtype=np.int64)})
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+    return index.map(_blocks_batch, batched=True, fn_kwargs={"tokens": tokens, "offsets": offsets, "seq_len": seq_len},
+                     remove_columns=["block"], features=features, num_proc=resolve_num_proc(num_proc, n_blocks),
+                     cache_file_name=cache_file, new_fingerprint=None if cache_file is None else Path(cache_file).stem,
+                     desc="grouping")
+
+
 @dataclass
 class TokenizedCorpus:
     """Token ids of all sentences: ``ids[sent_offsets[i]:sent_offsets[i+1]]`` is sentence ``i``;
-    document ``d`` holds sentences ``doc_offsets[d]:doc_offsets[d+1]``. GPT-2 streams separate sentences
-    by a space and documents by a newline (``"\\n"`` is tokenized with each document's last sentence)."""
+    document ``d`` holds sentences ``doc_offsets[d]:doc_offsets[d+1]``."""
 
     ids: np.ndarray
     sent_offsets: np.ndarray
@@ -147,64 +319,50 @@ class TokenizedCorpus:
     def num_documents(self) -> int:
         return len(self.doc_offsets) - 1
 
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "wb") as f:
+            np.savez(f, ids=self.ids, sent_offsets=self.sent_offsets, doc_offsets=self.doc_offsets,
+                     vocab_size=np.int64(self.vocab_size))
 
-def tokenize_corpus(rows: Sequence[str], *, family: str, vocab_size: int, rows_are: str, cache_dir: str,
-                    corpus_key: str, tokenizer_file: str | None = None,
-                    tokens_key: str | None = None) -> TokenizedCorpus:
-    """Split ``rows`` into documents and sentences, tokenize them (training/caching a BPE), cache the ids.
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> TokenizedCorpus:
+        z = np.load(path)
+        return cls(z["ids"], z["sent_offsets"], z["doc_offsets"], int(z["vocab_size"]))
 
-    The BPE is found or trained under ``corpus_key``; the ids are cached under ``tokens_key`` (default:
-    derived from ``corpus_key``), so a validation split can reuse the training split's tokenizer.
-    """
-    docs = split_documents(rows, rows_are)
-    if not docs:
+
+def assemble_corpus(tokens: Any, rows_are: str, vocab_size: int) -> TokenizedCorpus:
+    """BERT's tokenized rows (``sentences``, ``blank``) as documents of sentences, in row order (the
+    documents of :func:`split_documents`)."""
+    chunks: list[np.ndarray] = []
+    sent_lengths: list[int] = []
+    doc_sizes: list[int] = []
+    current = 0
+    for batch in tokens.iter(batch_size=1000):
+        for sents, blank in zip(batch["sentences"], batch["blank"]):
+            for s in sents:
+                chunks.append(np.asarray(s, dtype=np.int32))
+                sent_lengths.append(len(s))
+            current += len(sents)
+            if (rows_are == "documents" or blank) and current:
+                doc_sizes.append(current)
+                current = 0
+    if current:
+        doc_sizes.append(current)
+    if not doc_sizes:
         raise ValueError("the corpus has no text")
-    texts: list[str] = []
-    for doc in docs:
-        for j, sentence in enumerate(doc):
-            last = j == len(doc) - 1
-            texts.append(sentence + ("\n" if last else " ") if family == "gpt2" else sentence)
-    if tokenizer_file:
-        tok = load_tokenizer_file(tokenizer_file, vocab_size, family)
-        tok_id = file_digest([_tokenizer_json(tokenizer_file)])
-    else:
-        tok = load_or_train_bpe(texts, vocab_size, family, cache_dir, corpus_key)
-        tok_id = f"bpe{vocab_size}"
-    key = text_digest([tokens_key or corpus_key, rows_are, tok_id])
-    cache = Path(cache_dir).expanduser() / "tokens" / f"{family}-{key[:20]}.npz"
-    if cache.exists():
-        z = np.load(cache)
-        return TokenizedCorpus(z["ids"], z["sent_offsets"], z["doc_offsets"], tok.get_vocab_size())
-    lengths = np.empty(len(texts), dtype=np.int64)
-    chunks = []
-    for start in range(0, len(texts), 4096):
-        for k, enc in enumerate(tok.encode_batch(texts[start:start + 4096], add_special_tokens=False)):
-            lengths[start + k] = len(enc.ids)
-            chunks.append(np.asarray(enc.ids, dtype=np.int32))
     ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
-    sent_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    doc_offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, ids=ids, sent_offsets=sent_offsets, doc_offsets=doc_offsets)
-    os.replace(tmp, cache)
-    return TokenizedCorpus(ids, sent_offsets, doc_offsets, tok.get_vocab_size())
-
-
-def _tokenizer_json(path: str) -> str:
-    p = Path(path).expanduser()
-    return str(p / "tokenizer.json" if p.is_dir() else p)
+    sent_offsets = np.concatenate([[0], np.cumsum(sent_lengths)]).astype(np.int64)
+    doc_offsets = np.concatenate([[0], np.cumsum(doc_sizes)]).astype(np.int64)
+    return TokenizedCorpus(ids, sent_offsets, doc_offsets, int(vocab_size))
 
 
 class LMBlockDataset(Dataset):
-    """Consecutive ``seq_len`` blocks of the token stream: ``{"input_ids": LongTensor[seq_len]}``."""
+    """``seq_len`` blocks of the token stream (an Arrow dataset of :func:`group_blocks`):
+    ``{"input_ids": LongTensor[seq_len]}``."""
 
-    def __init__(self, corpus: TokenizedCorpus, seq_len: int, num_samples: int | None = None) -> None:
-        self.ids, self.seq_len = corpus.ids, int(seq_len)
-        blocks = len(self.ids) // self.seq_len
-        if blocks == 0:
-            raise ValueError(f"the corpus has {len(self.ids)} tokens, fewer than one block of {seq_len}")
-        self.num_blocks = blocks if num_samples is None else min(blocks, int(num_samples))
+    def __init__(self, blocks: Any, num_samples: int | None = None) -> None:
+        self.blocks = blocks.with_format("numpy", columns=["input_ids"])
+        self.num_blocks = len(blocks) if num_samples is None else min(len(blocks), int(num_samples))
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -214,8 +372,16 @@ class LMBlockDataset(Dataset):
 
         if not 0 <= index < self.num_blocks:
             raise IndexError(index)
-        block = self.ids[index * self.seq_len:(index + 1) * self.seq_len]
-        return {"input_ids": torch.from_numpy(block.astype(np.int64))}
+        return {"input_ids": torch.from_numpy(np.asarray(self.blocks[int(index)]["input_ids"], dtype=np.int64))}
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Tensor]]:
+        """A batch's items in one Arrow read (the DataLoader's batched fetch)."""
+        import torch
+
+        if any(not 0 <= i < self.num_blocks for i in indices):
+            raise IndexError(indices)
+        rows = np.asarray(self.blocks[[int(i) for i in indices]]["input_ids"], dtype=np.int64)
+        return [{"input_ids": torch.from_numpy(row)} for row in rows]
 
 
 def _truncate_pair(a: list[int], b: list[int], max_tokens: int) -> None:
@@ -268,11 +434,11 @@ class BertPairDataset(Dataset):
     """BERT pre-training items from NSP instances; MLM masking depends only on ``(seed, index)``."""
 
     def __init__(self, instances: Sequence[tuple[np.ndarray, np.ndarray, bool]], seq_len: int, vocab_size: int,
-                 seed: int = 0, mlm_probability: float = 0.15) -> None:
+                 seed: int = 0, mlm_probability: float = 0.15, specials: SpecialIds | None = None) -> None:
         if not instances:
             raise ValueError("no BERT sentence pairs could be built from the corpus")
         self.instances, self.seq_len, self.vocab_size = list(instances), int(seq_len), int(vocab_size)
-        self.seed, self.mlm_probability = int(seed), float(mlm_probability)
+        self.seed, self.mlm_probability, self.specials = int(seed), float(mlm_probability), specials
 
     def __len__(self) -> int:
         return len(self.instances)
@@ -280,4 +446,4 @@ class BertPairDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Tensor]:
         a, b, is_random = self.instances[index]
         return bert_example(a, b, is_random, self.seq_len, self.vocab_size, sample_rng(self.seed, index, 1),
-                            self.mlm_probability)
+                            self.mlm_probability, self.specials)

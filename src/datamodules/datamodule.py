@@ -8,8 +8,10 @@ of a single process), so replica ``r`` of W takes every W-th sample of the same 
 per-replica batches of step ``i`` together are samples ``[i·B̂, (i+1)·B̂)`` of it, whatever W is.
 (Lightning's own injected sampler would be seeded with the global seed, and a single process would
 shuffle with another generator.) The training loader resumes mid-epoch from a checkpoint
-(:mod:`datamodules.resumable`, position read by :class:`TrainingPosition`). Importing this module
-imports Lightning (~7 s).
+(:mod:`datamodules.resumable`, position read by :class:`TrainingPosition`). Text sources are tokenized
+and grouped once per node, the other ranks waiting for the cache (:mod:`datamodules.cache`); the
+tokenizer's files travel in every checkpoint (:meth:`PipelineDataModule.state_dict`), so
+``scripts/export_hf.py`` saves it with the model. Importing this module imports Lightning (~7 s).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
 
-from .factory import build_datasets, make_dataloader
+from .factory import build_source, make_dataloader
+from .tokenizer import TOKENIZER_FILES_KEY, tokenizer_files
 
 
 class TrainingPosition:
@@ -58,16 +62,32 @@ class PipelineDataModule(L.LightningDataModule):
         self.source = dict(source)
         self.train_set: Any = None
         self.val_set: Any = None
+        self.tokenizer: Any = None
+        self._tokenizer_files: dict[str, bytes] | None = None
 
     def _build(self) -> None:
-        self.train_set, self.val_set = build_datasets(self.name, family=self.family, seq_len=self.seq_len,
-                                                      vocab_size=self.vocab_size, seed=self.seed, **self.source)
+        source = build_source(self.name, family=self.family, seq_len=self.seq_len, vocab_size=self.vocab_size,
+                              seed=self.seed, **self.source)
+        self.train_set, self.val_set, self.tokenizer = source.train, source.val, source.tokenizer
 
     def prepare_data(self) -> None:
-        """Train and cache the tokenizer and token ids once per node (the synthetic source needs nothing);
-        the other ranks then read the caches in ``setup`` (cache files are written atomically)."""
+        """Train and cache the tokenizer and the tokenized data on the node's local rank 0 (the synthetic
+        source needs nothing); ranks that reach ``setup`` first wait for it on the cache's file lock."""
         if self.name != "synthetic" and self.train_set is None:
             self._build()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The tokenizer's files (what ``save_pretrained`` writes), for the export; empty for synthetic data."""
+        if self.tokenizer is None:
+            return {}
+        if self._tokenizer_files is None:
+            self._tokenizer_files = tokenizer_files(self.tokenizer)
+        return {TOKENIZER_FILES_KEY: dict(self._tokenizer_files)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the data configuration defines the tokenizer of the resumed run."""
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:

@@ -1,9 +1,17 @@
-"""Offline tokenizers: a byte-level BPE (as GPT-2's) trained locally with ``tokenizers``, cached on disk.
+"""Tokenizers: any ``transformers`` tokenizer (``data.tokenizer``), or a byte-level BPE trained offline.
 
-Nothing is downloaded: the BPE is trained on the corpus itself (under a second for a few MB) and
-saved as ``<cache_dir>/tokenizers/<family>-bpe<vocab>-<key>.json``, where ``key`` fingerprints the
-corpus (content hash of local files, or the hub dataset's name). A pre-made ``tokenizer.json`` can be
-given instead (``tokenizer_file``). Special tokens come first, so their ids match ``masking.py``.
+* ``data.tokenizer=<name or path>``: ``AutoTokenizer.from_pretrained`` (a hub name such as ``gpt2`` or
+  ``bert-base-uncased``, a directory written by ``save_pretrained``, or a bare ``tokenizer.json``).
+  Its special tokens are used as they are (GPT-2's ``<|endoftext|>`` = 50256 ends documents; BERT's
+  ``[CLS]``/``[SEP]``/``[MASK]``/``[PAD]`` build the pairs), and the model's vocabulary must cover it
+  (:func:`check_vocab`, also run before launch by :func:`check_tokenizer_config`).
+* ``data.tokenizer=null`` (default, no network): a byte-level BPE as GPT-2's, trained with
+  ``tokenizers`` on the corpus itself (under a second for a few MB), cached as
+  ``<cache_dir>/tokenizers/<family>-bpe<vocab>-<key>.json`` (``key`` fingerprints the corpus), wrapped
+  as a ``PreTrainedTokenizerFast`` whose special tokens come first (the ids of ``masking.py``).
+
+The hub is offline only when the user says so: ``data.offline=true`` or one of Hugging Face's own
+variables (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``, ``TRANSFORMERS_OFFLINE``); see :func:`hub_offline`.
 """
 
 from __future__ import annotations
@@ -11,12 +19,17 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .masking import BERT_SPECIAL_TOKENS, GPT2_SPECIAL_TOKENS
+from .masking import BERT_SPECIAL_TOKENS, GPT2_SPECIAL_TOKENS, SpecialIds
+
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+TOKENIZER_FILES_KEY = "tokenizer_files"  # the datamodule's checkpoint state: {file name: bytes} of save_pretrained
+_TRUE = {"1", "ON", "YES", "TRUE"}
 
 
 def special_tokens(family: str) -> tuple[str, ...]:
@@ -25,6 +38,29 @@ def special_tokens(family: str) -> tuple[str, ...]:
     if family == "gpt2":
         return GPT2_SPECIAL_TOKENS
     raise ValueError(f"unknown model family {family!r}; expected 'gpt2' or 'bert'")
+
+
+def hub_offline(offline: bool = False, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the hub must not be contacted: ``data.offline=true`` or a Hugging Face offline variable.
+    When so, ``datasets``/``huggingface_hub``/``transformers`` are switched to their local caches (also
+    when they are already imported)."""
+    env = os.environ if environ is None else environ
+    if not (offline or any(env.get(v, "").upper() in _TRUE for v in OFFLINE_VARIABLES)):
+        return False
+    if environ is None:
+        set_hub_offline()
+    return True
+
+
+def set_hub_offline() -> None:
+    """Cache-only mode for ``datasets``, ``huggingface_hub`` and ``transformers`` in this process."""
+    for var in OFFLINE_VARIABLES:
+        os.environ[var] = "1"
+    import datasets.config
+    import huggingface_hub.constants
+
+    datasets.config.HF_HUB_OFFLINE = True
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
 def file_digest(paths: Sequence[str | os.PathLike[str]]) -> str:
@@ -81,15 +117,107 @@ def load_or_train_bpe(texts: Iterable[str], vocab_size: int, family: str, cache_
     return tok
 
 
-def load_tokenizer_file(path: str | os.PathLike[str], vocab_size: int, family: str) -> Tokenizer:
-    """A local ``tokenizer.json`` (file or directory holding one); its ids must fit the model's vocabulary."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    tok = Tokenizer.from_file(str(p))
-    if tok.get_vocab_size() > vocab_size:
-        raise ValueError(f"tokenizer {p} has {tok.get_vocab_size()} tokens; the model's vocab_size is {vocab_size}")
-    for i, name in enumerate(special_tokens(family)):
-        if tok.token_to_id(name) != i:
-            raise ValueError(f"tokenizer {p}: {name} must have id {i} for {family} data")
-    return tok
+def _special_kwargs(family: str, vocab: Mapping[str, int]) -> dict[str, str]:
+    """The family's special tokens by role, where the vocabulary has them."""
+    if family == "gpt2":
+        eos = GPT2_SPECIAL_TOKENS[0]
+        return {"bos_token": eos, "eos_token": eos, "unk_token": eos} if eos in vocab else {}
+    roles = dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), BERT_SPECIAL_TOKENS))
+    return {role: name for role, name in roles.items() if name in vocab}
+
+
+def wrap_tokenizer(tok: Tokenizer, family: str) -> Any:
+    """A ``tokenizers.Tokenizer`` (the offline BPE, a bare ``tokenizer.json``) as a
+    ``PreTrainedTokenizerFast`` with the family's special tokens by role."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **_special_kwargs(family, tok.get_vocab()))
+
+
+def load_tokenizer(name_or_path: str, family: str, offline: bool = False) -> Any:
+    """``AutoTokenizer.from_pretrained(name_or_path)`` (local files only when offline); a path to a
+    ``tokenizer.json`` file is wrapped by :func:`wrap_tokenizer`."""
+    path = Path(str(name_or_path)).expanduser()
+    if path.is_file():
+        return wrap_tokenizer(Tokenizer.from_file(str(path)), family)
+    from transformers import AutoTokenizer
+
+    local = hub_offline(offline)
+    try:
+        return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else str(name_or_path), local_files_only=local)
+    except (OSError, ValueError) as err:
+        where = "the local Hugging Face cache (offline)" if local else "the hub or the local cache"
+        raise ValueError(f"data.tokenizer={name_or_path}: no tokenizer found as a local directory or in {where}: "
+                         f"{err}. Give a directory written by save_pretrained, a tokenizer.json, or a hub name"
+                         + (" (with network: drop data.offline and the HF_*_OFFLINE variables)" if local else "")
+                         ) from err
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A content hash of the tokenizer (its serialized backend and special tokens): keys the caches."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return text_digest([type(tokenizer).__name__, body, repr(sorted(tokenizer.special_tokens_map.items()))])
+
+
+def check_vocab(tokenizer: Any, vocab_size: int, name: str) -> None:
+    """The model's embedding must have a row for every id of the tokenizer."""
+    n = len(tokenizer)
+    if n > int(vocab_size):
+        padded = -(-n // 64) * 64
+        raise ValueError(f"data.tokenizer={name} has {n} tokens but model.vocab_size = {vocab_size}: the embedding "
+                         f"needs a row per token id; set model.vocab_size={n} or more (e.g. {padded}, a multiple "
+                         "of 64)")
+
+
+def eos_id(tokenizer: Any) -> int | None:
+    """The id that ends a document in a causal-LM stream: EOS (GPT-2's ``<|endoftext|>``), else SEP."""
+    for attr in ("eos_token_id", "sep_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def bert_ids(tokenizer: Any, name: str) -> SpecialIds:
+    """BERT's special ids as this tokenizer defines them."""
+    ids = {role: getattr(tokenizer, f"{role}_token_id", None) for role in ("pad", "cls", "sep", "mask")}
+    missing = [role for role, value in ids.items() if value is None]
+    if missing:
+        raise ValueError(f"data.tokenizer={name} has no {', '.join(f'{r}_token' for r in missing)}: BERT "
+                         "pre-training pairs need [CLS], [SEP], [MASK] and [PAD]; use a BERT-style tokenizer "
+                         "(e.g. bert-base-uncased) or data.tokenizer=null (the offline BPE)")
+    special = frozenset(int(i) for i in tokenizer.all_special_ids)
+    return SpecialIds(int(ids["pad"]), int(ids["cls"]), int(ids["sep"]), int(ids["mask"]), len(tokenizer),
+                      special | {int(v) for v in ids.values()})
+
+
+def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
+    """The files ``save_pretrained`` writes for ``tokenizer`` (checkpoints carry them for the export)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def write_tokenizer_files(files: Mapping[str, bytes], out_dir: str | os.PathLike[str]) -> list[str]:
+    """Write :func:`tokenizer_files`'s output into ``out_dir`` (loadable by ``AutoTokenizer``)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        if Path(name).name != name:
+            raise ValueError(f"tokenizer file name {name!r} is not a plain file name")
+        (out / name).write_bytes(data)
+    return sorted(files)
+
+
+def check_tokenizer_config(data: Mapping[str, Any]) -> None:
+    """Before launch: ``data.tokenizer`` loads, ``model.vocab_size`` covers it and BERT data finds its
+    special tokens (nothing to check for the offline BPE, trained to the model's vocabulary)."""
+    name = data.get("tokenizer")
+    if not name or data.get("name") == "synthetic":
+        return
+    family = str(data.get("family", "gpt2"))
+    tokenizer = load_tokenizer(str(name), family, bool(data.get("offline", False)))
+    check_vocab(tokenizer, int(data["vocab_size"]), str(name))
+    if family == "bert":
+        bert_ids(tokenizer, str(name))

@@ -85,11 +85,7 @@ def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path, 
     log_dir.mkdir(parents=True, exist_ok=True)
     launch = launch or Launch("self", 0, None)
     node_rank = launch.node_rank
-    base_env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-    }
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the hub is offline only where the user says so
     port = launch.master_port or str(_free_port())
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -195,6 +191,10 @@ def run(cfg: DictConfig) -> float | None:
         layout = resolve_layout(OmegaConf.to_container(cfg.strategy, resolve=True), trainer_cfg,
                                 cfg.data.global_batch_size, num_layers(cfg.model))
         check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True))
+        if cfg.data.get("tokenizer"):  # loads it (transformers): model.vocab_size must cover it
+            from datamodules.tokenizer import check_tokenizer_config
+
+            check_tokenizer_config(OmegaConf.to_container(cfg.data, resolve=True))
         check_devices(trainer_cfg, _gpus(choice))
         check_precision(layout.strategy, trainer_cfg)
         launch = detect_launch(os.environ, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs; nothing waits on the network
-
 
 def main(argv: list[str]) -> int:
     from .heartbeat import HEARTBEAT_ENV, start_heartbeat
