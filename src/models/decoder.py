@@ -170,6 +170,16 @@ class DecoderPipelineModel(HFPipelineModel):
         return []
 
 
+def plain(value: Any) -> Any:
+    """A Hydra ``DictConfig``/``ListConfig`` field (``rope_parameters``, ``layer_types``) as a dict/list:
+    ``transformers`` configs validate their types strictly."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover
+        return value
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
 def family_classes(family: str) -> tuple[type, type]:
     """The ``transformers`` config and causal-LM classes of a supported family."""
     if family not in FAMILIES:
@@ -211,6 +221,7 @@ def build_decoder(
         raise ValueError(f"model.data_family={data_family!r}: decoder-only models train on causal-LM data "
                          "(data_family: gpt2)")
     config_cls, model_cls = family_classes(family)
+    config = {k: plain(v) for k, v in config.items()}
     hf_config = make_hf_config(config_cls, {**config, "attn_implementation": attn_implementation})
     if pretrained:
         from .pretrained import checkpoint_config
