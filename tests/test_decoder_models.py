@@ -301,3 +301,36 @@ def test_flops_count_three_mlp_matrices_and_grouped_query_attention() -> None:
     big = hydra_config("llama3-1b")  # head_dim given: the attention term uses heads × head_dim
     assert model_flops_per_token({**big, "head_dim": 128}, seq_len=16) - model_flops_per_token(
         {**big, "head_dim": 64}, seq_len=16) == 6 * 16 * (2048 * 32 * 64 * 2 + 2048 * 8 * 64 * 2) + 12 * 16 * 2048 * 16
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny"])
+def test_export_to_transformers(tmp_path: Path, preset: str) -> None:
+    """``export_hf.py`` writes a ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` that ``from_pretrained`` loads
+    with the trained weights (a tied head stays tied); a ``pretrained`` starting point is not re-read."""
+    import importlib.util
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[1]
+    config = {**OmegaConf.to_container(OmegaConf.load(root / "conf" / "model" / f"{preset}.yaml")),
+              "num_hidden_layers": 2}
+    torch.manual_seed(0)
+    model = instantiate(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # "trained"
+    config["pretrained"] = str(tmp_path / "gone")  # the run started from a checkpoint no longer there
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "model_config": config},
+               tmp_path / "run.ckpt")
+    spec = importlib.util.spec_from_file_location("export_hf", root / "scripts" / "export_hf.py")
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    export.export(tmp_path / "run.ckpt", tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(loaded).__name__ == {"llama-tiny": "LlamaForCausalLM", "qwen2-tiny": "Qwen2ForCausalLM"}[preset]
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == config["tie_word_embeddings"]
+    ids = torch.randint(0, 1000, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model.eval().reference()(input_ids=ids).logits, loaded(input_ids=ids).logits)

@@ -10,8 +10,9 @@ Public API::
     balanced_partition(costs, stages) / format_partition_table(partition, names, param_counts)
 
 Names are imported lazily, so ``models.partition`` stays pure Python (no torch/transformers import).
-Building from configs never touches the Hugging Face hub (only ``pretrained=<hub name>`` does); nothing here sets ``HF_HUB_OFFLINE`` (doing so
-at import would also switch the hub off for the wikitext2/wikipedia loaders of users with network).
+Building from configs never touches the Hugging Face hub (only ``pretrained=<hub name>`` does); nothing
+here sets ``HF_HUB_OFFLINE`` (doing so at import would also switch the hub off for the wikitext2/wikipedia
+loaders of users with network).
 """
 
 from __future__ import annotations
