@@ -334,3 +334,14 @@ def test_export_to_transformers(tmp_path: Path, preset: str) -> None:
     ids = torch.randint(0, 1000, (2, 16))
     with torch.no_grad():
         assert torch.equal(model.eval().reference()(input_ids=ids).logits, loaded(input_ids=ids).logits)
+
+
+def test_pretrained_bf16_checkpoint_loads_into_fp32_weights(tmp_path: Path) -> None:
+    hf, _ = _save_hf(tmp_path, "llama-tiny")
+    out = tmp_path / "bf16"
+    hf.to(torch.bfloat16).save_pretrained(out)
+    model = build_model("llama-tiny", pretrained=str(out), device="meta")
+    model.materialize([0, 5], "cpu")
+    assert model.pipeline_layers()[0].embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(model.pipeline_layers()[0].embed_tokens.weight, hf.model.embed_tokens.weight.float())
+    assert torch.equal(model.pipeline_layers()[5].lm_head.weight, hf.lm_head.weight.float())

@@ -63,8 +63,9 @@ def checkpoint_config(name: str, family: str, requested: Any, given: Iterable[st
     try:
         ckpt = AutoConfig.from_pretrained(str(Path(name).expanduser()) if _is_local(name) else name)
     except OSError as err:
-        raise ValueError(f"model.pretrained={name!r}: no transformers checkpoint there ({err}); give a local "
-                         "directory written by save_pretrained or a hub model name (online)") from err
+        raise ValueError(f"model.pretrained={name!r}: no transformers checkpoint there, its config.json could not "
+                         f"be read ({err}); give a local directory written by save_pretrained, or a hub model name "
+                         "with network access (or already in the Hugging Face cache)") from err
     if ckpt.model_type != family:
         raise ValueError(f"model.pretrained={name!r} is a {ckpt.model_type!r} model but model.family={family!r}: "
                          f"use a {ckpt.model_type} model config (or model.family={ckpt.model_type})")
