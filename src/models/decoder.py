@@ -35,10 +35,13 @@ layers.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from typing_extensions import override
 
 from strategies.pipeline_model import Batch, TiedGroup
 
@@ -81,6 +84,7 @@ class DecoderEmbeddings(nn.Module):
         super().__init__()
         self.embed_tokens = embed_tokens
 
+    @override
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.embed_tokens(input_ids)
 
@@ -92,11 +96,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, kind: str) -> None:
         super().__init__()
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
         self.layer, self.rotary_emb, self.kind = layer, rotary_emb, kind
         self._mask_fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
 
+    @override
     def forward(self, hidden: Tensor, batch: Batch) -> Tensor:
         position_ids = _positions(hidden)
         # The attention module's own config decides the kernel, hence the mask format.
@@ -106,6 +109,7 @@ class DecoderLayer(nn.Module):
         cos_sin = self.rotary_emb(hidden, position_ids=position_ids)
         return self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
 
+    @override
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}"
 
@@ -117,6 +121,7 @@ class DecoderHead(nn.Module):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
 
+    @override
     def forward(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))
 
@@ -137,7 +142,8 @@ class DecoderPipelineModel(HFPipelineModel):
         self.layer_names_ = ["embeddings", *(f"layer.{i}" for i in range(len(base.layers))), "head"]
         self.check_seq_len(self.seq_len)
 
-    def materialize(self, layers: Any, device: str | torch.device) -> None:
+    @override
+    def materialize(self, layers: Iterable[int] | None, device: str | torch.device) -> None:
         """As :meth:`HFPipelineModel.materialize`; with ``pretrained`` the layers' tensors are then read
         from the checkpoint (only those of ``layers``)."""
         indices = range(len(self.layers)) if layers is None else sorted(set(layers))
@@ -147,6 +153,7 @@ class DecoderPipelineModel(HFPipelineModel):
 
             load_layers(self, indices, self.pretrained)
 
+    @override
     def pipeline_input(self, batch: Batch) -> Tensor:
         return batch["input_ids"]
 
@@ -154,6 +161,7 @@ class DecoderPipelineModel(HFPipelineModel):
     def _labels(batch: Batch) -> Tensor:
         return batch["labels"] if "labels" in batch else batch["input_ids"]
 
+    @override
     def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
         return causal_lm_loss(output, self._labels(batch))
 
@@ -164,6 +172,7 @@ class DecoderPipelineModel(HFPipelineModel):
     def loss_terms(self, output: Tensor, batch: Batch) -> dict[str, Tensor]:
         return {"tokens": causal_lm_loss(output, self._labels(batch), reduction="sum")}
 
+    @override
     def tied_parameters(self) -> list[TiedGroup]:
         if self.layers[0].embed_tokens.weight is self.layers[-1].lm_head.weight:
             return [((0, "embed_tokens.weight"), (len(self.layers) - 1, "lm_head.weight"))]
