@@ -345,3 +345,17 @@ def test_pretrained_bf16_checkpoint_loads_into_fp32_weights(tmp_path: Path) -> N
     assert model.pipeline_layers()[0].embed_tokens.weight.dtype == torch.float32
     assert torch.equal(model.pipeline_layers()[0].embed_tokens.weight, hf.model.embed_tokens.weight.float())
     assert torch.equal(model.pipeline_layers()[5].lm_head.weight, hf.lm_head.weight.float())
+
+
+def test_planner_estimates_decoder_memory_with_the_tied_head() -> None:
+    """The pre-flight's fake-tensor estimate runs the decoder layers (rotary embeddings, masks) and sees
+    Qwen2's tied embedding; the paper-scale Llama is estimated without memory."""
+    from models import hydra_config
+    from planner.estimate import estimate_costs
+
+    costs = estimate_costs(hydra_config("qwen2-tiny"))
+    assert [layer.name for layer in costs.layers] == ["embeddings", *(f"layer.{i}" for i in range(4)), "head"]
+    assert costs.tied == ((0, 5, 1000 * 64 * 4),)
+    assert all(layer.stored_alone(4) > layer.stored_alone(1) > 0 for layer in costs.layers[1:])
+    big = estimate_costs({**hydra_config("llama3-1b"), "seq_len": 128})
+    assert sum(layer.params for layer in big.layers) == 1_235_814_400 + 128256 * 2048  # tied: in both layers
