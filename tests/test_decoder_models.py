@@ -359,3 +359,30 @@ def test_planner_estimates_decoder_memory_with_the_tied_head() -> None:
     assert all(layer.stored_alone(4) > layer.stored_alone(1) > 0 for layer in costs.layers[1:])
     big = estimate_costs({**hydra_config("llama3-1b"), "seq_len": 128})
     assert sum(layer.params for layer in big.layers) == 1_235_814_400 + 128256 * 2048  # tied: in both layers
+
+
+def test_pretrained_hub_name_fetches_only_the_needed_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub name: the index, then only the shards holding this rank's tensors (the download is faked by
+    a local directory, so no network is used)."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from models.pretrained import load_layers
+
+    hf, path = _save_hf(tmp_path, "llama-tiny", shard="100KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    fetched: list[str] = []
+
+    def download(repo: str, filename: str, **kw) -> str:
+        assert repo == "org/llama-tiny"
+        if not (path / filename).exists():
+            raise LocalEntryNotFoundError(filename)
+        fetched.append(filename)
+        return str(path / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    model = build_model("llama-tiny", device="meta", init_seed=0)
+    model.materialize([5], "cpu")  # the head: final norm and lm_head
+    assert load_layers(model, [5], "org/llama-tiny") == 2
+    assert fetched == ["model.safetensors.index.json", *sorted({index["model.norm.weight"], index["lm_head.weight"]})]
+    assert torch.equal(model.pipeline_layers()[5].lm_head.weight, hf.lm_head.weight)
