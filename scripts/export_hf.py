@@ -8,8 +8,9 @@
 CKPT is a sharded checkpoint directory (merged in memory), a consolidated file
 (``scripts/consolidate_ckpt.py``) or a Lightning checkpoint of the unsplit model. The model is
 rebuilt from the ``model_config`` the checkpoint carries (the job's ``model`` config), its weights
-are loaded, and its unsplit ``transformers`` model (``reference()``: ``GPT2LMHeadModel`` or
-``BertForPreTraining``) is saved with its config. Tied word embeddings stay tied (saved once);
+are loaded, and its unsplit ``transformers`` model (``reference()``: ``GPT2LMHeadModel``,
+``BertForPreTraining``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) is saved with its config.
+Tied word embeddings stay tied (saved once);
 BERT's deduplicated output bias (:func:`models.bert.dedupe_decoder_bias`) is written under both of
 HF's names, so ``from_pretrained`` gives the trained bias whether or not the config ties them.
 
@@ -35,9 +36,14 @@ DATAMODULE_KEY = "PipelineDataModule"  # Lightning keeps the datamodule's state_
 
 
 def build_model(model_config: dict[str, Any]) -> nn.Module:
+    """The model of ``model_config`` (its own init: the checkpoint's weights are loaded over it, so a
+    ``pretrained`` starting point is not read again)."""
     from hydra.utils import instantiate
 
-    return instantiate({k: v for k, v in model_config.items() if k != "device"})
+    config = {k: v for k, v in model_config.items() if k != "device"}
+    if config.get("pretrained"):
+        config["pretrained"] = None
+    return instantiate(config)
 
 
 def load_trained(ckpt: str | Path) -> nn.Module:

@@ -1,13 +1,17 @@
-"""The pipelined GPT-2 and BERT equal the unsplit ``transformers`` models (issue 4).
+"""The pipelined GPT-2, BERT, Llama and Qwen2 equal the unsplit ``transformers`` models.
 
 Four gloo ranks train the tiny GPT-2 (untied and tied embeddings) and the tiny BERT (padded batches,
 MLM + NSP) for 3 SGD-with-momentum steps through :class:`strategies.engine.PipelineEngine` under
 GPipe, DAPPLE and Chimera, with W = 2 × D = 2 and W = 1 × D = 4, and N = D or N = 2D + 1 micro-batches.
 The pipelines get models built on the meta device, each rank materialising only its own stages (and
-its copies of tied weights); the reference is the unsplit ``GPT2LMHeadModel`` / ``BertForPreTraining``,
+its copies of tied weights); the reference is the unsplit ``GPT2LMHeadModel`` / ``BertForPreTraining``
+/ ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``,
 built whole with the same seed and trained in one process on the whole mini-batch (W·N·B samples)
 with its own loss (``labels=`` and ``next_sentence_label=``). Per-step losses and every parameter
 after the 3 steps must agree to 1e-5, and no rank holds a real tensor outside its stages.
+
+The decoder-only models (Llama: grouped-query attention, eager kernels; Qwen2: q/k/v biases, tied
+embeddings) run under GPipe, DAPPLE, GEMS and Chimera, one layout each, W = 2 × D = 2 or W = 1 × D = 4.
 
 All cases run in one ``run_world`` call: each rank imports ``transformers`` once (seconds).
 """
@@ -35,12 +39,25 @@ MODELS: dict[str, tuple[str, dict]] = {
                                 "tie_word_embeddings": True, "attn_implementation": "eager"}),
     "bert-padded": ("bert-tiny", {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 2,
                                   "intermediate_size": 64, "vocab_size": 128, "seq_len": 16, "initializer_range": 0.1}),
+    "llama-gqa": ("llama-tiny", {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "intermediate_size": 48, "vocab_size": 128, "seq_len": 16,
+                                 "attn_implementation": "eager"}),
+    "qwen2-tied": ("qwen2-tiny", {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "intermediate_size": 48, "vocab_size": 128, "seq_len": 16,
+                                  "tie_word_embeddings": True}),
 }
+DECODERS = ("llama-gqa", "qwen2-tied")
+DECODER_SCHEDULES = ("gpipe", "dapple", "gems", "chimera")
 
 
 def _cases() -> list[dict]:
     cases = []
     for m, model in enumerate(MODELS):
+        if model in DECODERS:  # every schedule once, the layouts and N alternating
+            for s, schedule in enumerate(DECODER_SCHEDULES):
+                W, D = LAYOUTS[(m + s) % 2]
+                cases.append({"model": model, "schedule": schedule, "W": W, "D": D, "N": D if s % 2 else 2 * D + 1})
+            continue
         for s, schedule in enumerate(SCHEDULES):
             for w, (W, D) in enumerate(LAYOUTS):
                 N = D if (m + s + w) % 2 == 0 else 2 * D + 1  # both N = D and N > D (concatenation) per model
@@ -64,15 +81,16 @@ def _batches(model, samples: int) -> list[dict]:
 
     from datamodules import SyntheticBertDataset, SyntheticGPT2Dataset
 
-    cls = SyntheticGPT2Dataset if model.family == "gpt2" else SyntheticBertDataset
-    extra = {} if model.family == "gpt2" else {"pad_fraction": 0.5}
+    causal = model.family != "bert"  # GPT-2 and the decoder-only models: causal-LM blocks
+    cls = SyntheticGPT2Dataset if causal else SyntheticBertDataset
+    extra = {} if causal else {"pad_fraction": 0.5}
     data = cls(STEPS * samples, model.seq_len, model.config.vocab_size, seed=3, **extra)
     return [default_collate([data[i] for i in range(s * samples, (s + 1) * samples)]) for s in range(STEPS)]
 
 
 def _hf_loss(hf, batch: dict):
     """The unsplit HF model's own loss on the whole mini-batch."""
-    if hf.config.model_type == "gpt2":
+    if hf.config.model_type != "bert":
         return hf(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
     return hf(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
               attention_mask=batch["attention_mask"], labels=batch["labels"],
@@ -150,7 +168,7 @@ def _pipeline_vs_hf(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_gpt2_and_bert_pipelines_equal_unsplit_hf_models() -> None:
+def test_hf_pipelines_equal_unsplit_hf_models() -> None:
     cases = _cases()
     results = run_world(4, _pipeline_vs_hf, cases)
     summary: dict[str, float] = {}

@@ -4,6 +4,11 @@ Paper sizes follow Chimera (Li & Hoefler, SC'21), Table 2: GPT-2 with 64 layers,
 20 heads, untied LM head (1,389,327,360 parameters, sequence length 632) and BERT with 48 layers,
 hidden 1024, 16 heads, FFN 4096, untied decoder (669,790,012 parameters, sequence length 128).
 Standard sizes follow the GPT-2 and BERT releases; the tiny ones train in seconds on a CPU.
+Decoder-only models (:mod:`models.decoder`): ``llama3-1b`` is Llama 3.2 1B's architecture (16 layers,
+hidden 2048, 32 query and 8 key/value heads, SwiGLU FFN 8192, tied embeddings, llama3 RoPE scaling:
+1,235,814,400 parameters), so ``model.pretrained=meta-llama/Llama-3.2-1B`` loads into it; ``llama-tiny``
+(grouped-query attention, untied head) and ``qwen2-tiny`` (Qwen2's q/k/v biases, tied head, as the small
+Qwen2 models) are CPU-sized.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .base import HFPipelineModel
 
-TARGETS = {"gpt2": "models.build_gpt2", "bert": "models.build_bert"}
+TARGETS = {"gpt2": "models.build_gpt2", "bert": "models.build_bert", **{
+    family: "models.build_decoder" for family in ("llama", "mistral", "qwen2", "qwen3")}}
 
 
 def _gpt2(name: str, seq_len: int, n_layer: int, n_embd: int, n_head: int, *, tied: bool,
@@ -40,6 +46,22 @@ def _bert(name: str, seq_len: int, layers: int, hidden: int, heads: int, ffn: in
     }
 
 
+def _decoder(name: str, family: str, seq_len: int, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, *,
+             tied: bool, vocab_size: int, max_positions: int, rope: dict[str, Any], rms_norm_eps: float = 1e-6,
+             **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name, "family": family, "data_family": "gpt2", "seq_len": seq_len, "attn_implementation": "sdpa",
+        "embedding_cost": 0.0, "head_cost": 0.0, "init_seed": None, "pretrained": None,
+        "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "intermediate_size": ffn, "max_position_embeddings": max_positions,
+        "vocab_size": vocab_size, "tie_word_embeddings": tied, "rms_norm_eps": rms_norm_eps, "rope_parameters": rope,
+        "attention_dropout": 0.0, **extra,
+    }
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2": _gpt2("gpt2", 632, 64, 1280, 20, tied=False),
     "gpt2-small": _gpt2("gpt2-small", 1024, 12, 768, 12, tied=True),
@@ -51,10 +73,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "bert-base": _bert("bert-base", 128, 12, 768, 12, 3072, tied=True),
     "bert-large": _bert("bert-large", 128, 24, 1024, 16, 4096, tied=True),
     "bert-tiny": _bert("bert-tiny", 32, 4, 64, 4, 128, tied=False, vocab_size=1000, max_positions=64, dropout=0.0),
+    "llama3-1b": _decoder("llama3-1b", "llama", 2048, 16, 2048, 32, 8, 8192, tied=True, vocab_size=128256,
+                          max_positions=131072, rope=LLAMA3_ROPE, rms_norm_eps=1e-5, head_dim=64,
+                          bos_token_id=128000, eos_token_id=128001),
+    "llama-tiny": _decoder("llama-tiny", "llama", 32, 4, 64, 4, 2, 128, tied=False, vocab_size=1000, max_positions=64,
+                           rope={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5),
+    "qwen2-tiny": _decoder("qwen2-tiny", "qwen2", 32, 4, 64, 4, 2, 128, tied=True, vocab_size=1000, max_positions=64,
+                           rope={"rope_type": "default", "rope_theta": 1000000.0}),
 }
 
 # Paper parameter counts (checked by tests/test_models.py on the meta device).
-PAPER_PARAMS = {"gpt2": 1_389_327_360, "bert48": 669_790_012, "gpt2-small": 124_439_808}
+PAPER_PARAMS = {"gpt2": 1_389_327_360, "bert48": 669_790_012, "gpt2-small": 124_439_808,
+                "llama3-1b": 1_235_814_400}
 
 
 def model_names() -> list[str]:
@@ -81,6 +111,9 @@ def _builder(family: str) -> Callable[..., HFPipelineModel]:
     if family == "bert":
         from .bert import build_bert
         return build_bert
+    if family in TARGETS:
+        from .decoder import build_decoder
+        return build_decoder
     raise ValueError(f"unknown model family {family!r}; expected one of {sorted(TARGETS)}")
 
 
@@ -105,7 +138,7 @@ def build_model(name_or_cfg: str | Mapping[str, Any], **overrides: Any) -> HFPip
         kwargs.pop("_target_", None)
         if "family" not in kwargs:
             if kwargs.get("name") not in PRESETS:
-                raise ValueError("a model config needs 'family' (gpt2 or bert) or a preset 'name'")
+                raise ValueError(f"a model config needs 'family' ({', '.join(sorted(TARGETS))}) or a preset 'name'")
             kwargs = {**preset(kwargs["name"]), **kwargs}
     kwargs.update(overrides)
     return _builder(kwargs["family"])(**kwargs)

@@ -8,7 +8,8 @@ Pathways", Appendix B) and of Megatron-LM (Narayanan et al., "Efficient Large-Sc
 Training on GPU Clusters Using Megatron-LM", §5.1). Recomputation is not counted: MFU compares the
 work the model needs, not the work done, with the hardware's peak.
 
-N counts every parameter that takes part in a matrix multiply: embedding tables used only as
+N counts every parameter that takes part in a matrix multiply (Llama's SwiGLU MLP: three matrices;
+grouped-query attention: the smaller key/value projections, as built): embedding tables used only as
 look-ups (positions, token types, an untied input embedding) are left out, a word embedding tied to
 the output head is counted once (nanoGPT's convention). The job's FLOPs are spread over all W·D
 devices: ``TFLOP/s per device = flops_per_token · tokens/s / (W·D)``, ``MFU = that / peak``.
@@ -105,10 +106,15 @@ _WIDTH_KEYS = ("n_embd", "hidden_size", "d_model")
 
 
 def transformer_shape(model_cfg: Mapping[str, Any]) -> tuple[int, int] | None:
-    """``(layers, width)`` from a model config (GPT-2's ``n_layer``/``n_embd`` or the ``num_hidden_layers``
-    / ``hidden_size`` of most transformers configs); None when the config names neither."""
+    """``(layers, attention width)`` from a model config (GPT-2's ``n_layer``/``n_embd`` or the
+    ``num_hidden_layers`` / ``hidden_size`` of most transformers configs); None when the config names
+    neither. The attention term scales with the query heads' width: ``num_attention_heads · head_dim``
+    where the config sets ``head_dim`` (Llama 3, Qwen3), else the hidden size. Grouped-query attention
+    shrinks only the key/value projections, which the parameter count already has."""
     layers = next((model_cfg[k] for k in _LAYER_KEYS if model_cfg.get(k) is not None), None)
     width = next((model_cfg[k] for k in _WIDTH_KEYS if model_cfg.get(k) is not None), None)
+    if model_cfg.get("head_dim") is not None and model_cfg.get("num_attention_heads") is not None:
+        width = int(model_cfg["head_dim"]) * int(model_cfg["num_attention_heads"])
     return (int(layers), int(width)) if layers is not None and width is not None else None
 
 

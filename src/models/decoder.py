@@ -1,0 +1,243 @@
+"""Decoder-only language models from ``transformers`` (Llama, Mistral, Qwen2, Qwen3) as pipelines.
+
+Llama (Touvron et al., "LLaMA: Open and Efficient Foundation Language Models", 2023, §2.2) and its
+descendants share one layout in ``transformers``: ``<Family>ForCausalLM.model`` holds ``embed_tokens``,
+``layers`` (decoder layers), ``norm`` (RMSNorm) and ``rotary_emb`` (rotary position embeddings, Su et
+al., "RoFormer", §3.4), and ``lm_head`` projects to the vocabulary. The pipeline layers are
+``[embeddings, decoder_0 .. decoder_{L-1}, head (norm + lm_head)]``.
+
+Every decoder layer is given what ``<Family>Model.forward`` gives it, rebuilt locally because only one
+activation tensor travels between stages:
+
+* ``position_embeddings = rotary_emb(hidden, position_ids)`` (the ``(cos, sin)`` pair; position ids
+  ``0..T-1``). The rotary module (buffers only) is shared by the decoder layers, so every stage holds
+  its own copy;
+* the causal mask of that layer's kind, from ``transformers.masking_utils`` for the configured
+  attention implementation: ``create_causal_mask`` for full attention and
+  ``create_sliding_window_causal_mask`` for sliding-window layers (Mistral's ``sliding_window``,
+  Qwen's ``layer_types``), with the batch's 2-D ``attention_mask`` when it has one (padding). A bare
+  decoder layer given no mask attends to the future under ``eager`` (no ``is_causal`` there);
+  under ``sdpa`` the mask builder returns ``None`` and the kernel's ``is_causal`` applies, as in HF.
+
+The loss is the causal-LM cross entropy of GPT-2's pipeline (:func:`models.gpt2.causal_lm_loss`,
+``transformers.loss.loss_utils.ForCausalLMLoss``). Tied word embeddings (the small Llama 3.2 and
+Qwen2 models) make the embedding layer and the head share one ``Parameter``, listed by
+``tied_parameters`` so the runtime sums the two stages' gradients.
+
+Only the families whose ``<Family>Model.forward`` is exactly the above are accepted (``FAMILIES``);
+others (Gemma scales its embeddings, Gemma 2 soft-caps logits, ...) would train a different model.
+
+``pretrained=<hub name or local directory>`` takes the architecture from the checkpoint's
+``config.json`` and, in :meth:`DecoderPipelineModel.materialize`, reads from its safetensors only the
+tensors of the layers being materialised (:mod:`models.pretrained`): each pipeline rank loads its own
+layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from typing_extensions import override
+
+from strategies.pipeline_model import Batch, TiedGroup
+
+from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
+from .gpt2 import IGNORE_INDEX, causal_lm_loss, shift_labels
+
+# model_type -> (config class, causal-LM class), names in ``transformers``
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+MASK_KINDS = ("full_attention", "sliding_attention")
+
+
+def _positions(x: Tensor) -> Tensor:
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """Each decoder layer's attention kind, as ``<Family>Model.forward`` picks its mask: the config's
+    ``layer_types`` (Qwen2/Qwen3), else sliding everywhere when ``sliding_window`` is set (Mistral)."""
+    n = int(config.num_hidden_layers)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        kinds = ["sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"] * n
+    kinds = list(kinds)[:n]
+    bad = sorted(set(kinds) - set(MASK_KINDS))
+    if bad:
+        raise ValueError(f"unsupported attention layer types {bad} in {type(config).__name__}.layer_types; "
+                         f"this adapter builds masks for {MASK_KINDS}")
+    return kinds
+
+
+class DecoderEmbeddings(nn.Module):
+    """``input_ids -> embed_tokens(input_ids)``."""
+
+    def __init__(self, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    @override
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class DecoderLayer(nn.Module):
+    """One HF decoder layer with the rotary embeddings and causal mask its model would pass it."""
+
+    needs_batch = True  # the padding mask, when the batch has one
+
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, kind: str) -> None:
+        super().__init__()
+        self.layer, self.rotary_emb, self.kind = layer, rotary_emb, kind
+        self._mask_fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+
+    @override
+    def forward(self, hidden: Tensor, batch: Batch) -> Tensor:
+        position_ids = _positions(hidden)
+        # The attention module's own config decides the kernel, hence the mask format.
+        mask = self._mask_fn(config=self.layer.self_attn.config, inputs_embeds=hidden,
+                             attention_mask=batch.get("attention_mask"), past_key_values=None,
+                             position_ids=position_ids)
+        cos_sin = self.rotary_emb(hidden, position_ids=position_ids)
+        return self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
+
+    @override
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}"
+
+
+class DecoderHead(nn.Module):
+    """``hidden -> lm_head(norm(hidden))``: logits over the vocabulary."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    @override
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+class DecoderPipelineModel(HFPipelineModel):
+    """A Llama-style causal LM split into ``num_hidden_layers + 2`` layers sharing parameters with
+    ``reference()`` (see the module docstring)."""
+
+    def __init__(self, hf: nn.Module, *, pretrained: str | None = None, **kwargs: Any) -> None:
+        super().__init__(hf, **kwargs)
+        self.family = str(hf.config.model_type)
+        self.pretrained = pretrained
+        base = hf.model
+        kinds = layer_kinds(hf.config)
+        self.layers.append(DecoderEmbeddings(base.embed_tokens))
+        self.layers.extend(DecoderLayer(layer, base.rotary_emb, kinds[i]) for i, layer in enumerate(base.layers))
+        self.layers.append(DecoderHead(base.norm, hf.lm_head))
+        self.layer_names_ = ["embeddings", *(f"layer.{i}" for i in range(len(base.layers))), "head"]
+        self.check_seq_len(self.seq_len)
+
+    @override
+    def materialize(self, layers: Iterable[int] | None, device: str | torch.device) -> None:
+        """As :meth:`HFPipelineModel.materialize`; with ``pretrained`` the layers' tensors are then read
+        from the checkpoint (only those of ``layers``)."""
+        indices = range(len(self.layers)) if layers is None else sorted(set(layers))
+        super().materialize(indices, device)
+        if self.pretrained:
+            from .pretrained import load_layers
+
+            load_layers(self, indices, self.pretrained)
+
+    @override
+    def pipeline_input(self, batch: Batch) -> Tensor:
+        return batch["input_ids"]
+
+    @staticmethod
+    def _labels(batch: Batch) -> Tensor:
+        return batch["labels"] if "labels" in batch else batch["input_ids"]
+
+    @override
+    def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
+        return causal_lm_loss(output, self._labels(batch))
+
+    # Per-term sums and counts, as GPT-2's: micro-batches add up to the token mean of the mini-batch.
+    def loss_counts(self, batch: Batch) -> dict[str, Tensor]:
+        return {"tokens": (shift_labels(self._labels(batch)) != IGNORE_INDEX).sum()}
+
+    def loss_terms(self, output: Tensor, batch: Batch) -> dict[str, Tensor]:
+        return {"tokens": causal_lm_loss(output, self._labels(batch), reduction="sum")}
+
+    @override
+    def tied_parameters(self) -> list[TiedGroup]:
+        if self.layers[0].embed_tokens.weight is self.layers[-1].lm_head.weight:
+            return [((0, "embed_tokens.weight"), (len(self.layers) - 1, "lm_head.weight"))]
+        return []
+
+
+def plain(value: Any) -> Any:
+    """A Hydra ``DictConfig``/``ListConfig`` field (``rope_parameters``, ``layer_types``) as a dict/list:
+    ``transformers`` configs validate their types strictly."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover
+        return value
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def family_classes(family: str) -> tuple[type, type]:
+    """The ``transformers`` config and causal-LM classes of a supported family."""
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r} is not supported by the decoder adapter; supported: "
+                         f"{', '.join(sorted(FAMILIES))} (their HF forward is embeddings -> decoder layers with "
+                         "rotary embeddings -> RMSNorm -> lm_head, which the pipeline layers reproduce)")
+    import transformers
+
+    config_name, model_name = FAMILIES[family]
+    return getattr(transformers, config_name), getattr(transformers, model_name)
+
+
+def build_decoder(
+    name: str = "llama",
+    seq_len: int = 2048,
+    *,
+    family: str = "llama",
+    attn_implementation: str = "sdpa",
+    embedding_cost: float = 0.0,
+    head_cost: float = 0.0,
+    init_seed: int | None = None,
+    device: str | torch.device | None = None,
+    pretrained: str | None = None,
+    data_family: str = "gpt2",
+    **config: Any,
+) -> DecoderPipelineModel:
+    """Hydra target of ``conf/model/{llama,qwen2}*.yaml``: ``<Family>Config(**config)`` ->
+    ``DecoderPipelineModel``.
+
+    ``family``: ``llama``, ``mistral``, ``qwen2`` or ``qwen3`` (the HF ``model_type``); ``config`` holds
+    fields of its config class (``num_hidden_layers``, ``num_key_value_heads``, ``rope_parameters``, ...).
+    ``pretrained``: a hub name or local directory whose ``config.json`` gives the architecture (the
+    fields given here must agree with it, see :func:`models.pretrained.checkpoint_config`) and whose
+    weights replace the initialisation, layer by layer as each rank materialises its own.
+    ``data_family``: the data format the data configs read (causal-LM blocks, as GPT-2's).
+    ``device`` and ``init_seed`` as in :func:`models.gpt2.build_gpt2`.
+    """
+    if data_family != "gpt2":
+        raise ValueError(f"model.data_family={data_family!r}: decoder-only models train on causal-LM data "
+                         "(data_family: gpt2)")
+    config_cls, model_cls = family_classes(family)
+    config = {k: plain(v) for k, v in config.items()}
+    hf_config = make_hf_config(config_cls, {**config, "attn_implementation": attn_implementation})
+    if pretrained:
+        from .pretrained import checkpoint_config
+
+        hf_config = checkpoint_config(pretrained, family, hf_config, given=set(config))
+        hf_config._attn_implementation = attn_implementation
+    hf, seed = build_on_meta(model_cls, hf_config, init_seed)
+    model = DecoderPipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost,
+                                 init_seed=seed, pretrained=pretrained or None)
+    return finish_build(model, device)
