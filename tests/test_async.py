@@ -147,17 +147,25 @@ def _pipeline_vs_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
         engine = PipelineEngine(model, PipelineConfig(name, D, B, timeout_s=30.0), W, torch.device("cpu"))
         opt = torch.optim.SGD(engine.local_parameters(), lr=LR, momentum=MOMENTUM)
         replica = engine.topology.replica_of(rank)
-        losses, stashed = [], []
+        losses: dict[int, float] = {}  # by step: the loss comes one step late (no per-step line-up)
+        stashed, reported = [], []
         for batch in batches:
             mine = {k: v[replica * N * B:(replica + 1) * N * B] for k, v in batch.items()}
             opt.zero_grad()
-            losses.append(engine.train_step(mine).item())
+            losses[engine.steps_taken] = float("nan")
+            value = engine.train_step(mine).item()
+            reported.append(engine.loss_step)
+            losses[engine.loss_step] = value
             opt.step()
             if case.get("eval"):  # a forward-only pass between steps leaves the stream in flight untouched
                 engine.eval_step(mine)
             stashed.append(1 + max(engine.versions.in_memory(s) for s in engine.local_stages))  # + live
+        last = engine.flush_loss().item()  # the last step's loss, waited for at the end
+        losses[engine.loss_step] = last
+        assert reported == [0] + list(range(len(batches) - 1)), reported  # step t reports t - 1 (the first: its own)
         err = max((p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in engine.local_parameters())
-        out.append({**case, "err": err, "losses": losses, "ref_losses": ref_losses, "stashed": max(stashed)})
+        out.append({**case, "err": err, "losses": [losses[t] for t in range(len(batches))], "ref_losses": ref_losses,
+                    "stashed": max(stashed)})
         dist.barrier()
     return out
 
