@@ -9,9 +9,10 @@ Parts (``--parts``, comma-separated; default all):
 
 * ``efficiency``: GPipe, DAPPLE, GEMS, Chimera and PipeDream-2BW on emulated-compute stages
   (:mod:`strategies.emulated`: forward ``t_f``, backward ``2 t_f`` of sleep, real p2p tensors and
-  all-reduces) at D ∈ {2, 4, 8}, N ∈ {D, 2D}: median measured step time ÷ simulated makespan
-  (:func:`strategies.schedules.simulate`; PipeDream-2BW: its steady no-flush step), and Chimera ÷ DAPPLE
-  measured vs in theory.
+  all-reduces) at D ∈ {2, 4, 8}, N ∈ {D, 2D}, and PipeDream at N = 1: median measured step time ÷
+  simulated makespan (:func:`strategies.schedules.simulate`; the asynchronous ones: their steady
+  no-flush step, each rank timing its own steps in a barrier-free stream, the slowest rank counted), and
+  Chimera ÷ DAPPLE measured vs in theory.
 * ``vs_torch``: the same GPT-2, split, micro-batches and D = 2 CPU ranks (one thread each) under
   ours (gpipe, dapple, chimera) and ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B),
   interleaved in one invocation; ``throughput_ratio`` = their step time ÷ ours (> 1: ours faster).
@@ -132,25 +133,56 @@ def _by_rank(value: float) -> list[float]:
 # -- part workers (module level: the spawned ranks import them) ---------------------------------
 
 
+ASYNC_STREAM, ASYNC_SETTLE = 6, 2  # consecutive asynchronous steps per round, the first ones not counted
+
+
+class _Stream(_Step):
+    """``ASYNC_STREAM`` consecutive steps with no barrier between them (an asynchronous schedule's
+    stages are skewed by design: a barrier before each step would impose the line-up it avoids).
+    Each rank times its own steps; the first ``ASYNC_SETTLE`` of a round re-establish the skew the
+    round's opening barrier removed and are not counted."""
+
+    def __init__(self, engine: Any, batch: Any) -> None:
+        super().__init__(engine, batch)
+        self.times: list[float] = []
+
+    def __call__(self) -> Any:
+        for k in range(ASYNC_STREAM):
+            start = time.perf_counter()
+            out = self.engine.train_step(self.batch)
+            if k >= ASYNC_SETTLE:
+                self.times.append(time.perf_counter() - start)
+        return out
+
+    def steady_step_s(self) -> float:
+        """The slowest rank's median step time (a collective)."""
+        import torch.distributed as dist
+
+        value = torch.tensor([statistics.median(self.times)], dtype=torch.float64)
+        dist.all_reduce(value, dist.ReduceOp.MAX)
+        return float(value)
+
+
 def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: int, warmup: int,
                        act: int, params: int) -> list[dict]:
     from strategies.emulated import EmulatedPipeline
     from strategies.engine import PipelineConfig, PipelineEngine
-    from strategies.schedules import simulate
 
     rows = []
-    for N in Ns:
+    for N in [*Ns, 1]:  # N = 1: PipeDream (one micro-batch per update)
+        names = ("pipedream",) if N == 1 else ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw")
         runners, simulated = {}, {}
-        for name in ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw"):
+        for name in names:
             model = EmulatedPipeline(world, t_f=t_f, activation_numel=act, param_numel=params)
             engine = PipelineEngine(model, PipelineConfig(name, world, 1), 1, torch.device("cpu"))
-            runners[name] = _Step(engine, model.batch(N))
+            runners[name] = (_Stream if engine.config.is_async else _Step)(engine, model.batch(N))
             simulated[name] = _step_makespan(engine, N, t_f, 2 * t_f)
         durations: dict[str, dict[str, list[float]]] = {name: {"F": [], "B": []} for name in runners}
         engines = {name: getattr(runner, "engine", None) for name, runner in runners.items()}
         times = _rounds(runners, steps, warmup, on_step=lambda name: _collect(durations[name], engines[name]))
-        for name in runners:
-            rows.append({"schedule": name, "D": world, "N": N, "measured_s": statistics.median(times[name]),
+        for name, runner in runners.items():
+            measured = runner.steady_step_s() if isinstance(runner, _Stream) else statistics.median(times[name])
+            rows.append({"schedule": name, "D": world, "N": N, "measured_s": measured,
                          "simulated_s": simulated[name], "times_s": times[name],
                          "simulated_actions_s": _simulate_measured(engines[name], N, durations[name])})
     return rows

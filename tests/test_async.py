@@ -104,15 +104,19 @@ def test_a_backward_uses_its_forwards_version_after_the_update() -> None:
 
 # -- runtime against the update rule (gloo) ----------------------------------------------------------
 
-def _reference(name: str, model: ToyMLP, D: int, batches: list[dict]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The asynchronous update rule in one process (same optimizer, same data)."""
+def _reference(name: str, model: ToyMLP, D: int, batches: list[dict],
+               clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The asynchronous update rule in one process (same optimizer, same data); ``clip``: each
+    stage's due gradient scaled to at most that norm on its own (tied parameters as one group)."""
     from strategies.engine import even_partition
     from strategies.pipeline_model import sequential_loss
 
     delay_of: dict[int, int] = {}  # a parameter on several stages (tied) takes the largest delay
+    stages_of: dict[int, set[int]] = {}
     for s, r in enumerate(even_partition(len(model.layers), D)):
         for p in (p for i in r for p in model.layers[i].parameters()):
             delay_of[id(p)] = max(delay_of.get(id(p), 0), weight_delay(name, s, D))
+            stages_of.setdefault(id(p), set()).add(s)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
     grads: list[list[torch.Tensor]] = []
@@ -124,7 +128,17 @@ def _reference(name: str, model: ToyMLP, D: int, batches: list[dict]) -> tuple[l
         grads.append([g.detach().clone() for g in torch.autograd.grad(loss, params)])
         for i, p in enumerate(params):
             due = t - delay_of[id(p)]
-            p.grad = grads[due][i] if due >= 0 else None
+            p.grad = grads[due][i].clone() if due >= 0 else None
+        if clip is not None:
+            groups: dict[object, list[torch.Tensor]] = {}
+            for p in params:
+                if p.grad is not None:
+                    key = "tied" if len(stages_of[id(p)]) > 1 else min(stages_of[id(p)])
+                    groups.setdefault(key, []).append(p.grad)
+            for grads_of_group in groups.values():
+                norm = torch.stack([g.square().sum() for g in grads_of_group]).sum().sqrt()
+                for g in grads_of_group:
+                    g.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
         opt.step()
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
@@ -142,22 +156,32 @@ def _pipeline_vs_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
         batches = toy_batches(steps, W * N * B)
         if case.get("repeat"):  # one mini-batch over and over: the loss must fall (convergence)
             batches = [batches[0]] * steps
-        ref_losses, ref_params = _reference(name, copy.deepcopy(model), D, batches)
+        ref_losses, ref_params = _reference(name, copy.deepcopy(model), D, batches, case.get("clip"))
         names = {id(p): n for n, p in model.named_parameters()}
         engine = PipelineEngine(model, PipelineConfig(name, D, B, timeout_s=30.0), W, torch.device("cpu"))
         opt = torch.optim.SGD(engine.local_parameters(), lr=LR, momentum=MOMENTUM)
         replica = engine.topology.replica_of(rank)
-        losses, stashed = [], []
+        losses: dict[int, float] = {}  # by step: the loss comes one step late (no per-step line-up)
+        stashed, reported = [], []
         for batch in batches:
             mine = {k: v[replica * N * B:(replica + 1) * N * B] for k, v in batch.items()}
             opt.zero_grad()
-            losses.append(engine.train_step(mine).item())
+            losses[engine.steps_taken] = float("nan")
+            value = engine.train_step(mine).item()
+            reported.append(engine.loss_step)
+            losses[engine.loss_step] = value
+            if case.get("clip"):
+                engine.clip_grad_norm_(case["clip"])
             opt.step()
             if case.get("eval"):  # a forward-only pass between steps leaves the stream in flight untouched
                 engine.eval_step(mine)
             stashed.append(1 + max(engine.versions.in_memory(s) for s in engine.local_stages))  # + live
+        last = engine.flush_loss().item()  # the last step's loss, waited for at the end
+        losses[engine.loss_step] = last
+        assert reported == [0] + list(range(len(batches) - 1)), reported  # step t reports t - 1 (the first: its own)
         err = max((p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in engine.local_parameters())
-        out.append({**case, "err": err, "losses": losses, "ref_losses": ref_losses, "stashed": max(stashed)})
+        out.append({**case, "err": err, "losses": [losses[t] for t in range(len(batches))], "ref_losses": ref_losses,
+                    "stashed": max(stashed)})
         dist.barrier()
     return out
 
@@ -183,6 +207,8 @@ def test_async_pipelines_follow_their_update_rule_on_four_ranks() -> None:
         {"schedule": "pipedream", "D": 2, "N": 1, "steps": 8},
         {"schedule": "pipedream", "D": 4, "N": 1, "steps": 8, "tied": True},
         {"schedule": "pipedream_2bw", "D": 4, "N": 4, "steps": 6, "tied": True},
+        {"schedule": "pipedream_2bw", "D": 4, "N": 4, "steps": 6, "tied": True, "clip": 0.05},
+        {"schedule": "pipedream", "D": 2, "N": 1, "steps": 6, "clip": 0.05},
         {"schedule": "pipedream_2bw", "D": 4, "N": 4, "steps": 30, "repeat": True},
         {"schedule": "pipedream", "D": 4, "N": 1, "steps": 30, "repeat": True},
     ]

@@ -158,7 +158,7 @@ class PipelineMetrics(Callback):
         local = torch.tensor([float("nan") if loss is None else float(loss), busy, span, float(peak_memory_bytes(trainer.strategy.root_device))],
                              dtype=torch.float64)
         gathered = _all_gather_rows(local.to(trainer.strategy.root_device)).cpu()
-        self.loss_history.append(float(gathered[:, 0].mean()))  # equal on pipeline ranks; mean over DDP replicas
+        self._record_loss(float(gathered[:, 0].mean()), engine)  # equal on pipeline ranks; mean over DDP replicas
         self.peak_memory = [int(m) for m in gathered[:, 3]]
         if record is not None and float(gathered[:, 2].max()) > 0:
             ratio = 1.0 - float(gathered[:, 1].sum()) / (len(gathered) * float(gathered[:, 2].max()))
@@ -167,6 +167,19 @@ class PipelineMetrics(Callback):
         pl_module.log("memory/peak_bytes_max", float(gathered[:, 3].max()), on_step=True, rank_zero_only=True)
         for rank, peak in enumerate(self.peak_memory):
             pl_module.log(f"memory/peak_bytes_rank{rank}", float(peak), on_step=True, rank_zero_only=True)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_step = len(self.loss_history)  # a resumed run continues the history
+
+    def _record_loss(self, value: float, engine: Any) -> None:
+        """One loss per optimizer step, in step order: an asynchronous schedule reports step t's loss
+        at step t + 1 (:meth:`PipelineEngine.train_step`), so it goes where it belongs."""
+        if engine is None or not engine.config.is_async:
+            self.loss_history.append(value)
+            return
+        index = getattr(self, "_first_step", 0) + engine.loss_step
+        self.loss_history[index:index + 1] = [value]
 
     def theory_bubble_ratio(self, trainer: pl.Trainer) -> float:
         engine = self._engine(trainer)
@@ -185,6 +198,9 @@ class PipelineMetrics(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = self._engine(trainer)
+        if engine is not None and (last := engine.flush_loss()) is not None:  # the last step's loss, reported late
+            self._record_loss(float(last), engine)
         rows = self._gather_timeline(trainer)
         if not trainer.is_global_zero:
             return

@@ -122,12 +122,17 @@ class PipelineEngine:
         self._drop_remote_layers(layers)
         self.model.to(device)
         stage_groups, tied_group = self._create_groups()
+        self.peer_group = self._create_peer_groups()
         shared = self._create_shared_groups() if config.grad_sync == "end" else {}
         self._check_identical_copies(stage_groups)
         tied = self._local_tied_parameters()
         self.versions = (WeightVersions(config.schedule, config.stages, self.stage_layers, self._tied_delays(tied))
                          if config.is_async else None)
         self.steps_taken = 0  # optimizer steps run (asynchronous schedules: which window comes next)
+        # asynchronous schedules report the loss one step late: (all-reduce, loss, step) not yet reported
+        self._pending_loss: tuple[dist.Work, Tensor, int] | None = None
+        self._reported: tuple[Tensor, int] | None = None  # the last loss returned, and its step
+        self.loss_step = 0  # the step whose loss train_step returned last
         self.synchronizer = GradientSynchronizer(
             {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout,
             shared=shared,
@@ -163,6 +168,19 @@ class PipelineEngine:
             group = dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
             tied_group = group if self.rank in ranks else None
         return groups, tied_group
+
+    def _create_peer_groups(self) -> dist.ProcessGroup | None:
+        """The W ranks of this rank's worker index, one per replica (they read the same share of
+        every replica's batch): loss normalisers are summed there, not over the world."""
+        if self.topology.replicas == 1:
+            return None
+        mine = None
+        for worker in range(self.topology.stages):
+            ranks = [self.topology.rank_of(r, worker) for r in range(self.topology.replicas)]
+            group = dist.new_group(ranks, timeout=self.timeout)
+            if self.rank in ranks:
+                mine = group
+        return mine
 
     def _create_shared_groups(self) -> dict[int | str, dist.ProcessGroup]:
         """One group per set of ranks that all-reduces two or more buckets (stages, tied embeddings),
@@ -268,9 +286,8 @@ class PipelineEngine:
         counts = [loss_counts(self.model, mb) for mb in micro_batches]
         names = sorted(counts[0])
         local = torch.stack([sum(c[n] for c in counts) for n in names]).to(self.device)
-        if self.topology.replicas > 1:
-            dist.all_reduce(local)  # every worker of a replica holds the same counts
-            local = local / self.topology.stages
+        if self.peer_group is not None:  # one rank per replica: no line-up of a replica's stages
+            dist.all_reduce(local, group=self.peer_group)
         local = local.to(torch.float32)  # counts are exact in float32; losses are float32
         return {name: local[i] for i, name in enumerate(names)}
 
@@ -288,7 +305,10 @@ class PipelineEngine:
         return value
 
     def train_step(self, batch: Batch) -> Tensor:
-        """Forward and backward of the replica's mini-batch, gradients summed; returns the loss."""
+        """Forward and backward of the replica's mini-batch, gradients summed; returns the mini-batch
+        loss (every rank the same). An asynchronous schedule returns the previous step's loss (its
+        all-reduce overlaps this step: the stages never line up), the first step its own;
+        :attr:`loss_step` says which, :meth:`flush_loss` gives the last one."""
         micro_batches = self.split(batch)
         if self.versions is not None:
             for p in self.local_parameters():
@@ -306,6 +326,8 @@ class PipelineEngine:
             self.schedule_for(len(micro_batches)), micro_batches, self._totals(micro_batches),
             after_backward=after_backward if plan else None,
         )
+        self.loss_step = self.steps_taken
+        self.steps_taken += 1
         return self._world_sum_overlapping(self.last_record.loss_sum, sync.finish)
 
     def _async_step(self, micro_batches: Sequence[Batch]) -> Tensor:
@@ -320,13 +342,30 @@ class PipelineEngine:
             current, {first + i: mb for i, mb in enumerate(micro_batches)}, self._totals(micro_batches),
         )
         stage_due, tied_due = self.versions.end_step(step)  # alike on every copy of a stage: the schedule decides
-
-        def finish_gradients() -> None:
-            if stage_due or tied_due:
-                self.synchronizer.finish(tied=tied_due)
-
-        loss = self._world_sum_overlapping(self.last_record.loss_sum, finish_gradients)
+        loss = self.last_record.loss_sum.to(self.device, torch.float32)
+        pending = (dist.all_reduce(loss, async_op=True), loss, step)  # waited next step: no per-step line-up
+        if stage_due or tied_due:
+            self.synchronizer.finish(tied=tied_due)
+        previous, self._pending_loss = self._pending_loss, pending
         self.steps_taken += 1
+        if self._reported is None:  # the first step reports its own loss (the fill lines up once)
+            self.flush_loss()
+        elif previous is not None:
+            previous[0].wait()  # started a step ago on every rank: done, or about to be
+            self._reported = (previous[1], previous[2])
+        loss, self.loss_step = self._reported  # the second step repeats the first's loss
+        return loss
+
+    def flush_loss(self) -> Tensor | None:
+        """The loss of the last asynchronous step, not yet reported (``None`` if there is none):
+        waits for its all-reduce, which every rank started at the end of that step."""
+        if self._pending_loss is None:
+            return None
+        work, loss, step = self._pending_loss
+        self._pending_loss = None
+        work.wait()
+        self._reported = (loss, step)
+        self.loss_step = step
         return loss
 
     @torch.no_grad()
@@ -336,6 +375,24 @@ class PipelineEngine:
         schedule = dapple(self.config.stages, N) if self.config.is_async else self.schedule_for(N)
         record = self.executor.run(schedule, micro_batches, self._totals(micro_batches), train=False)
         return self._world_sum(record.loss_sum)
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Scale gradients so their norm is at most ``max_norm``: the global norm over all stages, or,
+        for an asynchronous schedule, each stage's own (its copies hold the same summed gradient, so
+        the norm needs no collective and the stages never line up; tied parameters are one group,
+        scaled alike on both holders)."""
+        if not self.config.is_async:
+            groups, norms = [self.local_parameters()], [self.grad_norm_sq().sqrt()]
+        else:
+            tied = self.synchronizer.tied_params
+            groups = [g for g in [*map(list, self.synchronizer.buckets.values()), tied] if g]
+            norms = [torch.stack([p.grad.detach().float().square().sum() for p in g if p.grad is not None]
+                                 or [torch.zeros((), device=self.device)]).sum().sqrt() for g in groups]
+        for params, norm in zip(groups, norms):
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
 
     def grad_norm_sq(self) -> Tensor:
         """Squared global gradient norm: each stage (and a tied parameter) counted once, not per copy."""

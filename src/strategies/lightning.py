@@ -296,12 +296,14 @@ class PipelineModule(pl.LightningModule):
         engine = self.pipeline
         loss = engine.train_step(batch) if engine else self._replica_loss(batch)
         if not torch.isfinite(loss.detach()):  # the pipeline's loss is global: every rank decides alike
+            step = self.global_step if engine is None else engine.loss_step  # asynchronous: a step late
             if self.nonfinite_loss == "stop" or engine is None:
                 raise FloatingPointError(
-                    f"training loss is {loss.item()} at step {self.global_step}: lower optim.lr, keep "
+                    f"training loss is {loss.item()} at step {step}: lower optim.lr, keep "
                     "trainer.gradient_clip_val, or (pipeline strategies) set nonfinite_loss=skip to skip such steps"
                 )
-            rank_zero_info(f"skipping the update of step {self.global_step}: training loss is {loss.item()}")
+            rank_zero_info(f"skipping the update of step {self.global_step}: training loss is {loss.item()} "
+                           f"(step {step})")
             for p in engine.local_parameters():
                 p.grad = None  # the optimizer leaves parameters without gradients (and their state) alone
             return loss.detach()
@@ -343,11 +345,7 @@ class PipelineModule(pl.LightningModule):
         engine = self.pipeline
         if engine is None or not gradient_clip_val or gradient_clip_algorithm == "value":
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        norm = engine.grad_norm_sq().sqrt()  # global norm over all stages, each counted once
-        scale = torch.clamp(gradient_clip_val / (norm + 1e-6), max=1.0)
-        for p in engine.local_parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        engine.clip_grad_norm_(gradient_clip_val)
 
     def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
         """The optimizer over this rank's parameters (under a pipeline: its stages only), and the
