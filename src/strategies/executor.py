@@ -187,7 +187,7 @@ class StageExecutor:
                     raise StepError(self._failure(schedule, worker, action, err)) from err
                 record.clock.box(action, start)
             self._post(plan.rounds[-1])
-        self.comm.finish()
+        self.comm.finish(keep_open=carried)
         if carried:
             self._carried = self._inbox  # sent in this window, consumed in the next
         if self._graphs and train and not carried:

@@ -72,9 +72,17 @@ class PostedRound:
     works: list[dist.Work]
     peers: tuple[int, ...]
     recv_peers: tuple[int, ...]
+    sends: int = 0  # the first ``sends`` works are the sends (when there is one work per op)
     keep_alive: list[Tensor] = field(default_factory=list)
     staged: list[tuple[Incoming, Tensor]] = field(default_factory=list)  # host buffer → device buffer
-    waited: bool = False
+    ops: int = 0
+    step: int = 0  # which step (finish() call) posted it
+    received: bool = False  # the receives were waited (on gloo a second wait would wait for another message)
+    waited: bool = False  # every work was waited
+
+    def receive_works(self, ops: int) -> list[dist.Work]:
+        """The works to wait for the receives: their own, or all when the backend coalesced the batch."""
+        return self.works[self.sends:] if len(self.works) == ops else self.works
 
 
 class PipeComm:
@@ -90,6 +98,7 @@ class PipeComm:
         self.stream_ordered = backend == "nccl"  # waits enqueue on the device; the host goes on
         self.staged = device.type != "cpu" and backend == "gloo"
         self._posted: list[PostedRound] = []
+        self._step = 0
         self._header_sends: list[tuple[dist.Work, Tensor, int]] = []
 
     # -- rounds ---------------------------------------------------------------------------------
@@ -115,7 +124,9 @@ class PipeComm:
                 inc.buffer = buffer
             inc.round = posted
             ops.append(dist.P2POp(dist.irecv, buffer, inc.peer, group=self.data_group))
+        posted.sends, posted.step = len(sends), self._step
         posted.works = dist.batch_isend_irecv(ops)
+        posted.ops = len(ops)
         self._posted.append(posted)
         return posted
 
@@ -124,22 +135,27 @@ class PipeComm:
         posted = inc.round
         if posted is None:
             raise RuntimeError(f"receive from rank {inc.peer} was never posted")
-        self._complete(posted, posted.recv_peers or posted.peers)
+        self._receive(posted)
         if inc.buffer is None:
             raise RuntimeError(f"receive from rank {inc.peer} has no buffer after its round")
         return inc.buffer
 
-    def finish(self) -> None:
-        """Wait until every posted round has completed (end of a step), at most the timeout."""
+    def finish(self, keep_open: bool = False) -> None:
+        """End a step: wait until every posted round has completed, at most the timeout. With
+        ``keep_open`` (an asynchronous window) this step's rounds stay open and the previous step's
+        are waited instead: its last sends complete only when the neighbours reach the end of their
+        windows, and waiting for them now would line the stages up again."""
         deadline = time.monotonic() + self.timeout.total_seconds()
-        for posted in self._posted:
+        settle = [p for p in self._posted if not keep_open or p.step < self._step]
+        for posted in settle:
             if self.stream_ordered:  # poll the events: no device-wide synchronisation, a bounded wait
                 while not all(work.is_completed() for work in posted.works):
                     if time.monotonic() > deadline:
                         self._timed_out(posted.peers, "its pipeline messages of this step")
                     time.sleep(_POLL_S)
             self._complete(posted, posted.peers)
-        self._posted.clear()
+        self._posted = [p for p in self._posted if p not in settle]
+        self._step += 1
         for work, _, peer in self._header_sends:
             self._wait_work(work, (peer,))
         self._header_sends.clear()
@@ -167,14 +183,27 @@ class PipeComm:
 
     # -- waiting ----------------------------------------------------------------------------------
 
-    def _complete(self, posted: PostedRound, peers: Sequence[int]) -> None:
-        """Wait for a round once (on gloo a second wait of a receive would wait for another message)."""
-        if posted.waited:
+    def _receive(self, posted: PostedRound) -> None:
+        """Wait for a round's receives once; its sends complete on their own (waited in :meth:`finish`),
+        so a rank never waits for a peer to take what it sent before computing on what it got."""
+        if posted.received:
             return
-        for work in posted.works:
-            self._wait_work(work, peers)
+        for work in posted.receive_works(posted.ops):
+            self._wait_work(work, posted.recv_peers or posted.peers)
         for inc, host_buffer in posted.staged:
             inc.buffer = host_buffer.to(self.device)
+        posted.received = True
+
+    def _complete(self, posted: PostedRound, peers: Sequence[int]) -> None:
+        """Wait for every work of a round once: the receives (if not yet), then the sends."""
+        if posted.waited:
+            return
+        coalesced = len(posted.works) != posted.ops
+        if not posted.received:
+            self._receive(posted)
+        if not coalesced:
+            for work in posted.works[: posted.sends]:
+                self._wait_work(work, peers)
         posted.waited = True
 
     def _wait_work(self, work: dist.Work, peers: Sequence[int]) -> None:

@@ -38,8 +38,10 @@ class _Recorder:
         return op
 
     def host_sync(self) -> None:
-        """``.item()`` and the like: the host waits for everything posted so far."""
-        self.events += [HostWait(op) for op in self.ops]
+        """``.item()`` and the like: the host waits for the device work, i.e. for every operation the
+        compute stream was made to wait for (not for sends still open)."""
+        waited = sorted({e.op for e in self.events if isinstance(e, StreamWait)})
+        self.events += [HostWait(op) for op in waited]
 
 
 class _RecordedRound:
@@ -56,6 +58,7 @@ class RecordingComm:
                  shape_of: Callable[[int, str], tuple[torch.Size, torch.dtype]]) -> None:
         self.recorder, self.device, self.timeout, self.shape_of = recorder, device, timeout, shape_of
         self.stream_ordered = True
+        self._opened = 0  # operations posted before the current step
 
     def post(self, sends: Sequence[Outgoing], recvs: Sequence[Incoming]) -> _RecordedRound | None:
         if not sends and not recvs:
@@ -76,8 +79,11 @@ class RecordingComm:
             posted.waited = True  # type: ignore[union-attr]
         return inc.buffer
 
-    def finish(self) -> None:
-        self.recorder.host_sync()  # the polled end-of-step wait
+    def finish(self, keep_open: bool = False) -> None:
+        """The polled end-of-step wait: every round so far, or (``keep_open``) those of earlier steps."""
+        upto = self._opened if keep_open else len(self.recorder.ops)
+        self.recorder.events += [HostWait(op) for op in self.recorder.ops[:upto]]
+        self._opened = len(self.recorder.ops)
 
     def announce(self, peer: int, shape: torch.Size, dtype: torch.dtype, what: str) -> None:
         self.recorder.events.append(HostSend(peer, what))
