@@ -176,9 +176,10 @@ def _pipeline_vs_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
             if case.get("eval"):  # a forward-only pass between steps leaves the stream in flight untouched
                 engine.eval_step(mine)
             stashed.append(1 + max(engine.versions.in_memory(s) for s in engine.local_stages))  # + live
-        last = engine.flush_loss().item()  # the last step's loss, waited for at the end
-        losses[engine.loss_step] = last
-        assert reported == [0] + list(range(len(batches) - 1)), reported  # step t reports t - 1 (the first: its own)
+        for at, value in engine.flush_losses():  # the last steps' losses, waited for at the end
+            losses[at] = value.item()
+        lag = max(1, -(-(D - 1) // N))  # the first step reports its own, step t reports t - lag
+        assert reported == [max(0, t - lag) for t in range(len(batches))], reported
         err = max((p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in engine.local_parameters())
         out.append({**case, "err": err, "losses": [losses[t] for t in range(len(batches))], "ref_losses": ref_losses,
                     "stashed": max(stashed)})

@@ -172,13 +172,13 @@ class PipelineMetrics(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._first_step = len(self.loss_history)  # a resumed run continues the history
 
-    def _record_loss(self, value: float, engine: Any) -> None:
+    def _record_loss(self, value: float, engine: Any, step: int | None = None) -> None:
         """One loss per optimizer step, in step order: an asynchronous schedule reports step t's loss
-        at step t + 1 (:meth:`PipelineEngine.train_step`), so it goes where it belongs."""
+        a step or more later (:meth:`PipelineEngine.train_step`), so it goes where it belongs."""
         if engine is None or not engine.config.is_async:
             self.loss_history.append(value)
             return
-        index = getattr(self, "_first_step", 0) + engine.loss_step
+        index = getattr(self, "_first_step", 0) + (engine.loss_step if step is None else step)
         self.loss_history[index:index + 1] = [value]
 
     def theory_bubble_ratio(self, trainer: pl.Trainer) -> float:
@@ -199,8 +199,8 @@ class PipelineMetrics(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine(trainer)
-        if engine is not None and (last := engine.flush_loss()) is not None:  # the last step's loss, reported late
-            self._record_loss(float(last), engine)
+        for step, loss in engine.flush_losses() if engine is not None else []:  # the last steps' losses, late
+            self._record_loss(float(loss), engine, step)
         rows = self._gather_timeline(trainer)
         if not trainer.is_global_zero:
             return

@@ -11,6 +11,7 @@ forwards may be recomputed in backward to save activation memory (GPipe re-mater
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -129,8 +130,8 @@ class PipelineEngine:
         self.versions = (WeightVersions(config.schedule, config.stages, self.stage_layers, self._tied_delays(tied))
                          if config.is_async else None)
         self.steps_taken = 0  # optimizer steps run (asynchronous schedules: which window comes next)
-        # asynchronous schedules report the loss one step late: (all-reduce, loss, step) not yet reported
-        self._pending_loss: tuple[dist.Work, Tensor, int] | None = None
+        # asynchronous schedules report the loss late: (all-reduce, loss, step) not yet reported
+        self._pending_losses: deque[tuple[dist.Work, Tensor, int]] = deque()
         self._reported: tuple[Tensor, int] | None = None  # the last loss returned, and its step
         self.loss_step = 0  # the step whose loss train_step returned last
         self.synchronizer = GradientSynchronizer(
@@ -306,9 +307,10 @@ class PipelineEngine:
 
     def train_step(self, batch: Batch) -> Tensor:
         """Forward and backward of the replica's mini-batch, gradients summed; returns the mini-batch
-        loss (every rank the same). An asynchronous schedule returns the previous step's loss (its
-        all-reduce overlaps this step: the stages never line up), the first step its own;
-        :attr:`loss_step` says which, :meth:`flush_loss` gives the last one."""
+        loss (every rank the same). An asynchronous schedule returns an earlier step's loss (one
+        step late, or ceil((D - 1) / N) when the pipeline is deeper than a step: its all-reduce
+        overlaps the following steps, so the stages never line up), the first step its own;
+        :attr:`loss_step` says which step, :meth:`flush_losses` gives those not reported yet."""
         micro_batches = self.split(batch)
         if self.versions is not None:
             for p in self.local_parameters():
@@ -343,30 +345,33 @@ class PipelineEngine:
         )
         stage_due, tied_due = self.versions.end_step(step)  # alike on every copy of a stage: the schedule decides
         loss = self.last_record.loss_sum.to(self.device, torch.float32)
-        pending = (dist.all_reduce(loss, async_op=True), loss, step)  # waited next step: no per-step line-up
+        self._pending_losses.append((dist.all_reduce(loss, async_op=True), loss, step))
         if stage_due or tied_due:
             self.synchronizer.finish(tied=tied_due)
-        previous, self._pending_loss = self._pending_loss, pending
         self.steps_taken += 1
         if self._reported is None:  # the first step reports its own loss (the fill lines up once)
-            self.flush_loss()
-        elif previous is not None:
-            previous[0].wait()  # started a step ago on every rank: done, or about to be
-            self._reported = (previous[1], previous[2])
-        loss, self.loss_step = self._reported  # the second step repeats the first's loss
+            self.flush_losses()
+        # the last stage runs about D - 1 forwards behind the first: wait for an all-reduce only once
+        # every rank has certainly started it, ceil((D - 1) / N) steps later (at least one)
+        lag = max(1, -(-(self.config.stages - 1) // N))
+        while len(self._pending_losses) > lag:
+            work, reported, at = self._pending_losses.popleft()
+            work.wait()
+            self._reported = (reported, at)
+        loss, self.loss_step = self._reported  # until the lag is filled, the first step's loss again
         return loss
 
-    def flush_loss(self) -> Tensor | None:
-        """The loss of the last asynchronous step, not yet reported (``None`` if there is none):
-        waits for its all-reduce, which every rank started at the end of that step."""
-        if self._pending_loss is None:
-            return None
-        work, loss, step = self._pending_loss
-        self._pending_loss = None
-        work.wait()
-        self._reported = (loss, step)
-        self.loss_step = step
-        return loss
+    def flush_losses(self) -> list[tuple[int, Tensor]]:
+        """(step, loss) of every asynchronous step not reported yet, oldest first; waits for their
+        all-reduces, which every rank started at the end of those steps."""
+        out = []
+        while self._pending_losses:
+            work, loss, step = self._pending_losses.popleft()
+            work.wait()
+            out.append((step, loss))
+            self._reported = (loss, step)
+            self.loss_step = step
+        return out
 
     @torch.no_grad()
     def eval_step(self, batch: Batch) -> Tensor:
