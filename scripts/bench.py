@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmarks of the pipeline runtime (issue 6); writes one JSON file and prints tables.
+"""Benchmarks of the pipeline runtime; writes one JSON file and prints tables.
 
     python scripts/bench.py --out bench.json                       # every part (minutes)
     python scripts/bench.py --out bench.json --parts efficiency    # one part; merged into the file

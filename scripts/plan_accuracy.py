@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Accuracy of the planner: predicted vs measured iteration time and peak memory (issue 7).
+"""Accuracy of the planner: predicted vs measured iteration time and peak memory.
 
     python scripts/plan_accuracy.py --out plan_accuracy.json        # 24 layouts × 3 repeats, ~16 minutes
     python scripts/plan_accuracy.py --quick --out /tmp/acc.json     # 5 layouts, one repeat (smoke)

@@ -1,4 +1,4 @@
-"""Planner (issue 7): predict iteration time and memory, recommend W / D / B and the partition.
+"""Planner (Chimera §3.4, CAPTURE): predict iteration time and memory, recommend W / D / B and the partition.
 
 Chimera §3.4's performance model with measured costs, and CAPTURE's profiling-based memory
 prediction and partition recommendation, for this repository's schedules and runtime::

@@ -1,4 +1,4 @@
-"""Ending the default process group so that no process exit aborts (see STACK-NOTES: gloo aborts
+"""Ending the default process group so that no process exit aborts (gloo aborts
 10–25 % of plain exits with ``terminate called without an active exception``)."""
 
 from __future__ import annotations

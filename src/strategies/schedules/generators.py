@@ -1,4 +1,4 @@
-"""Schedule generators: GPipe (seed 001), DAPPLE / 1F1B with flushes, GEMS and Chimera (seed 004).
+"""Schedule generators: GPipe (GPipe, Huang et al.), DAPPLE / 1F1B with flushes, GEMS and Chimera (Chimera, Li & Hoefler).
 
 Pure functions from sizes to :class:`~strategies.schedules.actions.Schedule` data; no torch.
 
