@@ -373,11 +373,16 @@ class PipelineEngine:
             self.loss_step = step
         return out
 
+    @cache  # noqa: B019 - one engine per process
+    def _eval_schedule(self, micro_batches: int) -> Schedule:
+        """An asynchronous schedule evaluates with DAPPLE's forwards (no weight versions involved)."""
+        return dapple(self.config.stages, micro_batches)
+
     @torch.no_grad()
     def eval_step(self, batch: Batch) -> Tensor:
         micro_batches = self.split(batch)
         N = len(micro_batches)
-        schedule = dapple(self.config.stages, N) if self.config.is_async else self.schedule_for(N)
+        schedule = self._eval_schedule(N) if self.config.is_async else self.schedule_for(N)
         record = self.executor.run(schedule, micro_batches, self._totals(micro_batches), train=False)
         return self._world_sum(record.loss_sum)
 

@@ -142,7 +142,7 @@ class StageExecutor:
         self._outbox: dict[Message, Tensor] = {}  # produced by the last action, sent in the next round
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # (pipe, sending stage, batch shapes)
         self._probed: set[tuple] = set()  # micro-batch shapes whose message shapes are known
-        self._plans: dict[tuple[int, bool], CommPlan] = {}  # per step schedule (kept alive by the engine's cache)
+        self._plans: dict[tuple[Schedule, bool], CommPlan] = {}  # the synchronous steps' plans, derived once
 
     def run(
         self,
@@ -160,8 +160,10 @@ class StageExecutor:
         worker = self.topology.worker_of(self.rank)
         carried = train and "step" in schedule.meta
         self._inbox = self._carried if carried else {}
-        plan = (comm_plan(schedule, worker, train, carried_in=self._inbox.keys()) if carried
-                else self._plans.setdefault((id(schedule), train), comm_plan(schedule, worker, train)))
+        if carried:
+            plan = comm_plan(schedule, worker, train, carried_in=self._inbox.keys())
+        elif (plan := self._plans.get((schedule, train))) is None:
+            plan = self._plans[(schedule, train)] = comm_plan(schedule, worker, train)
         halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}
         params = [p for layers in self.stage_layers.values() for layer in layers for p in layer.parameters()]
         batches = dict(micro_batches) if isinstance(micro_batches, Mapping) else dict(enumerate(micro_batches))
