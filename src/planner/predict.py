@@ -223,7 +223,7 @@ def stage_costs(costs: ModelCosts, cand: Candidate, partition: Sequence[range]) 
 
 
 def _last_backward_end(timeline: Sequence, stage: int) -> float:
-    return max((t.end for t in timeline if t.action.kind == "B" and t.action.stage == stage), default=0.0)
+    return max((t.end for t in timeline if t.action.completes_weight_gradient and t.action.stage == stage), default=0.0)
 
 
 def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,

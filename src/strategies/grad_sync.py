@@ -40,7 +40,7 @@ def last_backwards(schedule: Schedule, worker: int) -> dict[int, Action]:
     """Stage → the last backward action of that stage copy in ``worker``'s order."""
     last: dict[int, Action] = {}
     for action in schedule.workers[worker]:
-        if action.kind == "B":
+        if action.completes_weight_gradient:
             last[action.stage] = action
     return last
 

@@ -31,8 +31,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .actions import Action, Schedule
-from .graph import dependencies, forward_index
-from .messages import Message, received_messages, sent_messages
+from .graph import dependencies, index_actions
+from .messages import Message, is_local, received_messages, sent_messages
+from .simulate import action_cost
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,16 @@ class CommPlan:
     rounds: tuple[Round, ...]
 
     def needs(self, i: int) -> tuple[Message, ...]:
-        """The messages action ``i`` consumes, in the order it uses them."""
+        """The messages action ``i`` consumes (local ones included), in the order it uses them."""
         return tuple(m for _, m in received_messages(self.actions[i], self.stages))
 
 
 def _routes(schedule: Schedule, action: Action, produced: bool) -> list[Transfer]:
-    """(peer worker, message) for every message ``action`` sends (or, if not ``produced``, receives)."""
+    """(peer worker, message) for every message ``action`` sends (or, if not ``produced``, receives)
+    to or from another worker; local messages (consecutive stages on one worker) need no transfer."""
     pairs = sent_messages(action, schedule.stages) if produced else received_messages(action, schedule.stages)
-    return [Transfer(schedule.worker_of(action.pipe, stage), msg) for stage, msg in pairs]
+    return [Transfer(schedule.worker_of(action.pipe, stage), msg) for stage, msg in pairs
+            if not is_local(schedule, msg)]
 
 
 def executed_actions(schedule: Schedule, worker: int, train: bool = True) -> tuple[Action, ...]:
@@ -96,7 +99,8 @@ def _timeline(schedule: Schedule, train: bool) -> dict[Action, float]:
     dependency outside ``schedule`` (an earlier window's) counts as done at time 0."""
     workers = [executed_actions(schedule, w, train) for w in range(schedule.num_workers)]
     present = {a for acts in workers for a in acts}
-    forwards = forward_index(present)
+    known = index_actions(present)
+    t_f, t_b = [1.0] * schedule.stages, [2.0] * schedule.stages
     end: dict[Action, float] = {}
     free = [0.0] * len(workers)
     position = [0] * len(workers)
@@ -106,11 +110,11 @@ def _timeline(schedule: Schedule, train: bool) -> dict[Action, float]:
         for w, acts in enumerate(workers):
             while position[w] < len(acts):
                 a = acts[position[w]]
-                deps = [d for d in dependencies(a, forwards, schedule.stages) if d in present]
+                deps = [d for d in dependencies(a, known, schedule.stages) if d in present]
                 if any(d not in end for d in deps):
                     break
                 start = max([end[d] for d in deps] + [free[w]])
-                end[a] = free[w] = start + (len(a.mbs) if a.kind == "F" else (1.0 if a.half is not None else 2.0))
+                end[a] = free[w] = start + action_cost(a, t_f, t_b)
                 position[w] += 1
                 progressed = True
     if any(p < len(acts) for p, acts in zip(position, workers)):
@@ -135,7 +139,7 @@ def comm_plan(schedule: Schedule, worker: int, train: bool = True,
         if peer != worker:
             for a in executed_actions(schedule, peer, train):
                 incoming[peer] += [(t.message, end[a]) for t in _routes(schedule, a, True) if t.peer == worker]
-    consumer = {m: i for i, a in enumerate(actions) for _, m in received_messages(a, schedule.stages)}
+    consumer = {m: i for i, a in enumerate(actions) for t in _routes(schedule, a, False) for m in [t.message]}
     round_of: dict[Message, int] = {}
     for peer, queue in incoming.items():
         later = len(actions)  # per peer, receives go in send order: never after a later-sent message's

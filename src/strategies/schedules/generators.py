@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from .actions import Action, Schedule
 from .asynchronous import ASYNC_SCHEDULES
 from .asynchronous import run as async_run
-from .graph import dependencies, forward_index
+from .graph import dependencies, index_actions
 from .messages import fifo_violations, received_messages, sent_messages
 from .simulate import Cost, simulate
 
@@ -152,7 +152,7 @@ def _list_schedule(
     are distinct), backward before forward. Equal slots for all actions follow §3.5's premise
     that doubled forwards and halved backwards equalise the workloads.
     """
-    all_forwards = forward_index(a for acts in forwards.values() for a in acts)
+    all_actions = index_actions(a for queues in (forwards, backwards) for acts in queues.values() for a in acts)
     keys_of = {w: [k for k in forwards if placement[k[0]][k[1]] == w] for w in range(stages)}
     in_flight = dict.fromkeys(forwards, 0.0)
     done_at: dict[Action, int] = {}
@@ -168,7 +168,7 @@ def _list_schedule(
                     if not queue:
                         continue
                     head = queue[0]
-                    deps = dependencies(head, all_forwards, stages)
+                    deps = dependencies(head, all_actions, stages)
                     if any(d not in done_at for d in deps):
                         continue
                     if head.kind == "F" and in_flight[key] + head.activation_units > caps[key]:
@@ -215,8 +215,8 @@ def _timed_list_schedule(
     """
     every = [a for queues in (forwards, backwards) for acts in queues.values() for a in acts]
     index = {a: i for i, a in enumerate(every)}
-    fwd_of = forward_index(a for acts in forwards.values() for a in acts)
-    deps = [[index[d] for d in dependencies(a, fwd_of, stages)] for a in every]  # type: ignore[index]
+    known = index_actions(every)
+    deps = [[index[d] for d in dependencies(a, known, stages)] for a in every]  # type: ignore[index]
     rank = [priority(a) for a in every]
     units = [a.activation_units for a in every]
     cost = [t_f * len(a.mbs) if a.kind == "F" else t_b * (0.5 if a.half is not None else 1.0) for a in every]

@@ -33,7 +33,7 @@ class Span(NamedTuple):
     label: str
     start: float
     end: float
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B", "I" or "W"
     pipe: int
 
 
@@ -43,6 +43,9 @@ LEGEND = (
     "F/B: forward/backward of a micro-batch; pK: pipeline K (none: pipeline 0); "
     "F4+5: doubled forward; B4h1: backward half 1; '.': idle (bubble)"
 )
+SPLIT_LEGEND = "I/W: input/weight gradient of a split backward (zero bubble); &: overlapped with the action before"
+_FILL = {"F": " ", "B": "=", "I": "-", "W": "~"}  # ASCII fill per action kind
+_SHADE = {"F": 0.35, "B": 0.75, "I": 0.6, "W": 0.9}  # PNG shade per action kind
 _COLOR_FAMILIES = ("Blues", "Oranges", "Greens", "Purples", "Reds", "Greys", "YlOrBr", "BuGn")
 
 
@@ -146,9 +149,11 @@ def ascii_chart(timeline: Timeline, *, width: int | None = None) -> str:
                 continue
             text = cell_text(s)
             body = "|" + text if c1 - c0 > len(text) else text[: c1 - c0]
-            line[c0:c1] = body.ljust(c1 - c0, " " if s.kind == "F" else "=")
+            line[c0:c1] = body.ljust(c1 - c0, _FILL.get(s.kind, "="))
         lines.append(f"P{w}".ljust(name_w) + "".join(line) + "|")
     lines.append(LEGEND)
+    if any(s.kind in "IW" for row in rows for s in row):
+        lines.append(SPLIT_LEGEND)
     return "\n".join(lines)
 
 
@@ -188,7 +193,7 @@ def save_png(timeline: Timeline, schedule: Schedule | None, path: str, *, title:
             title = f"{schedule.name}: D={schedule.stages}, N={schedule.micro_batches}{extra}, " + title
 
     def color(kind: str, pipe: int) -> Any:
-        return colormaps[_COLOR_FAMILIES[pipe % len(_COLOR_FAMILIES)]](0.35 if kind == "F" else 0.75)
+        return colormaps[_COLOR_FAMILIES[pipe % len(_COLOR_FAMILIES)]](_SHADE.get(kind, 0.75))
 
     shortest = min((s.end - s.start for row in rows for s in row if s.end > s.start), default=1.0)
     fig_w = min(max(0.35 * (makespan or 1.0) / shortest + 1.5, 6.0), 40.0)
@@ -200,14 +205,14 @@ def save_png(timeline: Timeline, schedule: Schedule | None, path: str, *, title:
             ax.barh(w, s.end - s.start, left=s.start, height=0.8, color=color(s.kind, s.pipe),
                     edgecolor="black", linewidth=0.5)
             ax.text((s.start + s.end) / 2, w, s.label, ha="center", va="center", fontsize=8,
-                    color="black" if s.kind == "F" else "white", clip_on=True)
+                    color="black" if _SHADE.get(s.kind, 0.75) < 0.5 else "white", clip_on=True)
     ax.set_yticks(range(len(rows)), [f"P{w}" for w in range(len(rows))])
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, makespan or 1.0)
     ax.set_xlabel("time")
     ax.set_title(title)
-    used = sorted({(s.pipe, s.kind) for row in rows for s in row}, key=lambda k: (k[0], k[1] != "F"))
-    names = {"F": "forward", "B": "backward"}
+    used = sorted({(s.pipe, s.kind) for row in rows for s in row}, key=lambda k: (k[0], "FBIW".index(k[1])))
+    names = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
     handles = [Patch(color=color(k, p), label=f"{names[k]}, pipeline {p}") for p, k in used]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.savefig(path, dpi=120, bbox_inches="tight")

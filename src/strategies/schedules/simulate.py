@@ -3,8 +3,11 @@ makespan, bubble ratio and per-worker peak in-flight activations.
 
 Each worker runs its actions in order, each as soon as its worker is free and its
 dependencies (:mod:`.graph`) are done (plus ``t_comm`` when the producer is another worker).
-Costs are per micro-batch: a doubled forward costs ``2·t_f``, a halved backward ``t_b / 2``.
-``t_f`` and ``t_b`` may be one number or one number per stage.
+Costs are per micro-batch: a doubled forward costs ``2·t_f``, a halved backward ``t_b / 2``; a
+split backward (Zero Bubble Pipeline Parallelism §2) costs ``t_b - t_w`` for its input-gradient
+pass ``I`` and ``t_w`` for its weight-gradient pass ``W`` (by default ``t_w = t_b / 2``, the
+paper's t_F = t_B = t_W at t_b = 2 t_f). ``t_f``, ``t_b`` and ``t_w`` may be one number or one
+number per stage.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .actions import Action, Schedule
-from .graph import dependencies, forward_index
+from .graph import dependencies, index_actions
 from .grid import format_grid
 
 Cost = float | Sequence[float]
@@ -49,10 +52,16 @@ def _per_stage(cost: Cost, stages: int, name: str) -> list[float]:
     return values
 
 
-def action_cost(action: Action, t_f: Sequence[float], t_b: Sequence[float]) -> float:
+def action_cost(action: Action, t_f: Sequence[float], t_b: Sequence[float],
+                t_w: Sequence[float] | None = None) -> float:
+    """Time of ``action``: ``t_w`` (default half of ``t_b``) is the weight-gradient share of a backward."""
     if action.kind == "F":
         return t_f[action.stage] * len(action.mbs)
-    return t_b[action.stage] * (0.5 if action.half is not None else 1.0)
+    part = 0.5 if action.half is not None else 1.0
+    if action.kind == "B":
+        return t_b[action.stage] * part
+    weight = t_b[action.stage] / 2 if t_w is None else t_w[action.stage]
+    return (weight if action.kind == "W" else t_b[action.stage] - weight) * part
 
 
 def peak_activations(schedule: Schedule) -> tuple[float, ...]:
@@ -64,17 +73,22 @@ def peak_activations(schedule: Schedule) -> tuple[float, ...]:
     for acts in schedule.workers:
         live = peak = 0.0
         for a in acts:
-            live += a.activation_units if a.kind == "F" else -a.activation_units
+            live += a.activation_delta
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
 
 
-def simulate(schedule: Schedule, t_f: Cost = 1.0, t_b: Cost = 2.0, *, t_comm: float = 0.0) -> Simulation:
-    """Run ``schedule`` as soon as possible with the given per-micro-batch costs."""
+def simulate(schedule: Schedule, t_f: Cost = 1.0, t_b: Cost = 2.0, *, t_w: Cost | None = None,
+             t_comm: float = 0.0) -> Simulation:
+    """Run ``schedule`` as soon as possible with the given per-micro-batch costs; ``t_comm`` is
+    added when the producer is another worker (stages on one worker pass messages locally)."""
     stages = schedule.stages
     tf, tb = _per_stage(t_f, stages, "t_f"), _per_stage(t_b, stages, "t_b")
-    forwards = forward_index(a for acts in schedule.workers for a in acts)
+    tw = None if t_w is None else _per_stage(t_w, stages, "t_w")
+    if tw is not None and any(w > b for w, b in zip(tw, tb)):
+        raise ValueError(f"t_w (the weight-gradient share of a backward) must not exceed t_b, got {t_w!r} > {t_b!r}")
+    known = index_actions(a for acts in schedule.workers for a in acts)
     worker_of = {a: w for w, acts in enumerate(schedule.workers) for a in acts}
     end: dict[Action, float] = {}
     timeline: list[list[TimedAction]] = [[] for _ in schedule.workers]
@@ -86,13 +100,13 @@ def simulate(schedule: Schedule, t_f: Cost = 1.0, t_b: Cost = 2.0, *, t_comm: fl
         for w, acts in enumerate(schedule.workers):
             while position[w] < len(acts):
                 a = acts[position[w]]
-                deps = dependencies(a, forwards, stages)
+                deps = dependencies(a, known, stages)
                 if any(d is None or d not in end for d in deps):
                     break
                 ready = max(
                     [end[d] + (t_comm if worker_of[d] != w else 0.0) for d in deps] + [free[w]]  # type: ignore[index]
                 )
-                finish = ready + action_cost(a, tf, tb)
+                finish = ready + action_cost(a, tf, tb, tw)
                 timeline[w].append(TimedAction(a, w, ready, finish))
                 end[a] = free[w] = finish
                 position[w] += 1

@@ -1,9 +1,12 @@
 """Structural check of a schedule before it is simulated, drawn or executed (Chimera §3.1).
 
 :func:`validate` raises :class:`ValueError` with a worker × step grid marking the fault when
-an action runs on the wrong worker or is out of range, when a (pipeline, micro-batch, stage)
-lacks exactly one forward and one backward (or both backward halves), when forward groups
-differ between stages, when a backward precedes its forward, or when the schedule deadlocks.
+an action runs on the wrong worker or is out of range, when the placement leaves a worker without
+a stage or gives it one stage twice, when a (pipeline, micro-batch, stage) lacks exactly one
+forward and one backward — a full ``B``, or an input-gradient ``I`` and a weight-gradient ``W``
+(Zero Bubble Pipeline Parallelism §2: B ≡ I + W), per half when halved — when forward groups
+differ between stages, when a backward precedes its forward or a ``W`` its ``I``, or when the
+schedule deadlocks.
 """
 
 from __future__ import annotations
@@ -19,19 +22,55 @@ def _fail(schedule: Schedule, problem: str, marks: list[tuple[int, int]]) -> Val
     return ValueError(f"schedule '{schedule.name}' is invalid: {problem}\n{format_grid(schedule, marks)}")
 
 
+def _check_placement(schedule: Schedule) -> None:
+    S, P = schedule.stages, schedule.num_workers
+    if P < 1:
+        raise ValueError(f"schedule '{schedule.name}' has no workers")
+    held: dict[int, list[int]] = defaultdict(list)
+    for pipe, row in enumerate(schedule.placement):
+        if len(row) != S or any(not 0 <= w < P for w in row):
+            raise ValueError(f"schedule '{schedule.name}': pipeline {pipe} must place its {S} stages on workers "
+                             f"0…{P - 1}, got {row}")
+        for stage, w in enumerate(row):
+            held[w].append(stage)
+    for w in range(P):
+        if not held[w]:
+            raise ValueError(f"schedule '{schedule.name}': worker {w} holds no stage (placement {schedule.placement})")
+        if len(set(held[w])) != len(held[w]):
+            raise ValueError(f"schedule '{schedule.name}': worker {w} holds stage copies {sorted(held[w])}; a worker "
+                             f"may hold each stage index once")
+
+
+def _check_backward_parts(schedule: Schedule, where: dict[Action, tuple[int, int]], pipe: int, stage: int, m: int,
+                          parts: list[Action], forward: Action) -> None:
+    """One B, or one I and one W (Zero Bubble §2: B ≡ I + W), per half; W after its I; both after F."""
+    by_half: dict[int | None, Counter] = defaultdict(Counter)
+    for a in parts:
+        by_half[a.half][a.kind] += 1
+    whole = set(by_half) in ({None}, {0, 1})
+    if not whole or any(k not in (Counter("B"), Counter("IW")) for k in by_half.values()):
+        raise _fail(
+            schedule, f"micro-batch {m} needs one backward B (or an I and a W; or halves 0 and 1 of either) on "
+            f"pipeline {pipe} stage {stage}, found {[str(a) for a in parts] or 'none'}", [where[a] for a in parts],
+        )
+    for b in parts:
+        if where[b][1] < where[forward][1]:
+            raise _fail(schedule, f"{b} runs before its forward {forward}", [where[b], where[forward]])
+        if b.kind == "W":
+            i = next(a for a in parts if a.kind == "I" and a.half == b.half)
+            if where[b][1] < where[i][1]:
+                raise _fail(schedule, f"{b} runs before its input-gradient pass {i}", [where[b], where[i]])
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Return ``schedule`` unchanged if it is valid; raise ``ValueError`` pointing at the fault."""
-    D, N, P = schedule.stages, schedule.micro_batches, schedule.pipelines
-    if len(schedule.workers) != D:
-        raise ValueError(f"schedule '{schedule.name}' has {len(schedule.workers)} workers for {D} stages")
-    for pipe, row in enumerate(schedule.placement):
-        if sorted(row) != list(range(D)):
-            raise ValueError(f"schedule '{schedule.name}': pipeline {pipe} must place its {D} stages on distinct workers, got {row}")
+    S, N, P = schedule.stages, schedule.micro_batches, schedule.pipelines
+    _check_placement(schedule)
     where: dict[Action, tuple[int, int]] = {}
     for w, acts in enumerate(schedule.workers):
         for i, a in enumerate(acts):
-            if not (0 <= a.pipe < P and 0 <= a.stage < D and all(0 <= m < N for m in a.mbs)):
-                raise _fail(schedule, f"{a} is out of range (pipelines {P}, stages {D}, micro-batches {N})", [(w, i)])
+            if not (0 <= a.pipe < P and 0 <= a.stage < S and all(0 <= m < N for m in a.mbs)):
+                raise _fail(schedule, f"{a} is out of range (pipelines {P}, stages {S}, micro-batches {N})", [(w, i)])
             if schedule.placement[a.pipe][a.stage] != w:
                 raise _fail(
                     schedule, f"{a} runs on worker {w}, but pipeline {a.pipe} places stage {a.stage} on worker "
@@ -39,9 +78,12 @@ def validate(schedule: Schedule) -> Schedule:
                 )
             if a in where:
                 raise _fail(schedule, f"{a} appears twice", [where[a], (w, i)])
+            if a.overlap and i == 0:
+                raise _fail(schedule, f"{a} is marked as overlapped with the action before it, but is first", [(w, i)])
             where[a] = (w, i)
 
     forward_groups: dict[tuple[int, int], dict[int, tuple[int, ...]]] = defaultdict(dict)
+    forward_of: dict[tuple[int, int, int], Action] = {}
     backward_parts: dict[tuple[int, int, int], list[Action]] = defaultdict(list)
     for a in where:
         for m in a.mbs:
@@ -49,6 +91,7 @@ def validate(schedule: Schedule) -> Schedule:
                 if m in forward_groups[(a.pipe, a.stage)]:
                     raise _fail(schedule, f"micro-batch {m} is forwarded twice on pipeline {a.pipe} stage {a.stage}", [where[a]])
                 forward_groups[(a.pipe, a.stage)][m] = a.mbs
+                forward_of[(a.pipe, a.stage, m)] = a
             else:
                 backward_parts[(a.pipe, a.stage, m)].append(a)
 
@@ -61,7 +104,7 @@ def validate(schedule: Schedule) -> Schedule:
         if m not in pipe_of_mb:
             raise _fail(schedule, f"micro-batch {m} is never forwarded", [])
         pipe = pipe_of_mb[m]
-        for stage in range(D):
+        for stage in range(S):
             groups = forward_groups[(pipe, stage)]
             if m not in groups:
                 raise _fail(schedule, f"micro-batch {m} has no forward on pipeline {pipe} stage {stage}", [])
@@ -70,16 +113,7 @@ def validate(schedule: Schedule) -> Schedule:
                     schedule, f"micro-batch {m} is forwarded as {groups[m]} on stage {stage} but as "
                     f"{forward_groups[(pipe, 0)][m]} on stage 0", [],
                 )
-            parts = backward_parts.get((pipe, stage, m), [])
-            halves = Counter(a.half for a in parts)
-            if not (halves == Counter({None: 1}) or halves == Counter({0: 1, 1: 1})):
-                raise _fail(
-                    schedule, f"micro-batch {m} needs one backward (or halves 0 and 1) on pipeline {pipe} "
-                    f"stage {stage}, found {[str(a) for a in parts] or 'none'}", [where[a] for a in parts],
-                )
-            forward = next(a for a in where if a.kind == "F" and a.pipe == pipe and a.stage == stage and m in a.mbs)
-            for b in parts:
-                if where[b][1] < where[forward][1]:
-                    raise _fail(schedule, f"{b} runs before its forward {forward}", [where[b], where[forward]])
+            _check_backward_parts(schedule, where, pipe, stage, m, backward_parts.get((pipe, stage, m), []),
+                                  forward_of[(pipe, stage, m)])
     simulate(schedule, 1.0, 1.0)  # raises DeadlockError (a ValueError) with the stuck actions marked
     return schedule
