@@ -114,7 +114,11 @@ class PipelineEngine:
                 f"{dist.get_world_size()}; set the replicas/stages so that W·D equals the number of processes"
             )
         layers = model.pipeline_layers()
-        self.partition = list(partition) if partition is not None else even_partition(len(layers), config.stages)
+        S = self.topology.stages
+        self.partition = list(partition) if partition is not None else even_partition(len(layers), S)
+        if len(self.partition) != S:
+            raise ValueError(f"the partition has {len(self.partition)} stages but the schedule has S = {S}: "
+                             f"split the model into {S} stages")
         self.local_stages = self.topology.stages_of(self.rank)
         self.stage_layers = {s: [layers[i] for i in self.partition[s]] for s in self.local_stages}
         self.tied_groups = model.tied_parameters()  # before remote layers are dropped
@@ -142,7 +146,7 @@ class PipelineEngine:
         data_group, header_group = replica_groups(replicas_ranks, self.rank, self.timeout)
         self.executor = StageExecutor(
             model, self.stage_layers, self.topology, self.rank, PipeComm(device, self.timeout, data_group, header_group),
-            recompute=recompute_stages(config.recompute, config.stages), versions=self.versions,
+            recompute=recompute_stages(config.recompute, S), versions=self.versions,
         )
         self.last_record: StepRecord | None = None
 
@@ -176,7 +180,7 @@ class PipelineEngine:
         if self.topology.replicas == 1:
             return None
         mine = None
-        for worker in range(self.topology.stages):
+        for worker in range(self.topology.workers):
             ranks = [self.topology.rank_of(r, worker) for r in range(self.topology.replicas)]
             group = dist.new_group(ranks, timeout=self.timeout)
             if self.rank in ranks:

@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from .p2p import Incoming, Outgoing, PipeComm
 from .pipeline_model import Batch, PipelineModel, run_layers
 from .recompute import RngState, SavedBytes, parameter_storages
 from .schedules import Action, Schedule, format_grid
 from .schedules.comm import CommPlan, Round, comm_plan
-from .schedules.messages import Message
+from .schedules.messages import Message, is_local
 from .timing import ActionClock
 from .topology import Topology
 from .versions import WeightVersions
@@ -98,12 +99,16 @@ class StepRecord:
 @dataclass
 class _Saved:
     """What a forward keeps for its backward: the graph (``out``), or for recomputation only the
-    input and the RNG state to replay it."""
+    input and the RNG state to replay it. Between a split backward's ``I`` and ``W``, ``weight_grads``
+    holds what ``W`` needs (torch.distributed.pipelining's parameter groups), or ``None`` on the first
+    stage, whose ``I`` has no input gradient to compute and leaves the whole backward to ``W``."""
 
     inp: Tensor | None
     out: Tensor | None
     rng: RngState | None
     nbytes: int
+    weight_grads: list[dict] | None = None
+    output_grad: Tensor | None = None
 
 
 class StepError(RuntimeError):
@@ -140,6 +145,8 @@ class StageExecutor:
         self._inbox: dict[Message, Incoming] = {}  # received or posted, not yet consumed
         self._carried: dict[Message, Incoming] = {}  # an asynchronous window's messages for the next
         self._outbox: dict[Message, Tensor] = {}  # produced by the last action, sent in the next round
+        self._local: dict[Message, Tensor] = {}  # between consecutive stages on this worker: no transfer
+        self._stage_params = {s: _unique_parameters(layers) for s, layers in stage_layers.items()}
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # (pipe, sending stage, batch shapes)
         self._probed: set[tuple] = set()  # micro-batch shapes whose message shapes are known
         self._plans: dict[tuple[Schedule, bool], CommPlan] = {}  # the synchronous steps' plans, derived once
@@ -177,12 +184,13 @@ class StageExecutor:
             for i, action in enumerate(plan.actions):
                 self._post(plan.rounds[i])
                 try:
-                    inputs = [self.comm.wait(self._inbox.pop(m)) for m in plan.needs(i)]
+                    inputs = [self._local.pop(m) if m in self._local else self.comm.wait(self._inbox.pop(m))
+                              for m in plan.needs(i)]
                     start = record.clock.now()  # the box starts once its inputs arrived: waiting is a bubble
                     if action.kind == "F":
                         self._forward(action, inputs)
                     else:
-                        self._backward(action, inputs)
+                        self._BACKWARDS[action.kind](self, action, inputs)
                         if after_backward is not None:
                             after_backward(action)
                 except Exception as err:
@@ -192,8 +200,9 @@ class StageExecutor:
         self.comm.finish(keep_open=carried)
         if carried:
             self._carried = self._inbox  # sent in this window, consumed in the next
-        if self._graphs and train and not carried:
-            raise RuntimeError(f"rank {self.rank}: activations left after the step: {sorted(self._graphs)}")
+        if (self._graphs or self._local) and train and not carried:
+            raise RuntimeError(f"rank {self.rank}: activations left after the step: "
+                               f"{sorted(self._graphs) or sorted(self._local)}")
         if ctx.losses:
             dtype = torch.float32 if ctx.losses[0].device.type == "mps" else torch.float64
             record.loss_sum = torch.stack([x.to(dtype) for x in ctx.losses]).sum()
@@ -203,7 +212,7 @@ class StageExecutor:
     def _failure(self, schedule: Schedule, worker: int, action: Action, err: BaseException) -> str:
         index = schedule.workers[worker].index(action)
         return (f"rank {self.rank} (worker {worker}) failed in action {action} of '{schedule.name}' "
-                f"(D = {schedule.stages}, N = {schedule.micro_batches}): {type(err).__name__}: {err}\n"
+                f"({schedule.describe_size()}): {type(err).__name__}: {err}\n"
                 f"{format_grid(schedule, [(worker, index)])}")
 
     # -- communication -------------------------------------------------------------------------
@@ -244,8 +253,9 @@ class StageExecutor:
                 new.setdefault(signature, batch)
         if not new:
             return
-        D, worker = self.topology.stages, self.topology.worker_of(self.rank)
-        held = sorted((p, s) for p, row in enumerate(ctx.schedule.placement) for s, w in enumerate(row) if w == worker)
+        S, worker = self.topology.stages, self.topology.worker_of(self.rank)
+        placement = ctx.schedule.placement
+        held = sorted((p, s) for p, row in enumerate(placement) for s, w in enumerate(row) if w == worker)
         devices = [self.comm.device] if self.comm.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             for signature, batch in new.items():
@@ -253,22 +263,28 @@ class StageExecutor:
                     if stage == 0:
                         x = self.model.pipeline_input(batch)
                     else:
-                        shape, dtype = self.comm.learn(self._peer(pipe, stage - 1), f"pipeline {pipe} stage {stage - 1}")
-                        self._shapes[(pipe, stage - 1, signature)] = (shape, dtype)
+                        if placement[pipe][stage - 1] != worker:  # else learnt just before, on this worker
+                            self._shapes[(pipe, stage - 1, signature)] = self.comm.learn(
+                                self._peer(pipe, stage - 1), f"pipeline {pipe} stage {stage - 1}")
+                        shape, dtype = self._shapes[(pipe, stage - 1, signature)]
                         x = torch.zeros(shape, dtype=dtype, device=self.comm.device)
-                    if stage < D - 1:
+                    if stage < S - 1:
                         out = run_layers(self.stage_layers[stage], x, batch)
                         _forget_autocast_casts()
                         self._shapes[(pipe, stage, signature)] = (out.shape, out.dtype)
-                        self.comm.announce(self._peer(pipe, stage + 1), out.shape, out.dtype,
-                                           f"pipeline {pipe} stage {stage}")
+                        if placement[pipe][stage + 1] != worker:
+                            self.comm.announce(self._peer(pipe, stage + 1), out.shape, out.dtype,
+                                               f"pipeline {pipe} stage {stage}")
                 self._probed.add(signature)
 
     def _peer(self, pipe: int, stage: int) -> int:
         return self.topology.peer(self.rank, pipe, stage)
 
     def _produce(self, message: Message, tensor: Tensor) -> None:
-        self._outbox[message] = tensor
+        if is_local(self._ctx.schedule, message):
+            self._local[message] = tensor
+        else:
+            self._outbox[message] = tensor
 
     def _rank_of(self, worker: int) -> int:
         return self.topology.rank_of(self.topology.replica_of(self.rank), worker)
@@ -297,7 +313,7 @@ class StageExecutor:
         self._ctx.peak_stored = max(self._ctx.peak_stored, self._stored)
 
     def _forward(self, action: Action, inputs: list[Tensor]) -> None:
-        ctx, D, stage = self._ctx, self.topology.stages, action.stage
+        ctx, S, stage = self._ctx, self.topology.stages, action.stage
         recompute = ctx.train and stage in self.recompute
         for k, mb in enumerate(action.mbs):
             batch = ctx.micro_batches[mb]
@@ -326,34 +342,79 @@ class StageExecutor:
                     self._keep(key, _Saved(inp if stage > 0 else None, out, None, saved.nbytes))
                 else:
                     out = self._stage_forward(stage, inp, part)
-                if stage == D - 1:
+                if stage == S - 1:
                     ctx.losses.append(out.detach())
                 else:
                     outputs.append(out)
-            if stage < D - 1:
+            if stage < S - 1:
                 sent = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
                 self._produce(Message("act", action.pipe, stage, mb), sent)
 
-    def _backward(self, action: Action, inputs: list[Tensor]) -> None:
-        ctx, D, stage = self._ctx, self.topology.stages, action.stage
-        mb, half = action.mb, action.half
-        saved = self._graphs.pop((action.pipe, stage, mb, half))
-        self._stored -= saved.nbytes
-        inp, out = saved.inp, saved.out
-        if saved.rng is not None:  # recompute the forward with the same RNG draws, then backpropagate
-            batch = ctx.micro_batches[mb]
-            part = batch if half is None else half_of(batch, half)
-            if stage > 0:
-                inp = inp.detach().requires_grad_(True)
+    def _graph(self, action: Action, keep: bool) -> _Saved:
+        """The saved graph of ``action``'s micro-batch (half) on its stage, re-materialised if it was
+        recomputed; ``keep``: it stays saved (an ``I`` leaves it for its ``W``)."""
+        key = (action.pipe, action.stage, action.mb, action.half)
+        saved = self._graphs[key] if keep else self._graphs.pop(key)
+        if not keep:
+            self._stored -= saved.nbytes
+        if saved.rng is not None and saved.out is None and saved.weight_grads is None:  # recompute, same RNG draws
+            batch = self._ctx.micro_batches[action.mb]
+            part = batch if action.half is None else half_of(batch, action.half)
+            if action.stage > 0:
+                saved.inp = saved.inp.detach().requires_grad_(True)
             with saved.rng.replay(), torch.enable_grad():
-                out = self._stage_forward(stage, inp, part)
-        if stage == D - 1:
-            out.backward()
+                saved.out = self._stage_forward(action.stage, saved.inp, part)
+        return saved
+
+    def _send_input_gradient(self, action: Action, grad: Tensor | None) -> None:
+        if action.stage > 0:
+            self._produce(Message("grad", action.pipe, action.stage, action.mb, action.half), grad)
+
+    def _backward(self, action: Action, inputs: list[Tensor]) -> None:
+        """``B``: input and weight gradients in one backward pass."""
+        saved = self._graph(action, keep=False)
+        if action.stage == self.topology.stages - 1:
+            saved.out.backward()
         else:
-            torch.autograd.backward(out, inputs[0])
-        if stage > 0:
-            self._produce(Message("grad", action.pipe, stage, mb, half), inp.grad)
-        self._signatures.pop(mb, None)  # the micro-batch is done on this stage
+            torch.autograd.backward(saved.out, inputs[0])
+        self._send_input_gradient(action, saved.inp.grad if saved.inp is not None else None)
+        self._signatures.pop(action.mb, None)  # the micro-batch is done on this stage
+
+    def _input_gradient(self, action: Action, inputs: list[Tensor]) -> None:
+        """``I`` (Zero Bubble Pipeline Parallelism §2): only the gradient of the stage's input, sent on at
+        once; the intermediate gradients the weights need are kept for ``W``. The first stage has no
+        input gradient: its ``I`` does nothing and its ``W`` runs the whole backward, as in
+        torch.distributed.pipelining."""
+        saved = self._graph(action, keep=True)
+        saved.output_grad = None if action.stage == self.topology.stages - 1 else inputs[0]
+        if action.stage == 0:
+            return
+        grads, saved.weight_grads = stage_backward_input(
+            [saved.out], None if saved.output_grad is None else [saved.output_grad], [saved.inp],
+            iter(self._stage_params[action.stage]),
+        )
+        saved.out = saved.output_grad = None  # stage_backward_input detached it: W starts from the kept groups
+        self._send_input_gradient(action, grads[0])
+
+    def _weight_gradient(self, action: Action, inputs: list[Tensor]) -> None:
+        """``W``: the weight gradients from what ``I`` kept (accumulated into ``.grad``)."""
+        saved = self._graph(action, keep=False)
+        if action.stage == 0:
+            torch.autograd.backward(saved.out, saved.output_grad)
+        else:
+            stage_backward_weight(iter(self._stage_params[action.stage]), saved.weight_grads)
+        self._signatures.pop(action.mb, None)
+
+    _BACKWARDS = {"B": _backward, "I": _input_gradient, "W": _weight_gradient}
+
+
+def _unique_parameters(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 def _forget_autocast_casts() -> None:

@@ -1,10 +1,11 @@
-"""Who is who in W data-parallel replicas of a D-stage pipeline group (Chimera §3.3, Figure 5).
+"""Who is who in W data-parallel replicas of a pipeline group of P workers (Chimera §3.3, Figure 5).
 
-Rank ``r`` is worker ``r % D`` of replica ``r // D``. A worker holds the stages the schedule's
-placement gives it (one for GPipe/DAPPLE, one per pipeline for Chimera, all distinct). Every copy
-of a stage (W for GPipe/DAPPLE, 2f·W for Chimera) joins one gradient all-reduce group; tied
-parameters (first and last stage) get a group of every rank holding either stage. Pure data:
-process groups are created from it, in this order, on every rank.
+Rank ``r`` is worker ``r % P`` of replica ``r // P``. A worker holds the stages the schedule's
+placement gives it (one for GPipe/DAPPLE, one per pipeline for Chimera, ``v`` chunks for
+interleaved and V-shaped schedules; all distinct). Every copy of a stage (W for GPipe/DAPPLE,
+2f·W for Chimera) joins one gradient all-reduce group; tied parameters (first and last stage) get
+a group of every rank holding either stage. Pure data: process groups are created from it, in
+this order, on every rank.
 """
 
 from __future__ import annotations
@@ -17,25 +18,26 @@ from .schedules import Schedule
 @dataclass(frozen=True)
 class Topology:
     replicas: int  # W
-    stages: int  # D
+    workers: int  # P: ranks per replica (D, the pipeline's depth in devices)
+    stages: int  # S: stages per pipeline (v·P)
     placement: tuple[tuple[int, ...], ...]  # [pipe][stage] -> worker
 
     @classmethod
     def from_schedule(cls, schedule: Schedule, replicas: int) -> Topology:
-        return cls(replicas, schedule.stages, schedule.placement)
+        return cls(replicas, schedule.num_workers, schedule.stages, schedule.placement)
 
     @property
     def world_size(self) -> int:
-        return self.replicas * self.stages
+        return self.replicas * self.workers
 
     def replica_of(self, rank: int) -> int:
-        return rank // self.stages
+        return rank // self.workers
 
     def worker_of(self, rank: int) -> int:
-        return rank % self.stages
+        return rank % self.workers
 
     def rank_of(self, replica: int, worker: int) -> int:
-        return replica * self.stages + worker
+        return replica * self.workers + worker
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """Stage indices held by ``rank``, sorted."""
@@ -61,7 +63,7 @@ class Topology:
         return tuple(sorted(set(self.stage_group(0)) | set(self.stage_group(self.stages - 1))))
 
     def replica_group(self, replica: int) -> tuple[int, ...]:
-        return tuple(self.rank_of(replica, w) for w in range(self.stages))
+        return tuple(self.rank_of(replica, w) for w in range(self.workers))
 
     def describe(self, rank: int) -> str:
         return (
