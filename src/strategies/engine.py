@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .executor import StageExecutor, StepRecord, loss_counts
+from .executor import AsyncWindows, StageExecutor, StepRecord, loss_counts
 from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
 from .p2p import PipeComm, replica_groups
 from .pipeline_model import Batch, PipelineModel, materialize_local, split_batch
@@ -148,6 +148,7 @@ class PipelineEngine:
             model, self.stage_layers, self.topology, self.rank, PipeComm(device, self.timeout, data_group, header_group),
             recompute=recompute_stages(config.recompute, S), versions=self.versions,
         )
+        self.windows = AsyncWindows(self.executor) if config.is_async else None
         self.last_record: StepRecord | None = None
 
     # -- set-up -------------------------------------------------------------------------------
@@ -344,7 +345,7 @@ class PipelineEngine:
         current = window(self.config.schedule, self.config.stages, N, step)
         self.versions.begin_step(step)
         first = current.meta["first_mb"]
-        self.last_record = self.executor.run(
+        self.last_record = self.windows.run(
             current, {first + i: mb for i, mb in enumerate(micro_batches)}, self._totals(micro_batches),
         )
         stage_due, tied_due = self.versions.end_step(step)  # alike on every copy of a stage: the schedule decides

@@ -1,8 +1,11 @@
-"""Executes one rank's actions of a schedule: forward/backward of local stages and p2p.
+"""Executes one rank's actions of a schedule, in order: the action loop, its messages and its step context.
 
-The schedule decides the order (:mod:`strategies.schedules`); this module owns the stage
-buffers (inputs kept for backward, outputs or losses) and moves activations forward and
-activation gradients backward through a :class:`~strategies.p2p.PipeComm`.
+Three layers, one job each: the schedule decides the order (:mod:`strategies.schedules`); this
+module runs it — for each action, one round of point-to-point messages (:mod:`strategies.schedules.comm`,
+:class:`~strategies.p2p.PipeComm`), then the action on its stage copy; a
+:class:`~strategies.stage.PipelineStage` computes forwards, backwards (``B``) and split backwards
+(``I`` then ``W``, Zero Bubble Pipeline Parallelism §2) and keeps the graphs between them; the
+Lightning strategy maps Lightning's hooks onto the engine (:mod:`strategies.engine`).
 
 Losses are normalised globally (see :func:`micro_batch_loss`), so summing every micro-batch's
 loss over all ranks gives exactly the unsplit model's mini-batch loss, and summing gradients
@@ -10,18 +13,15 @@ gives exactly its gradients (mini-batch SGD, Chimera §2).
 
 A doubled forward (Chimera §3.5) runs its two micro-batches as two graphs in one action; a
 halved backward's forward runs two half-micro-batch graphs so each half backward is exact.
+Consecutive stages on one worker (V placement) hand their messages over locally.
 
-Communication goes in rounds derived from the schedule (:mod:`strategies.schedules.comm`):
-before each action one round sends the previous action's outputs and receives this action's inputs
-(:class:`~strategies.p2p.PipeComm`); no host synchronisation (``.item()``) happens inside the step.
-With recomputation (:mod:`strategies.recompute`, GPipe re-materialization) a
-stage keeps only its input between forward and backward; the step record reports the peak bytes
-kept. A failing action is reported with the worker × step grid, the action marked.
+No host synchronisation (``.item()``) happens inside the step. A failing action is re-raised as
+:class:`StepError` with the worker × step grid, the action marked.
 
-Asynchronous schedules (:mod:`strategies.schedules.asynchronous`) run one *window* per step:
-micro-batches are numbered globally, the graphs of micro-batches still in flight carry over to
-the next step, forwards run on the step's stashed weight version (:class:`~strategies.versions.WeightVersions`),
-and messages sent in a window arrive in that window (its last round), kept for the next.
+Asynchronous schedules (:mod:`strategies.schedules.asynchronous`) run one *window* per step
+through :class:`AsyncWindows`, a wrapper around the same loop: micro-batches are numbered
+globally, the graphs of micro-batches still in flight stay on their stages, and messages sent in a
+window arrive in that window (its last round), kept for the next.
 """
 
 from __future__ import annotations
@@ -31,19 +31,17 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from .p2p import Incoming, Outgoing, PipeComm
 from .pipeline_model import Batch, PipelineModel, run_layers
-from .recompute import RngState, SavedBytes, parameter_storages
+from .recompute import parameter_storages
 from .schedules import Action, Schedule, format_grid
 from .schedules.comm import CommPlan, Round, comm_plan
 from .schedules.messages import Message, is_local
+from .stage import PipelineStage, StoredBytes, forget_autocast_casts
 from .timing import ActionClock
 from .topology import Topology
 from .versions import WeightVersions
-
-GraphKey = tuple[int, int, int, int | None]  # pipe, stage, micro-batch, half
 
 
 def batch_signature(batch: Batch) -> tuple:
@@ -96,31 +94,32 @@ class StepRecord:
         return self.clock.timeline() if self.clock is not None else []
 
 
-@dataclass
-class _Saved:
-    """What a forward keeps for its backward: the graph (``out``), or for recomputation only the
-    input and the RNG state to replay it. Between a split backward's ``I`` and ``W``, ``weight_grads``
-    holds what ``W`` needs (torch.distributed.pipelining's parameter groups), or ``None`` on the first
-    stage, whose ``I`` has no input gradient to compute and leaves the whole backward to ``W``."""
-
-    inp: Tensor | None
-    out: Tensor | None
-    rng: RngState | None
-    nbytes: int
-    weight_grads: list[dict] | None = None
-    output_grad: Tensor | None = None
-
-
 class StepError(RuntimeError):
     """An action failed; the message shows the worker × step grid with the failing action marked."""
 
 
-class StageExecutor:
-    """Runs this rank's actions on its local stages (one per pipeline for Chimera).
+@dataclass
+class StepContext:
+    """What one step (or asynchronous window) runs on: the schedule and this worker's plan of rounds,
+    the micro-batches by index, the loss normalisers, and what the step gathers as it goes."""
 
-    Communication follows the schedule's rounds (:mod:`strategies.schedules.comm`): before each
-    action one round sends what the previous action produced and receives what this one needs.
-    """
+    schedule: Schedule
+    plan: CommPlan
+    micro_batches: Mapping[int, Batch]
+    totals: Mapping[str, float | Tensor]
+    train: bool
+    parameter_storages: frozenset[int]
+    inbox: dict[Message, Incoming] = field(default_factory=dict)  # received or posted, not yet consumed
+    losses: list[Tensor] = field(default_factory=list)
+    halved: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.halved = {a.mb for acts in self.schedule.workers for a in acts if a.half is not None}
+
+
+class StageExecutor:
+    """Runs this rank's actions on its stage copies (one per pipeline for Chimera, ``v`` chunks for
+    interleaved schedules), in the schedule's order, with the schedule's rounds of messages."""
 
     def __init__(
         self,
@@ -132,24 +131,18 @@ class StageExecutor:
         recompute: frozenset[int] = frozenset(),
         versions: WeightVersions | None = None,
     ) -> None:
-        self.model = model
-        self.stage_layers = stage_layers
-        self.topology = topology
-        self.rank = rank
-        self.comm = comm
-        self.recompute = recompute
-        self.versions = versions
-        self._graphs: dict[GraphKey, _Saved] = {}
-        self._stored = 0
-        self._signatures: dict[int, tuple] = {}  # micro-batches in flight across steps (asynchronous)
-        self._inbox: dict[Message, Incoming] = {}  # received or posted, not yet consumed
-        self._carried: dict[Message, Incoming] = {}  # an asynchronous window's messages for the next
+        self.model, self.stage_layers, self.topology, self.rank, self.comm = model, stage_layers, topology, rank, comm
+        self.worker = topology.worker_of(rank)
+        self.stored = StoredBytes()
+        self.stages = {s: PipelineStage(s, topology.stages, layers, recompute=s in recompute, versions=versions,
+                                        stored=self.stored) for s, layers in stage_layers.items()}
         self._outbox: dict[Message, Tensor] = {}  # produced by the last action, sent in the next round
         self._local: dict[Message, Tensor] = {}  # between consecutive stages on this worker: no transfer
-        self._stage_params = {s: _unique_parameters(layers) for s, layers in stage_layers.items()}
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # (pipe, sending stage, batch shapes)
         self._probed: set[tuple] = set()  # micro-batch shapes whose message shapes are known
         self._plans: dict[tuple[Schedule, bool], CommPlan] = {}  # the synchronous steps' plans, derived once
+        params = [p for stage in self.stages.values() for p in stage.parameters]
+        self._parameter_storages = parameter_storages(params)
 
     def run(
         self,
@@ -159,77 +152,72 @@ class StageExecutor:
         train: bool = True,
         after_backward: Callable[[Action], None] | None = None,
     ) -> StepRecord:
-        """Execute this rank's actions; ``after_backward(action)`` runs after each backward.
-
-        ``micro_batches`` maps micro-batch indices to batches (a sequence: indices 0…N-1). In a
-        window of an asynchronous schedule (``"step"`` in its meta) the graphs of micro-batches still
-        in flight, and the messages sent to this rank for the next window, carry over."""
-        worker = self.topology.worker_of(self.rank)
-        carried = train and "step" in schedule.meta
-        self._inbox = self._carried if carried else {}
-        if carried:
-            plan = comm_plan(schedule, worker, train, carried_in=self._inbox.keys())
-        elif (plan := self._plans.get((schedule, train))) is None:
-            plan = self._plans[(schedule, train)] = comm_plan(schedule, worker, train)
-        halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}
-        params = [p for layers in self.stage_layers.values() for layer in layers for p in layer.parameters()]
+        """One synchronous step (or evaluation: forwards only); ``after_backward(action)`` runs after
+        each backward. Every graph is consumed by the end of a training step."""
+        if (plan := self._plans.get((schedule, train))) is None:
+            plan = self._plans[(schedule, train)] = comm_plan(schedule, self.worker, train)
         batches = dict(micro_batches) if isinstance(micro_batches, Mapping) else dict(enumerate(micro_batches))
-        ctx = _StepContext(schedule, batches, totals, halved, train, parameter_storages(params))
+        if train:
+            self.stored.now = 0
+        ctx = StepContext(schedule, plan, batches, totals, train, self._parameter_storages)
+        record = self.execute(ctx, after_backward)
+        self.comm.finish()
+        left = [(s, k) for s, stage in self.stages.items() for k in stage.pending]
+        if train and (left or self._local):
+            raise RuntimeError(f"rank {self.rank}: activations left after the step: {left or sorted(self._local)}")
+        return record
+
+    def execute(self, ctx: StepContext, after_backward: Callable[[Action], None] | None = None) -> StepRecord:
+        """The action loop: before each action one round of messages, then the action on its stage."""
+        self.stored.peak = self.stored.now
         self._ctx = ctx
-        if train and not carried:
-            self._stored = 0
         self._learn_shapes(ctx)
         record = StepRecord(torch.zeros((), dtype=torch.float64), ActionClock(self.comm.device))
-        with torch.set_grad_enabled(train):
+        plan = ctx.plan
+        with torch.set_grad_enabled(ctx.train):
             for i, action in enumerate(plan.actions):
-                self._post(plan.rounds[i])
+                self._post(ctx, plan.rounds[i])
                 try:
-                    inputs = [self._local.pop(m) if m in self._local else self.comm.wait(self._inbox.pop(m))
+                    inputs = [self._local.pop(m) if m in self._local else self.comm.wait(ctx.inbox.pop(m))
                               for m in plan.needs(i)]
                     start = record.clock.now()  # the box starts once its inputs arrived: waiting is a bubble
                     if action.kind == "F":
-                        self._forward(action, inputs)
+                        self._forward(ctx, action, inputs)
                     else:
-                        self._BACKWARDS[action.kind](self, action, inputs)
+                        self._backward(ctx, action, inputs)
                         if after_backward is not None:
                             after_backward(action)
                 except Exception as err:
-                    raise StepError(self._failure(schedule, worker, action, err)) from err
+                    raise StepError(self._failure(ctx.schedule, action, err)) from err
                 record.clock.box(action, start)
-            self._post(plan.rounds[-1])
-        self.comm.finish(keep_open=carried)
-        if carried:
-            self._carried = self._inbox  # sent in this window, consumed in the next
-        if (self._graphs or self._local) and train and not carried:
-            raise RuntimeError(f"rank {self.rank}: activations left after the step: "
-                               f"{sorted(self._graphs) or sorted(self._local)}")
+            self._post(ctx, plan.rounds[-1])
         if ctx.losses:
             dtype = torch.float32 if ctx.losses[0].device.type == "mps" else torch.float64
             record.loss_sum = torch.stack([x.to(dtype) for x in ctx.losses]).sum()
-        record.peak_stored_bytes = ctx.peak_stored
+        record.peak_stored_bytes = self.stored.peak
         return record
 
-    def _failure(self, schedule: Schedule, worker: int, action: Action, err: BaseException) -> str:
-        index = schedule.workers[worker].index(action)
-        return (f"rank {self.rank} (worker {worker}) failed in action {action} of '{schedule.name}' "
+    def _failure(self, schedule: Schedule, action: Action, err: BaseException) -> str:
+        index = schedule.workers[self.worker].index(action)
+        return (f"rank {self.rank} (worker {self.worker}) failed in action {action} of '{schedule.name}' "
                 f"({schedule.describe_size()}): {type(err).__name__}: {err}\n"
-                f"{format_grid(schedule, [(worker, index)])}")
+                f"{format_grid(schedule, [(self.worker, index)])}")
 
     # -- communication -------------------------------------------------------------------------
 
-    def _post(self, rnd: Round) -> None:
+    def _post(self, ctx: StepContext, rnd: Round) -> None:
         """Send what the last action produced and post the receives of this round."""
         sends = [Outgoing(self._rank_of(t.peer), self._outbox.pop(t.message), t.message) for t in rnd.sends]
         recvs = []
         for t in rnd.recvs:
-            incoming = Incoming(self._rank_of(t.peer), *self._message_shape(t.message), t.message)
-            self._inbox[t.message] = incoming
+            incoming = Incoming(self._rank_of(t.peer), *self._message_shape(ctx, t.message), t.message)
+            ctx.inbox[t.message] = incoming
             recvs.append(incoming)
         self.comm.post(sends, recvs)
 
-    def _message_shape(self, m: Message) -> tuple[torch.Size, torch.dtype]:
+    def _message_shape(self, ctx: StepContext, m: Message) -> tuple[torch.Size, torch.dtype]:
         """An activation's shape as learnt; a gradient has the shape of the activation it belongs to."""
-        signature = self._signature(m.mb)
+        signature = batch_signature(ctx.micro_batches[m.mb])
         if m.kind == "act":
             return self._shapes[(m.pipe, m.stage, signature)]
         shape, dtype = self._shapes[(m.pipe, m.stage - 1, signature)]
@@ -238,14 +226,15 @@ class StageExecutor:
             shape = torch.Size((first if m.half == 0 else shape[0] - first, *shape[1:]))
         return shape, dtype
 
-    def _learn_shapes(self, ctx: _StepContext) -> None:
+    def _learn_shapes(self, ctx: StepContext) -> None:
         """Message shapes, once per micro-batch shape, before the first round (shape inference).
 
         Every worker visits its (pipeline, stage) copies in the same global order; a stage after
-        the first learns its input's shape from the previous stage's worker (a host-side header),
-        runs one no-grad forward on zeros of that shape and announces its output's shape to the
-        next. Each wait is on an earlier (pipeline, stage), so this cannot deadlock. The RNG
-        streams are restored afterwards (dropout draws stay those of a single-process step)."""
+        the first learns its input's shape from the previous stage's worker (a host-side header;
+        from itself when it holds that stage too), runs one no-grad forward on zeros of that shape
+        and announces its output's shape to the next. Each wait is on an earlier (pipeline,
+        stage), so this cannot deadlock. The RNG streams are restored afterwards (dropout draws
+        stay those of a single-process step)."""
         new: dict[tuple, Batch] = {}
         for batch in ctx.micro_batches.values():
             signature = batch_signature(batch)
@@ -253,8 +242,7 @@ class StageExecutor:
                 new.setdefault(signature, batch)
         if not new:
             return
-        S, worker = self.topology.stages, self.topology.worker_of(self.rank)
-        placement = ctx.schedule.placement
+        S, worker, placement = self.topology.stages, self.worker, ctx.schedule.placement
         held = sorted((p, s) for p, row in enumerate(placement) for s, w in enumerate(row) if w == worker)
         devices = [self.comm.device] if self.comm.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
@@ -270,7 +258,7 @@ class StageExecutor:
                         x = torch.zeros(shape, dtype=dtype, device=self.comm.device)
                     if stage < S - 1:
                         out = run_layers(self.stage_layers[stage], x, batch)
-                        _forget_autocast_casts()
+                        forget_autocast_casts()
                         self._shapes[(pipe, stage, signature)] = (out.shape, out.dtype)
                         if placement[pipe][stage + 1] != worker:
                             self.comm.announce(self._peer(pipe, stage + 1), out.shape, out.dtype,
@@ -280,8 +268,8 @@ class StageExecutor:
     def _peer(self, pipe: int, stage: int) -> int:
         return self.topology.peer(self.rank, pipe, stage)
 
-    def _produce(self, message: Message, tensor: Tensor) -> None:
-        if is_local(self._ctx.schedule, message):
+    def _produce(self, ctx: StepContext, message: Message, tensor: Tensor) -> None:
+        if is_local(ctx.schedule, message):
             self._local[message] = tensor
         else:
             self._outbox[message] = tensor
@@ -289,149 +277,70 @@ class StageExecutor:
     def _rank_of(self, worker: int) -> int:
         return self.topology.rank_of(self.topology.replica_of(self.rank), worker)
 
-    def _signature(self, mb: int) -> tuple:
-        """Shapes of micro-batch ``mb``: from this step's batch, or remembered from its forward."""
-        batch = self._ctx.micro_batches.get(mb)
-        return batch_signature(batch) if batch is not None else self._signatures[mb]
-
     # -- actions -------------------------------------------------------------------------------
 
-    def _stage_forward(self, stage: int, inp: Tensor, batch: Batch) -> Tensor:
-        """The stage's layers (on the step's weight version, if stashed), plus the loss share on the last stage."""
-        if self.versions is not None and self._ctx.train:
-            with self.versions.forward_weights(stage):
-                out = run_layers(self.stage_layers[stage], inp, batch)
-        else:
-            out = run_layers(self.stage_layers[stage], inp, batch)
-        if stage == self.topology.stages - 1:
-            out = micro_batch_loss(self.model, out, batch, self._ctx.totals)
-        return out
+    def _loss(self, ctx: StepContext) -> Callable[[Tensor, Batch], Tensor]:
+        return lambda out, batch: micro_batch_loss(self.model, out, batch, ctx.totals)
 
-    def _keep(self, key: GraphKey, saved: _Saved) -> None:
-        self._graphs[key] = saved
-        self._stored += saved.nbytes
-        self._ctx.peak_stored = max(self._ctx.peak_stored, self._stored)
-
-    def _forward(self, action: Action, inputs: list[Tensor]) -> None:
-        ctx, S, stage = self._ctx, self.topology.stages, action.stage
-        recompute = ctx.train and stage in self.recompute
+    def _forward(self, ctx: StepContext, action: Action, inputs: list[Tensor]) -> None:
+        """One forward per micro-batch of the action (two when doubled), per half when its backward is halved."""
+        stage = self.stages[action.stage]
         for k, mb in enumerate(action.mbs):
             batch = ctx.micro_batches[mb]
-            if self.versions is not None and ctx.train:
-                self._signatures[mb] = batch_signature(batch)
-            x = self.model.pipeline_input(batch) if stage == 0 else inputs[k]
+            x = self.model.pipeline_input(batch) if stage.is_first else inputs[k]
             outputs = []
             for half in (0, 1) if mb in ctx.halved else (None,):
                 part = batch if half is None else half_of(batch, half)
                 inp = x if half is None else x.chunk(2)[half]
-                key = (action.pipe, stage, mb, half)
-                if recompute:  # keep the input and the RNG state only (GPipe re-materialization)
-                    rng = RngState.capture(inp.device)
-                    with torch.no_grad():
-                        out = self._stage_forward(stage, inp, part)
-                    _forget_autocast_casts()
-                    kept = inp.numel() * inp.element_size() if stage > 0 else 0  # stage 0: the batch itself
-                    self._keep(key, _Saved(inp, None, rng, kept))
-                elif ctx.train:
-                    if stage > 0:
-                        inp = inp.detach().requires_grad_(True)
-                    saved = SavedBytes(ctx.parameter_storages)
-                    with saved.track():
-                        out = self._stage_forward(stage, inp, part)
-                    saved.add(out)
-                    self._keep(key, _Saved(inp if stage > 0 else None, out, None, saved.nbytes))
-                else:
-                    out = self._stage_forward(stage, inp, part)
-                if stage == S - 1:
+                out = stage.forward((action.pipe, mb, half), inp, part, self._loss(ctx), ctx.train,
+                                    ctx.parameter_storages)
+                if stage.is_last:
                     ctx.losses.append(out.detach())
                 else:
                     outputs.append(out)
-            if stage < S - 1:
+            if not stage.is_last:
                 sent = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-                self._produce(Message("act", action.pipe, stage, mb), sent)
+                self._produce(ctx, Message("act", action.pipe, action.stage, mb), sent)
 
-    def _graph(self, action: Action, keep: bool) -> _Saved:
-        """The saved graph of ``action``'s micro-batch (half) on its stage, re-materialised if it was
-        recomputed; ``keep``: it stays saved (an ``I`` leaves it for its ``W``)."""
-        key = (action.pipe, action.stage, action.mb, action.half)
-        saved = self._graphs[key] if keep else self._graphs.pop(key)
-        if not keep:
-            self._stored -= saved.nbytes
-        if saved.rng is not None and saved.out is None and saved.weight_grads is None:  # recompute, same RNG draws
-            batch = self._ctx.micro_batches[action.mb]
-            part = batch if action.half is None else half_of(batch, action.half)
-            if action.stage > 0:
-                saved.inp = saved.inp.detach().requires_grad_(True)
-            with saved.rng.replay(), torch.enable_grad():
-                saved.out = self._stage_forward(action.stage, saved.inp, part)
-        return saved
-
-    def _send_input_gradient(self, action: Action, grad: Tensor | None) -> None:
-        if action.stage > 0:
-            self._produce(Message("grad", action.pipe, action.stage, action.mb, action.half), grad)
-
-    def _backward(self, action: Action, inputs: list[Tensor]) -> None:
-        """``B``: input and weight gradients in one backward pass."""
-        saved = self._graph(action, keep=False)
-        if action.stage == self.topology.stages - 1:
-            saved.out.backward()
-        else:
-            torch.autograd.backward(saved.out, inputs[0])
-        self._send_input_gradient(action, saved.inp.grad if saved.inp is not None else None)
-        self._signatures.pop(action.mb, None)  # the micro-batch is done on this stage
-
-    def _input_gradient(self, action: Action, inputs: list[Tensor]) -> None:
-        """``I`` (Zero Bubble Pipeline Parallelism §2): only the gradient of the stage's input, sent on at
-        once; the intermediate gradients the weights need are kept for ``W``. The first stage has no
-        input gradient: its ``I`` does nothing and its ``W`` runs the whole backward, as in
-        torch.distributed.pipelining."""
-        saved = self._graph(action, keep=True)
-        saved.output_grad = None if action.stage == self.topology.stages - 1 else inputs[0]
-        if action.stage == 0:
+    def _backward(self, ctx: StepContext, action: Action, inputs: list[Tensor]) -> None:
+        """``B``, ``I`` or ``W`` on the action's stage; ``B`` and ``I`` send the input gradient on."""
+        stage, key = self.stages[action.stage], (action.pipe, action.mb, action.half)
+        batch = ctx.micro_batches[action.mb]
+        part = batch if action.half is None else half_of(batch, action.half)
+        output_grad = inputs[0] if inputs else None
+        if action.kind == "W":
+            stage.weight_gradient(key, part, self._loss(ctx))
             return
-        grads, saved.weight_grads = stage_backward_input(
-            [saved.out], None if saved.output_grad is None else [saved.output_grad], [saved.inp],
-            iter(self._stage_params[action.stage]),
-        )
-        saved.out = saved.output_grad = None  # stage_backward_input detached it: W starts from the kept groups
-        self._send_input_gradient(action, grads[0])
-
-    def _weight_gradient(self, action: Action, inputs: list[Tensor]) -> None:
-        """``W``: the weight gradients from what ``I`` kept (accumulated into ``.grad``)."""
-        saved = self._graph(action, keep=False)
-        if action.stage == 0:
-            torch.autograd.backward(saved.out, saved.output_grad)
-        else:
-            stage_backward_weight(iter(self._stage_params[action.stage]), saved.weight_grads)
-        self._signatures.pop(action.mb, None)
-
-    _BACKWARDS = {"B": _backward, "I": _input_gradient, "W": _weight_gradient}
+        run = stage.backward if action.kind == "B" else stage.input_gradient
+        grad = run(key, output_grad, part, self._loss(ctx))
+        if not stage.is_first:
+            self._produce(ctx, Message("grad", action.pipe, action.stage, action.mb, action.half), grad)
 
 
-def _unique_parameters(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
-    seen: dict[int, nn.Parameter] = {}
-    for layer in layers:
-        for p in layer.parameters():
-            if p.requires_grad:
-                seen.setdefault(id(p), p)
-    return list(seen.values())
+class AsyncWindows:
+    """Runs an asynchronous schedule's windows (PipeDream, PipeDream-2BW) on a :class:`StageExecutor`.
+
+    What crosses a step boundary lives here, not in the action loop: the messages sent to this
+    rank in one window and consumed in the next (received in the window that sends them, so no
+    receive waits across the step's collectives), and the micro-batches still in flight, whose
+    graphs stay on their stages and whose shapes the next window's gradients take."""
+
+    def __init__(self, executor: StageExecutor) -> None:
+        self.executor = executor
+        self._carried: dict[Message, Incoming] = {}
+        self._in_flight: dict[int, Batch] = {}  # micro-batch → its batch, until its last backward here
+
+    def run(self, window: Schedule, micro_batches: Mapping[int, Batch], totals: Mapping[str, float | Tensor]) -> StepRecord:
+        ex = self.executor
+        plan = comm_plan(window, ex.worker, True, carried_in=self._carried.keys())
+        self._in_flight.update(micro_batches)
+        ctx = StepContext(window, plan, dict(self._in_flight), totals, True, ex._parameter_storages,
+                          inbox=self._carried)
+        record = ex.execute(ctx)
+        ex.comm.finish(keep_open=True)  # the window's last rounds complete during the next window
+        self._carried = ctx.inbox  # sent in this window, consumed in the next
+        pending = {key[1] for stage in ex.stages.values() for key in stage.pending}
+        self._in_flight = {mb: batch for mb, batch in self._in_flight.items() if mb in pending}
+        return record
 
 
-def _forget_autocast_casts() -> None:
-    """Drop autocast's cached weight casts after a no-grad forward: made without autograd history,
-    a later forward with gradients would reuse them and its weights would get no gradient
-    (pytorch/pytorch#112583 on older torch). Autocast clears the cache itself when its region ends."""
-    if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
-        torch.clear_autocast_cache()
-
-
-@dataclass
-class _StepContext:
-    schedule: Schedule
-    micro_batches: Mapping[int, Batch]
-    totals: Mapping[str, float | Tensor]
-    halved: set[int]
-    train: bool
-    parameter_storages: frozenset[int]
-    losses: list[Tensor] = field(default_factory=list)
-    peak_stored: int = 0

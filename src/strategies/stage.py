@@ -1,0 +1,164 @@
+"""One stage copy on one rank: its layers, the graphs its forwards keep, its weight versions.
+
+The executor (:mod:`strategies.executor`) decides which stage runs what, in the schedule's order,
+and moves messages; a :class:`PipelineStage` only computes. Each forward keeps what its backward
+needs under a :data:`GraphKey`: the graph, or with recomputation (GPipe §2.3, re-materialization)
+only the input and the RNG state. Backwards come whole (``B``) or split as in Zero Bubble
+Pipeline Parallelism (Qi et al. 2024, §2): ``I`` computes the input gradient and keeps, through
+torch.distributed.pipelining's ``stage_backward_input``, the intermediate gradients the weights
+need; ``W`` later turns them into weight gradients (``stage_backward_weight``), accumulated in
+``.grad``. Asynchronous schedules run forwards on the step's stashed weight version
+(:class:`~strategies.versions.WeightVersions`, PipeDream's weight stashing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from .pipeline_model import Batch, run_layers
+from .recompute import RngState, SavedBytes
+from .versions import WeightVersions
+
+GraphKey = tuple[int, int, int | None]  # pipe, micro-batch, half
+LossFn = Callable[[Tensor, Batch], Tensor]  # the last stage's output → this micro-batch's loss share
+
+
+@dataclass
+class StoredBytes:
+    """Activation bytes the rank's stages keep between forwards and their backwards, and the peak."""
+
+    now: int = 0
+    peak: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+
+@dataclass
+class _Saved:
+    """What a forward keeps for its backward: the graph (``out``), or for recomputation only the
+    input and the RNG state to replay it. Between ``I`` and ``W``, ``weight_grads`` holds what ``W``
+    needs (torch.distributed.pipelining's parameter groups); on the first stage, which has no input
+    gradient to compute, ``I`` keeps the graph and the output gradient and ``W`` runs the whole
+    backward (as torch.distributed.pipelining does)."""
+
+    inp: Tensor | None
+    out: Tensor | None
+    rng: RngState | None
+    nbytes: int
+    weight_grads: list[dict] | None = None
+    output_grad: Tensor | None = None
+
+
+class PipelineStage:
+    """Stage ``index`` of ``stages``: forward, backward, input and weight gradients of its layers."""
+
+    def __init__(self, index: int, stages: int, layers: Sequence[nn.Module], *, recompute: bool = False,
+                 versions: WeightVersions | None = None, stored: StoredBytes | None = None) -> None:
+        self.index, self.layers = index, list(layers)
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        self.recompute, self.versions = recompute, versions
+        self.stored = stored if stored is not None else StoredBytes()
+        self.parameters = _unique_parameters(self.layers)
+        self._graphs: dict[GraphKey, _Saved] = {}
+
+    @property
+    def pending(self) -> list[GraphKey]:
+        """Graphs kept for backwards that have not run (all done after a synchronous step)."""
+        return sorted(self._graphs, key=str)
+
+    def _run(self, inp: Tensor, batch: Batch, loss: LossFn | None, train: bool) -> Tensor:
+        if self.versions is not None and train:
+            with self.versions.forward_weights(self.index):
+                out = run_layers(self.layers, inp, batch)
+        else:
+            out = run_layers(self.layers, inp, batch)
+        return loss(out, batch) if self.is_last and loss is not None else out
+
+    def forward(self, key: GraphKey, inp: Tensor, batch: Batch, loss: LossFn | None, train: bool,
+                parameter_storages: frozenset[int] = frozenset()) -> Tensor:
+        """The stage's output (the last stage: its loss share); in training keeps what the backward needs."""
+        if not train:
+            return self._run(inp, batch, loss, train)
+        if self.recompute:  # keep the input and the RNG state only (GPipe re-materialization)
+            rng = RngState.capture(inp.device)
+            with torch.no_grad():
+                out = self._run(inp, batch, loss, train)
+            forget_autocast_casts()
+            kept = 0 if self.is_first else inp.numel() * inp.element_size()  # stage 0: the batch itself
+            self._keep(key, _Saved(inp, None, rng, kept))
+            return out
+        if not self.is_first:
+            inp = inp.detach().requires_grad_(True)
+        saved = SavedBytes(parameter_storages)
+        with saved.track():
+            out = self._run(inp, batch, loss, train)
+        saved.add(out)
+        self._keep(key, _Saved(None if self.is_first else inp, out, None, saved.nbytes))
+        return out
+
+    def _keep(self, key: GraphKey, saved: _Saved) -> None:
+        self._graphs[key] = saved
+        self.stored.add(saved.nbytes)
+
+    def _graph(self, key: GraphKey, batch: Batch, loss: LossFn | None, keep: bool) -> _Saved:
+        """The saved graph of ``key``, re-materialised if it was recomputed; ``keep``: it stays saved
+        (``I`` leaves it for ``W``)."""
+        saved = self._graphs[key] if keep else self._graphs.pop(key)
+        if not keep:
+            self.stored.add(-saved.nbytes)
+        if saved.rng is not None and saved.out is None and saved.weight_grads is None:  # same RNG draws
+            if not self.is_first:
+                saved.inp = saved.inp.detach().requires_grad_(True)
+            with saved.rng.replay(), torch.enable_grad():
+                saved.out = self._run(saved.inp, batch, loss, True)
+        return saved
+
+    def backward(self, key: GraphKey, output_grad: Tensor | None, batch: Batch, loss: LossFn | None) -> Tensor | None:
+        """``B``: input and weight gradients in one pass; returns the input gradient (None on the first stage)."""
+        saved = self._graph(key, batch, loss, keep=False)
+        torch.autograd.backward(saved.out, output_grad)
+        return None if saved.inp is None else saved.inp.grad
+
+    def input_gradient(self, key: GraphKey, output_grad: Tensor | None, batch: Batch,
+                       loss: LossFn | None) -> Tensor | None:
+        """``I``: only the input gradient, returned at once; what the weights need is kept for ``W``."""
+        saved = self._graph(key, batch, loss, keep=True)
+        if self.is_first:
+            saved.output_grad = output_grad
+            return None
+        grads, saved.weight_grads = stage_backward_input(
+            [saved.out], None if output_grad is None else [output_grad], [saved.inp], iter(self.parameters))
+        saved.out = None  # detached by stage_backward_input: W starts from the kept parameter groups
+        return grads[0]
+
+    def weight_gradient(self, key: GraphKey, batch: Batch, loss: LossFn | None) -> None:
+        """``W``: the weight gradients from what ``I`` kept, accumulated into ``.grad``."""
+        saved = self._graph(key, batch, loss, keep=False)
+        if self.is_first:
+            torch.autograd.backward(saved.out, saved.output_grad)
+        else:
+            stage_backward_weight(iter(self.parameters), saved.weight_grads)
+
+
+def forget_autocast_casts() -> None:
+    """Drop autocast's cached weight casts after a no-grad forward: made without autograd history,
+    a later forward with gradients would reuse them and its weights would get no gradient
+    (pytorch/pytorch#112583 on older torch). Autocast clears the cache itself when its region ends."""
+    if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
+        torch.clear_autocast_cache()
+
+
+def _unique_parameters(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
