@@ -66,8 +66,7 @@ def interleaved_1f1b(workers: int, chunks: int, micro_batches: int) -> Schedule:
             return (v - 1 - (k // per_round) % v) * P + r
 
         orders.append(_one_f_one_b(total, warmup, forward_stage, backward_stage))
-    return validate(Schedule("interleaved_1f1b", v * P, N, loop_placement(P, v), tuple(orders),
-                             meta={"chunks": v}))
+    return validate(Schedule("interleaved_1f1b", v * P, N, loop_placement(P, v), tuple(orders)))
 
 
 def _one_f_one_b(total: int, warmup: int, forward_stage: Callable[[int], int],

@@ -13,11 +13,12 @@ takes ``t_b`` for the whole backward and ``t_w`` for its W share, so the paper's
   ``ScheduleInterleavedZeroBubble`` with one stage per rank (its "ZB1P").
 * :func:`zb_h2` — ZB-H2, the zero-bubble handcrafted schedule (§2.2; Figure 3, bottom): worker r
   first runs ``2(P − 1 − r) + 1`` forwards, which fills the time until its first input gradient
-  arrives; the steady state is F, I, W and the W's are kept back (up to the ``2P − 1``
-  micro-batches of activations of the first worker) to fill the wait for the last input
-  gradients. At T_F = T_B = T_W no worker idles between its first and its last action; the only
-  idle time is the fill and drain ``(P − 1)·T_F`` that the paper's post-validated optimizer step
-  (§4) overlaps with the next iteration.
+  arrives, then alternates I and F and drains its I's; its W's are held back
+  (:func:`defer_weight_gradients` with a bound of ``2P − 1`` micro-batches in flight, the first
+  worker's warm-up) and run where the worker would wait, which turns the tail into a
+  parallelogram. At T_F = T_B = T_W and N ≥ 2P − 1 no worker idles between its first and its last
+  action; the only idle time is the fill and drain ``(P − 1)·T_F`` that the paper's post-validated
+  optimizer step (§4) overlaps with the next iteration.
 * :func:`zbv` — ZB-V (§6, "Memory efficient zero bubble schedule", and "Pipeline Parallelism with
   Controllable Memory", Qi et al. 2024): two chunks per worker in a V (:func:`~.placement.v_placement`),
   zero bubble at T_F = T_B = T_W with 1F1B's peak activation memory (2P chunk activations = P
@@ -40,6 +41,7 @@ from .actions import Action, Schedule
 from .generators import chimera
 from .graph import dependencies, index_actions
 from .placement import check_size, v_placement
+from .simulate import peak_activations
 from .validate import validate
 
 
@@ -156,7 +158,7 @@ def defer_weight_gradients(
     """Split the backwards (:func:`split_backwards`) and move each ``W`` into idle time.
 
     Each worker keeps its forwards and input-gradient passes in their order and runs them as soon
-    as they are ready (simulated at ``t_f``, ``t_b``, ``t_w``: with t_w = t_b/2 the paper's
+    as they are ready (simulated at ``t_f``, ``t_b``, ``t_w``; the defaults are the paper's
     T_F = T_B = T_W); its weight-gradient passes wait in a first-in first-out queue and run when
     the worker would otherwise idle, when a forward would take the worker past its activation
     bound, and at the end. The bound (micro-batches whose forward ran and whose W has not, an
@@ -164,8 +166,6 @@ def defer_weight_gradients(
     (:func:`~.simulate.peak_activations`), so deferring never costs memory. A ready F or I always
     goes first: a W never delays what another worker waits for, except by the W already running.
     """
-    from .simulate import peak_activations
-
     split = split_backwards(schedule)
     P = schedule.num_workers
     if max_activations is None:
