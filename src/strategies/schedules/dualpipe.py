@@ -110,3 +110,5 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     # dualpipev(workers: int, micro_batches: int) -> Schedule   (S = 2P, V placement, N ≥ 2P)
     "dualpipev": dualpipev,
 }
+
+__all__ = ["GENERATORS", "dualpipev"]

@@ -91,3 +91,5 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     # interleaved_1f1b(workers: int, chunks: int, micro_batches: int) -> Schedule   (S = chunks·workers)
     "interleaved_1f1b": interleaved_1f1b,
 }
+
+__all__ = ["GENERATORS", "interleaved_1f1b", "interleaved_rounds"]

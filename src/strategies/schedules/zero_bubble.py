@@ -8,8 +8,8 @@ takes ``t_b`` for the whole backward and ``t_w`` for its W share, so the paper's
 * :func:`zb_h1` — ZB-H1, the memory-efficient handcrafted schedule (§2.1, "Handcrafted pipeline
   schedules"; Figure 3, top): 1F1B's warm-up (``P − 1 − r`` forwards on worker r), then F, I and a
   W per step, worker r starting its W's ``r`` steps late, so every worker has P micro-batches in
-  flight and the tail bubbles fill with W's. Bubble ``(P − 1)(T_F + T_B − T_W)``, a third of
-  1F1B's at equal costs, with 1F1B's peak activations. The order is exactly that of torch's
+  flight and the tail bubbles fill with W's. Bubble ``(P − 1)(T_F + T_B − T_W)`` (N ≥ P,
+  T_W ≤ T_F and T_W ≤ T_B), a third of 1F1B's at equal costs, with 1F1B's peak activations. The order is exactly that of torch's
   ``ScheduleInterleavedZeroBubble`` with one stage per rank (its "ZB1P").
 * :func:`zb_h2` — ZB-H2, the zero-bubble handcrafted schedule (§2.2; Figure 3, bottom): worker r
   first runs ``2(P − 1 − r) + 1`` forwards, which fills the time until its first input gradient
