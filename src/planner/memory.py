@@ -10,7 +10,9 @@ count, :func:`worker_peak` walks the worker's actions in schedule order, as the 
 * a backward walks the stage's layers last to first: each layer's gradients appear (on the stage's
   first backward), the layer's transient (activation gradients, temporaries) peaks on top of what is
   kept, then the layer's kept bytes are freed; with recomputation the stage's graph is first
-  re-materialised;
+  re-materialised. A split backward (Zero Bubble Pipeline Parallelism §2) walks twice: ``I`` keeps
+  the graph, ``W`` makes the gradients appear and frees it. Which graphs an action keeps, walks
+  and frees is :func:`strategies.schedules.effects.graph_effect`, the executor's own rule;
 * on gloo (CPU) a sent tensor stays referenced until the end of the step (:mod:`strategies.p2p`), so
   sent activations and activation gradients stay counted until the end (``keep_sends``);
 * each all-reduce flattens its stage copy's gradients into one more buffer, when it is launched:
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 from strategies.schedules import ASYNC_SCHEDULES, Schedule
 from strategies.schedules.asynchronous import stashed_versions
+from strategies.schedules.effects import graph_effect
 
 from .model_costs import ADAMW_STATES, ModelCosts
 from .predict import Candidate, runtime_partition
@@ -68,7 +71,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     :mod:`strategies.schedules.comm`)."""
     from strategies.grad_sync import launch_plan
 
-    D, B = cand.D, cand.B
+    D, B, S = cand.D, cand.B, schedule.stages
     stages = schedule.stages_of(worker)
     ranges = {s: partition[s] for s in stages}
     layers = {i for s in stages for i in ranges[s]}
@@ -103,9 +106,10 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     retained = 0.0
     for action in schedule.workers[worker]:
         s, st = action.stage, ranges[action.stage]
-        out_b = costs.stage_out_bytes(st, B) if s < D - 1 else 0.0
+        out_b = costs.stage_out_bytes(st, B) if s < S - 1 else 0.0
         in_b = costs.stage_in_bytes(st, B)
-        if action.kind == "F":
+        effect = graph_effect(action, halved)  # what the executor keeps, walks and frees
+        if effect.keeps:
             for mb in action.mbs:
                 live += kept(s, mb)
                 if keep_sends and out_b and (s in recompute or mb in halved):
@@ -115,21 +119,23 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
             continue
         frac = 0.5 if action.half is not None else 1.0
         graph = B / 2 if action.mb in halved else B  # the micro-batch size of the graph this backward frees
-        if s in recompute:  # re-materialise the stage's graph, then free it layer by layer
+        if s in recompute and action.kind != "W":  # re-materialise the stage's graph (W reuses I's)
             live += costs.stage_stored(st, graph)
-        for k in reversed(range(len(st))):  # backward runs the layers last to first
+        for k in reversed(range(len(st)) if effect.walks else ()):  # backward runs the layers last to first
             layer = st[k]
-            if layer not in grads_for:
+            if effect.weight_gradient and layer not in grads_for:
                 before = _grad_bytes(costs, grads_for)
                 grads_for.add(layer)
                 live += _grad_bytes(costs, grads_for) - before
             peak = max(peak, live + costs.layers[layer].transient.clamp(graph) + recv_ahead)
-            fit = costs.layers[layer].stored_alone if k == 0 else costs.layers[layer].stored_added
-            live -= fit.clamp(graph)
-        if s in recompute:
+            if effect.frees:
+                fit = costs.layers[layer].stored_alone if k == 0 else costs.layers[layer].stored_added
+                live -= fit.clamp(graph)
+        if s in recompute and effect.frees:
             live -= kept(s, action.mb) * frac  # the kept input goes last
         if keep_sends:
-            sent = frac * in_b + (frac * out_b if s not in recompute and action.mb not in halved else 0.0)
+            sent = (frac * in_b if effect.input_gradient else 0.0) + (
+                frac * out_b if effect.frees and s not in recompute and action.mb not in halved else 0.0)
             live += sent
             retained += sent
         for early in eager.get(action, ()):  # an eager all-reduce's flat buffer lives from its launch

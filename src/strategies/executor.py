@@ -37,6 +37,7 @@ from .pipeline_model import Batch, PipelineModel, run_layers
 from .recompute import parameter_storages
 from .schedules import Action, Schedule, format_grid
 from .schedules.comm import CommPlan, Round, comm_plan
+from .schedules.effects import graph_effect
 from .schedules.messages import Message, is_local
 from .stage import PipelineStage, StoredBytes, forget_autocast_casts
 from .timing import ActionClock
@@ -283,28 +284,27 @@ class StageExecutor:
         return lambda out, batch: micro_batch_loss(self.model, out, batch, ctx.totals)
 
     def _forward(self, ctx: StepContext, action: Action, inputs: list[Tensor]) -> None:
-        """One forward per micro-batch of the action (two when doubled), per half when its backward is halved."""
+        """One graph per key the action keeps (:func:`graph_effect`): per micro-batch (two when doubled),
+        per half when the micro-batch's backward is halved."""
         stage = self.stages[action.stage]
-        for k, mb in enumerate(action.mbs):
+        outputs: dict[int, list[Tensor]] = {mb: [] for mb in action.mbs}
+        for key in graph_effect(action, ctx.halved).keeps:
+            _, mb, half = key
             batch = ctx.micro_batches[mb]
-            x = self.model.pipeline_input(batch) if stage.is_first else inputs[k]
-            outputs = []
-            for half in (0, 1) if mb in ctx.halved else (None,):
-                part = batch if half is None else half_of(batch, half)
-                inp = x if half is None else x.chunk(2)[half]
-                out = stage.forward((action.pipe, mb, half), inp, part, self._loss(ctx), ctx.train,
-                                    ctx.parameter_storages)
-                if stage.is_last:
-                    ctx.losses.append(out.detach())
-                else:
-                    outputs.append(out)
-            if not stage.is_last:
-                sent = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            x = self.model.pipeline_input(batch) if stage.is_first else inputs[action.mbs.index(mb)]
+            part = batch if half is None else half_of(batch, half)
+            inp = x if half is None else x.chunk(2)[half]
+            out = stage.forward(key, inp, part, self._loss(ctx), ctx.train, ctx.parameter_storages)
+            (ctx.losses if stage.is_last else outputs[mb]).append(out.detach() if stage.is_last else out)
+        if not stage.is_last:
+            for mb, parts in outputs.items():
+                sent = parts[0] if len(parts) == 1 else torch.cat(parts)
                 self._produce(ctx, Message("act", action.pipe, action.stage, mb), sent)
 
     def _backward(self, ctx: StepContext, action: Action, inputs: list[Tensor]) -> None:
-        """``B``, ``I`` or ``W`` on the action's stage; ``B`` and ``I`` send the input gradient on."""
+        """``B``, ``I`` or ``W`` on the action's stage (:func:`graph_effect`); the input gradient goes on."""
         stage, key = self.stages[action.stage], (action.pipe, action.mb, action.half)
+        effect = graph_effect(action, ctx.halved)
         batch = ctx.micro_batches[action.mb]
         part = batch if action.half is None else half_of(batch, action.half)
         output_grad = inputs[0] if inputs else None
@@ -313,7 +313,7 @@ class StageExecutor:
             return
         run = stage.backward if action.kind == "B" else stage.input_gradient
         grad = run(key, output_grad, part, self._loss(ctx))
-        if not stage.is_first:
+        if effect.input_gradient:
             self._produce(ctx, Message("grad", action.pipe, action.stage, action.mb, action.half), grad)
 
 

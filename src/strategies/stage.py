@@ -21,10 +21,10 @@ from torch import Tensor, nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from .pipeline_model import Batch, run_layers
+from .schedules.effects import GraphKey
 from .recompute import RngState, SavedBytes
 from .versions import WeightVersions
 
-GraphKey = tuple[int, int, int | None]  # pipe, micro-batch, half
 LossFn = Callable[[Tensor, Batch], Tensor]  # the last stage's output → this micro-batch's loss share
 
 

@@ -1,0 +1,44 @@
+"""What each action does to the graphs its stage keeps: the one definition the executor runs and the
+planner's memory walk (:mod:`planner.memory`) prices.
+
+A forward keeps one graph per micro-batch it covers (two for a doubled forward, Chimera §3.5), or
+two half graphs when the micro-batch's backward is halved. ``B`` walks a graph and frees it,
+computing input and weight gradients; the split backward of Zero Bubble Pipeline Parallelism (§2)
+walks it twice: ``I`` computes the input gradient and keeps the graph, ``W`` computes the weight
+gradients and frees it. On the first stage there is no input gradient: its ``I`` does nothing and
+its ``W`` runs the whole backward (as torch.distributed.pipelining does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from .actions import Action
+
+GraphKey = tuple[int, int, int | None]  # pipe, micro-batch, half
+
+
+@dataclass(frozen=True)
+class GraphEffect:
+    stage: int
+    keeps: tuple[GraphKey, ...] = ()  # graphs saved (forward)
+    walks: tuple[GraphKey, ...] = ()  # graphs a backward pass runs through
+    frees: tuple[GraphKey, ...] = ()  # graphs released afterwards
+    input_gradient: bool = False  # computes (and sends) the gradient of the stage's input
+    weight_gradient: bool = False  # computes the stage's weight gradients
+
+
+def graph_effect(action: Action, halved: Collection[int]) -> GraphEffect:
+    """``action``'s effect; ``halved``: the micro-batches whose backward runs in two halves."""
+    if action.kind == "F":
+        keys = tuple((action.pipe, mb, half) for mb in action.mbs
+                     for half in ((0, 1) if mb in halved else (None,)))
+        return GraphEffect(action.stage, keeps=keys)
+    key = ((action.pipe, action.mb, action.half),)
+    first = action.stage == 0
+    if action.kind == "B":
+        return GraphEffect(action.stage, walks=key, frees=key, input_gradient=not first, weight_gradient=True)
+    if action.kind == "I":
+        return GraphEffect(action.stage, walks=() if first else key, input_gradient=not first)
+    return GraphEffect(action.stage, walks=key, frees=key, input_gradient=False, weight_gradient=True)
