@@ -62,9 +62,16 @@ def test_parse_rejects_malformed(bad: str) -> None:
 def test_json_round_trip_keeps_schedule() -> None:
     s = chimera(4, 8, 2, "forward_doubling")
     data = s.to_json()
-    assert set(data) == {"schedule", "stages", "micro_batches", "pipelines", "workers"}
+    assert set(data) == {"schedule", "stages", "micro_batches", "pipelines", "placement", "workers"}
     back = Schedule.from_json(data)
     assert back.workers == s.workers and back.placement == s.placement
+    del data["placement"]  # JSON written before the placement was saved: read off the actions
+    assert Schedule.from_json(data).placement == s.placement
+
+
+def test_json_round_trip_keeps_a_pipeline_without_micro_batches() -> None:
+    s = chimera(4, 1)  # one micro-batch: the up pipeline runs nothing, its placement is still saved
+    assert Schedule.from_json(s.to_json()).placement == s.placement
 
 
 # --- validity over grids -------------------------------------------------------------------
@@ -417,3 +424,14 @@ def test_simulate_per_stage_costs_and_comm() -> None:
     assert simulate(s, 1, 2, t_comm=0.5).makespan > base.makespan
     with pytest.raises(ValueError, match="t_f must be"):
         simulate(s, [1.0], 2.0)
+
+
+def test_overlapped_pairs_are_independent_pairs() -> None:
+    from strategies.schedules.actions import B, F, overlapped
+
+    dependent = Schedule("t", 1, 1, ((0,),), ((F(0, 0), overlapped(B(0, 0))),))
+    with pytest.raises(ValueError, match="needs 0F0, so the two cannot run overlapped"):
+        validate(dependent)
+    chain = Schedule("t", 1, 2, ((0,),), ((F(0, 0), overlapped(F(0, 1)), overlapped(B(0, 0)), B(0, 1)),))
+    with pytest.raises(ValueError, match="chain three overlapped actions"):
+        validate(chain)

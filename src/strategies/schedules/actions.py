@@ -218,14 +218,18 @@ class Schedule:
             "stages": self.stages,
             "micro_batches": self.micro_batches,
             "pipelines": self.pipelines,
+            "placement": [list(row) for row in self.placement],
             "workers": [[a.to_json() for a in actions] for actions in self.workers],
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Schedule:
-        """Rebuild a schedule from :meth:`to_json`; placement is read off the actions."""
+        """Rebuild a schedule from :meth:`to_json`; without ``"placement"`` it is read off the actions."""
         workers = tuple(tuple(Action.from_json(a) for a in acts) for acts in data["workers"])
         pipes, stages = int(data["pipelines"]), int(data["stages"])
+        if "placement" in data:
+            return cls(data["schedule"], stages, int(data["micro_batches"]),
+                       tuple(tuple(int(w) for w in row) for row in data["placement"]), workers, data.get("concat"))
         rows = [[-1] * stages for _ in range(pipes)]
         for w, acts in enumerate(workers):
             for a in acts:

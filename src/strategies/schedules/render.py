@@ -190,7 +190,7 @@ def save_png(timeline: Timeline, schedule: Schedule | None, path: str, *, title:
         title = f"bubble ratio {ratio:.1%}"
         if schedule is not None:
             extra = f", {schedule.pipelines} pipelines" if schedule.pipelines > 1 else ""
-            title = f"{schedule.name}: D={schedule.stages}, N={schedule.micro_batches}{extra}, " + title
+            title = f"{schedule.name}: {schedule.describe_size().replace(' = ', '=')}{extra}, " + title
 
     def color(kind: str, pipe: int) -> Any:
         return colormaps[_COLOR_FAMILIES[pipe % len(_COLOR_FAMILIES)]](_SHADE.get(kind, 0.75))

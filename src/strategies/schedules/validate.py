@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from .actions import Action, Schedule
+from .graph import dependencies, index_actions
 from .grid import format_grid
 from .simulate import simulate
 
@@ -62,6 +63,19 @@ def _check_backward_parts(schedule: Schedule, where: dict[Action, tuple[int, int
                 raise _fail(schedule, f"{b} runs before its input-gradient pass {i}", [where[b], where[i]])
 
 
+def _check_overlap(schedule: Schedule, acts: tuple[Action, ...], w: int, i: int) -> None:
+    """An overlapped pair (DualPipeV) is two actions run together: independent of each other, and
+    never a chain of three."""
+    a = acts[i]
+    if i == 0:
+        raise _fail(schedule, f"{a} is marked as overlapped with the action before it, but is first", [(w, i)])
+    before = acts[i - 1]
+    if before.overlap:
+        raise _fail(schedule, f"{before} and {a} chain three overlapped actions; a pair is two", [(w, i - 1), (w, i)])
+    if before in dependencies(a, index_actions(acts), schedule.stages):
+        raise _fail(schedule, f"{a} needs {before}, so the two cannot run overlapped", [(w, i - 1), (w, i)])
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Return ``schedule`` unchanged if it is valid; raise ``ValueError`` pointing at the fault."""
     S, N, P = schedule.stages, schedule.micro_batches, schedule.pipelines
@@ -78,8 +92,8 @@ def validate(schedule: Schedule) -> Schedule:
                 )
             if a in where:
                 raise _fail(schedule, f"{a} appears twice", [where[a], (w, i)])
-            if a.overlap and i == 0:
-                raise _fail(schedule, f"{a} is marked as overlapped with the action before it, but is first", [(w, i)])
+            if a.overlap:
+                _check_overlap(schedule, acts, w, i)
             where[a] = (w, i)
 
     forward_groups: dict[tuple[int, int], dict[int, tuple[int, ...]]] = defaultdict(dict)
