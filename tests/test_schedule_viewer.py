@@ -68,13 +68,13 @@ def test_json_round_trips(argv: list[str], expected: Schedule, capsys: pytest.Ca
     assert code == 0
     assert out == json.dumps(expected.to_json()) + "\n"
     data = json.loads(out)
-    assert list(data) == ["schedule", "stages", "micro_batches", "pipelines", "workers"]
+    assert list(data) == ["schedule", "stages", "micro_batches", "pipelines", "placement", "workers"]
     assert (data["schedule"], data["stages"], data["pipelines"]) == (expected.name, expected.stages, expected.pipelines)
     restored = Schedule.from_json(data)
     assert (restored.workers, restored.placement) == (expected.workers, expected.placement)
     for action in (a for worker in data["workers"] for a in worker):
-        assert set(action) - {"half"} == {"kind", "pipe", "stage", "mb"}
-        assert action["kind"] in ("F", "B")
+        assert set(action) - {"half", "overlap"} == {"kind", "pipe", "stage", "mb"}
+        assert action["kind"] in ("F", "B", "I", "W")
 
 
 def test_json_doubled_forward_and_halved_backward(capsys: pytest.CaptureFixture[str]) -> None:
