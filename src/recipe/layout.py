@@ -131,9 +131,9 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
         )
     if one_per_update:
         if global_batch_size % (W * fixed_n):
-            raise ConfigError(f"data.global_batch_size = {global_batch_size} is not divisible by W·N = {W}·{fixed_n}; "
-                              f"use a multiple of {W * fixed_n} (strategy={name} takes B = global batch / (W·N), "
-                              f"N = {fixed_n})")
+            raise ConfigError(f"data.global_batch_size = {global_batch_size} is not divisible by W·N = "
+                              f"{W}·{fixed_n}; use a multiple of {W * fixed_n} (strategy={name} takes B = global "
+                              f"batch / (W·N), N = {fixed_n})")
         B = global_batch_size // (W * fixed_n)
     if D > num_layers:
         raise ConfigError(f"strategy.D = {D} stages but the model has only {num_layers} pipeline layers; use D ≤ {num_layers}")

@@ -19,8 +19,8 @@ from .validate import validate
 
 __all__ = [
     "AUTO_CONCAT", "CLI", "CONCAT_METHODS", "CONFIG", "SCHEDULES", "Action", "DeadlockError", "Naming", "Schedule",
-    "ScheduleError", "ScheduleSpec", "Settings", "Simulation", "TimedAction", "best_concat", "build_schedule", "chimera",
-    "chimera_placement", "concat_choices", "dapple", "dependencies", "format_grid", "forward_index", "gems",
+    "ScheduleError", "ScheduleSpec", "Settings", "Simulation", "TimedAction", "best_concat", "build_schedule",
+    "chimera", "chimera_placement", "concat_choices", "dapple", "dependencies", "format_grid", "forward_index", "gems",
     "get_spec", "gpipe", "names", "parse_action", "peak_activations", "register", "resolve_concat", "simulate",
     "specs", "validate",
 ]

@@ -109,10 +109,12 @@ class ScheduleSpec:
             options["steps"] = ASYNC_VIEW_STEPS if settings.steps is None else settings.steps
         return self.generator(settings.stages, settings.micro_batches, **options)
 
-    def planner_variants(self, stages: int, micro_batches: int, micro_batch_size: int | None) -> tuple[tuple[int, str], ...]:
+    def planner_variants(self, stages: int, micro_batches: int,
+                         micro_batch_size: int | None) -> tuple[tuple[int, str], ...]:
         """(pipelines, concat) pairs the planner compares for a layout: every valid pipeline count and
         every concatenation method ``strategy.concat=auto`` would compare (:func:`concat_choices`)."""
-        pipes = tuple(self.pipelines.choices(stages)) if self.pipelines.choices is not None else (self.pipelines.default,)
+        choices = self.pipelines.choices
+        pipes = tuple(choices(stages)) if choices is not None else (self.pipelines.default,)
         methods = concat_choices(stages, micro_batches, micro_batch_size) if self.concat else ("direct",)
         return tuple((p, c) for p in pipes for c in methods)
 
@@ -159,7 +161,8 @@ def get_spec(name: str) -> ScheduleSpec:
     raise ScheduleError(f"unknown schedule {name!r}; choose one of {describe_names()}")
 
 
-def check(name: str, stages: int, micro_batches: int | None = None, *, naming: Naming = API, **settings: object) -> None:
+def check(name: str, stages: int, micro_batches: int | None = None, *, naming: Naming = API,
+          **settings: object) -> None:
     """Raise :class:`ScheduleError` if ``name`` with these settings breaks one of its rules."""
     get_spec(name).check(Settings(name, stages, micro_batches, naming=naming, **settings))  # type: ignore[arg-type]
 

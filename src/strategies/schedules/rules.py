@@ -133,7 +133,8 @@ def fixed_micro_batches(spec: ScheduleSpec, s: Settings) -> str | None:
         return None
     n = s.naming
     per = "after every micro-batch" if want == 1 else f"every {want} micro-batches"
-    return (f"{spec.name} updates the weights {per}, so N must be {want}, got N = {s.micro_batches} ({n.micro_batches}); "
+    return (f"{spec.name} updates the weights {per}, so N must be {want}, got N = {s.micro_batches} "
+            f"({n.micro_batches}); "
             f"{n.exact_micro_batches.format(n=want, times='' if want == 1 else f'{want}·')}")
 
 
