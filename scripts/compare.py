@@ -20,9 +20,11 @@ import json
 import sys
 from pathlib import Path
 
+from recipe.layout import BASELINES
 from recipe.results import RunResult, find_results, sort_results, summary_table
+from strategies.schedules import names
 
-STRATEGY_ORDER = ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream", "ddp", "single")
+STRATEGY_ORDER = (*names(), *BASELINES)  # the registry's schedules in their order, then the baselines
 
 
 def build_parser() -> argparse.ArgumentParser:

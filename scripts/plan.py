@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--comm", default="measure", choices=("measure", "default", "none"))
     p.add_argument("--budget", help="memory budget, e.g. 16GiB (per rank on GPU, per node on CPU)")
     p.add_argument("--partition", default="runtime", choices=("runtime", "time", "memory"))
-    p.add_argument("--schedules", default="gpipe,dapple,gems,chimera")
+    p.add_argument("--schedules", help="comma-separated schedules of the registry (default: every synchronous one)")
     p.add_argument("--recompute", default="none,always")
     p.add_argument("--grad-sync", default="end", choices=("end", "eager", "eager_opt"))
     p.add_argument("--top", type=int, default=15, help="rows of the table (0: all)")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = device_budget(accelerator, override=parse_bytes(args.budget) if args.budget else None,
                            process_bytes=costs.comm.process_bytes)
     plans = plan_all(costs, devices, global_batch, budget, ranks_per_node=per_node,
-                     schedules=[s for s in args.schedules.split(",") if s],
+                     schedules=[s for s in args.schedules.split(",") if s] if args.schedules else None,
                      recompute=[r for r in args.recompute.split(",") if r], grad_sync=args.grad_sync,
                      partition=args.partition)
     c = costs.comm

@@ -144,7 +144,7 @@ def _measure_worker(rank: int, world: int, spec: str | dict[str, Any], layouts: 
     for name, W, D, B, N, pipes, concat, recompute, sync in layouts:
         torch.manual_seed(0)
         model = build_measured_model(spec)
-        config = PipelineConfig(name, D, B, pipelines=pipes if name == "chimera" else None, concat=concat,
+        config = PipelineConfig(name, D, B, pipelines=pipes, concat=concat,
                                 recompute=recompute, grad_sync=sync)
         partition = (model.partition(D) if hasattr(model, "partition")
                      else balanced_partition([1.0] * len(model.pipeline_layers()), D))  # = planner.runtime_partition

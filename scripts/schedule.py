@@ -20,35 +20,44 @@ import math
 import sys
 
 from strategies.schedules import (
-    ASYNC_SCHEDULES, AUTO_CONCAT, CONCAT_METHODS, build_schedule, resolve_concat, simulate, validate,
+    AUTO_CONCAT, CLI, CONCAT_METHODS, build_schedule, get_spec, names, simulate, specs, validate,
 )
-from strategies.schedules.asynchronous import run as async_run
+from strategies.schedules.registry import ASYNC_VIEW_STEPS
 from strategies.schedules.render import ascii_timeline, save_png
-
-NAMES = ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The viewer's arguments; the schedule choices are the registry's (:mod:`strategies.schedules.registry`)."""
     parser = argparse.ArgumentParser(
         prog="schedule.py",
         description="Build a pipeline schedule, simulate it and show its timeline (Chimera paper, Figures 2-3).",
         epilog="Times and costs are in arbitrary units; only the ratio t_b / t_f shapes the timeline.",
     )
-    parser.add_argument("schedule", choices=NAMES, help="schedule to build")
+    parser.add_argument("schedule", choices=names(), help="schedule to build")
     parser.add_argument("--stages", type=int, required=True, metavar="D", help="pipeline stages = workers (D)")
     parser.add_argument("--micro-batches", type=int, required=True, metavar="N", help="micro-batches per iteration (N)")
+    def only(predicate) -> str:
+        return ", ".join(sp.name for sp in specs() if predicate(sp)) or "none"
+
     parser.add_argument(
         "--pipelines", type=int, metavar="P",
-        help="chimera only: number of pipelines, 2f for a divisor f of D/2 (default 2)",
+        help="number of pipelines, for " + "; ".join(f"{sp.name}: {sp.pipelines.rule} (default {sp.pipelines.default})"
+                                                     for sp in specs() if sp.pipelines.choices is not None),
     )
     parser.add_argument(
         "--concat", choices=(*CONCAT_METHODS, AUTO_CONCAT),
-        help="chimera only: how units of D micro-batches are concatenated when N > D (default direct); auto: "
-             "the fastest at t_b = 2 t_f, as strategy.concat=auto picks it for an even micro-batch size",
+        help=f"{only(lambda sp: sp.concat)} only: how units of D micro-batches are concatenated when N > D (default "
+             "direct); auto: the fastest at t_b = 2 t_f, as strategy.concat=auto picks it for an even micro-batch size",
+    )
+    parser.add_argument(
+        "--chunks", type=int, metavar="V",
+        help=f"stages per worker (v), for {only(lambda sp: sp.chunks.choosable)}; the others run their fixed number "
+             "(one for a schedule without chunks)",
     )
     parser.add_argument(
         "--steps", type=int, metavar="T",
-        help="pipedream_2bw / pipedream only: optimizer steps shown back to back, then the drain (default 3)",
+        help=f"asynchronous schedules only ({only(lambda sp: sp.asynchronous)}): optimizer steps shown back to "
+             f"back, then the drain (default {ASYNC_VIEW_STEPS})",
     )
     parser.add_argument(
         "--t-f", type=float, default=1.0, metavar="T",
@@ -65,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Raise ValueError, naming the flag, for settings build_schedule does not see as flags."""
+    """Raise ValueError, naming the flag, for values no schedule takes (each schedule's own rules come from
+    the registry when the schedule is built)."""
     for flag, value in (("--stages", args.stages), ("--micro-batches", args.micro_batches)):
         if value < 1:
             raise ValueError(f"{flag} must be a positive integer, got {value}; pass 1 or more, e.g. {flag} 4")
@@ -74,38 +84,16 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be a positive cost, got {value:g}; e.g. {flag} 1")
     if args.pipelines is not None and args.pipelines < 1:
         raise ValueError(
-            f"--pipelines must be a positive integer, got {args.pipelines}; omit it for the default (2 for chimera)"
+            f"--pipelines must be a positive integer, got {args.pipelines}; omit it for the schedule's default"
         )
-    if args.steps is not None and (args.schedule not in ASYNC_SCHEDULES or args.steps < 1):
-        raise ValueError(f"--steps takes a positive number of steps for {' or '.join(ASYNC_SCHEDULES)} (their "
-                         f"windows run without flushes), got --steps {args.steps} for {args.schedule}; drop --steps")
-    if args.schedule != "chimera":
-        fixed = 2 if args.schedule == "gems" else 1
-        if args.pipelines not in (None, fixed):
-            runs = "two opposite pipelines" if fixed == 2 else "a single pipeline"
-            raise ValueError(
-                f"--pipelines applies to chimera only: {args.schedule} runs {runs}, got --pipelines "
-                f"{args.pipelines}; drop --pipelines, or use 'chimera --pipelines {args.pipelines}'"
-            )
-        if args.concat is not None:
-            raise ValueError(
-                f"--concat applies to chimera only: {args.schedule} has no basic units to concatenate, got "
-                f"--concat {args.concat}; drop --concat, or use 'chimera --concat {args.concat}'"
-            )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-        if args.schedule in ASYNC_SCHEDULES:
-            schedule = validate(async_run(args.schedule, args.stages, args.micro_batches, args.steps or 3))
-        else:
-            concat = resolve_concat(args.schedule, args.stages, args.micro_batches, args.pipelines, None,
-                                    args.concat or "direct")
-            schedule = validate(
-                build_schedule(args.schedule, args.stages, args.micro_batches, args.pipelines, concat)
-            )
+        schedule = validate(build_schedule(args.schedule, args.stages, args.micro_batches, args.pipelines, args.concat,
+                                           chunks=args.chunks, steps=args.steps, naming=CLI))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -123,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.png}")
         return 0
     setup = f"D={schedule.stages} N={schedule.micro_batches}"
-    if schedule.name == "chimera":
+    if get_spec(args.schedule).concat:
         chosen = f"auto → {schedule.concat}" if args.concat == AUTO_CONCAT else schedule.concat
         setup += f" pipelines={schedule.pipelines} concat={chosen}"
     if "steps" in schedule.meta:

@@ -128,8 +128,6 @@ def reference(clip: float | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    from strategies.lightning import ChimeraStrategy, DAPPLEStrategy, GPipeStrategy
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--strategy", default="gpipe", choices=["gpipe", "dapple", "chimera"])
@@ -137,8 +135,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None)
     args = parser.parse_args()
 
-    cls = {"gpipe": GPipeStrategy, "dapple": DAPPLEStrategy, "chimera": ChimeraStrategy}[args.strategy]
-    strategy = cls(D=2, micro_batch_size=1, timeout_s=60)
+    strategy = PipelineStrategy(schedule=args.strategy, D=2, micro_batch_size=1, timeout_s=60)
     trainer, module, recorder = fit(strategy, 2, args.clip, args.precision)
     assert isinstance(trainer.strategy, PipelineStrategy)
     shapes = trainer.strategy.engine.executor._shapes  # the activation messages' shapes and dtypes, as learnt

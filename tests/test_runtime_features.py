@@ -44,13 +44,14 @@ def test_config_defaults_keep_current_behaviour() -> None:
 
 @pytest.mark.parametrize("name", ["gpipe", "dapple", "chimera"])
 def test_strategy_configs_and_strategy_pass_the_modes(name: str) -> None:
-    import yaml
+    from hydra import compose, initialize_config_dir
 
     from strategies.grad_sync import GRAD_SYNC_MODES
     from strategies.lightning import PipelineStrategy
     from strategies.recompute import RECOMPUTE_MODES
 
-    conf = yaml.safe_load((ROOT / "conf" / "strategy" / f"{name}.yaml").read_text())
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):  # on the shared base's keys
+        conf = compose("config", overrides=[f"strategy={name}"]).strategy
     assert conf["grad_sync"] in GRAD_SYNC_MODES and conf["recompute"] in RECOMPUTE_MODES
     strategy = PipelineStrategy(D=2, schedule=name, grad_sync="eager_opt", recompute="except_last")
     assert (strategy.pipeline_config.grad_sync, strategy.pipeline_config.recompute) == ("eager_opt", "except_last")

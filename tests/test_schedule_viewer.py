@@ -100,7 +100,7 @@ def test_concat_auto_shows_the_method_it_picks(capsys: pytest.CaptureFixture[str
         assert code == 0 and out == json.dumps(build_schedule("chimera", 4, n, 2, chosen).to_json()) + "\n"
     assert best_concat(4, 8, 2, None) == "backward_halving" and best_concat(4, 4, 2, None) == "direct"
     code, _, err = run_main(["dapple", "--stages", "4", "--micro-batches", "8", "--concat", "auto"], capsys)
-    assert code == 2 and "--concat applies to chimera only" in err
+    assert code == 2 and "--concat applies to schedules that concatenate units of micro-batches (chimera) only" in err
 
 
 def test_ascii_chimera_subprocess() -> None:
@@ -156,7 +156,8 @@ def test_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["chimera", "--stages", "3", "--micro-batches", "4"], "stages"),
         (["chimera", "--stages", "4", "--micro-batches", "4", "--pipelines", "3"], "pipelines"),
         (["gpipe", "--stages", "4", "--micro-batches", "4", "--pipelines", "2"], "--pipelines"),
-        (["dapple", "--stages", "4", "--micro-batches", "4", "--concat", "direct"], "--concat"),
+        (["dapple", "--stages", "4", "--micro-batches", "4", "--concat", "forward_doubling"], "--concat"),
+        (["gpipe", "--stages", "4", "--micro-batches", "4", "--chunks", "2"], "--chunks"),
         (["gpipe", "--stages", "4", "--micro-batches", "0"], "--micro-batches"),
         (["chimera", "--stages", "4", "--micro-batches", "4", "--pipelines", "0"], "--pipelines"),
         (["dapple", "--stages", "4", "--micro-batches", "4", "--t-b", "-1"], "--t-b"),

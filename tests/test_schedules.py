@@ -400,11 +400,12 @@ def test_validate_reports_deadlock_with_marked_grid() -> None:
 @pytest.mark.parametrize(
     "call, fragment",
     [
-        (lambda: chimera(3, 4), "must be even"),
-        (lambda: gems(5, 4), "gems: stages \\(D\\) must be even"),
-        (lambda: build_schedule("gems", 4, 4, pipelines=4), "gems: runs exactly 2 pipelines"),
+        (lambda: chimera(3, 4), "chimera needs stages to be even"),
+        (lambda: gems(5, 4), "gems needs stages to be even (each worker holds one stage of each of its two "
+                             "replicas), got stages = 5; use stages = 4 or 6"),
+        (lambda: build_schedule("gems", 4, 4, pipelines=4), "gems runs exactly 2 pipelines"),
         (lambda: chimera(8, 8, 6), "choose one of [2, 4, 8]"),
-        (lambda: chimera(4, 4, 2, "tripling"), "concat must be one of"),
+        (lambda: chimera(4, 4, 2, "tripling"), "concat = 'tripling' is not a concatenation method"),
         (lambda: gpipe(0, 4), "stages must be a positive integer"),
         (lambda: dapple(4, 0), "micro_batches must be a positive integer"),
         (lambda: build_schedule("zero_bubble", 4, 4), "unknown schedule"),
@@ -412,8 +413,9 @@ def test_validate_reports_deadlock_with_marked_grid() -> None:
     ],
 )
 def test_bad_sizes_raise_clear_errors(call, fragment: str) -> None:
-    with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError) as err:
         call()
+    assert fragment in str(err.value)
 
 
 def test_simulate_per_stage_costs_and_comm() -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from strategies.schedules import ASYNC_SCHEDULES, Schedule
+from strategies.schedules import Schedule, get_spec
 from strategies.schedules.asynchronous import stashed_versions
 from strategies.schedules.effects import graph_effect
 
@@ -77,7 +77,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     layers = {i for s in stages for i in ranges[s]}
     params = _grad_bytes(costs, layers)
     versions = 0.0  # stashed weight versions, each with its gradient (strategies.versions)
-    if cand.strategy in ASYNC_SCHEDULES:
+    if get_spec(cand.strategy).asynchronous:
         versions = 2 * params * max(stashed_versions(cand.strategy, D, cand.N)[s] for s in stages)
     states = params * (1 + ADAMW_STATES) + versions  # weights, AdamW moments; gradients appear on first backward
     recompute = cand.recompute_stages()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from strategies.schedules import (
-    ASYNC_SCHEDULES, AUTO_CONCAT, Schedule, best_concat, build_schedule, concat_choices, resolve_concat, simulate,
+    AUTO_CONCAT, Schedule, Settings, best_concat, build_schedule, get_spec, names, resolve_concat, simulate, specs,
     validate,
 )
 from strategies.schedules.asynchronous import steady_step, steady_step_makespan, window
@@ -42,7 +42,6 @@ from strategies.schedules.asynchronous import steady_step, steady_step_makespan,
 from .costs import Collective, rabenseifner, sync_timeline
 from .model_costs import ModelCosts
 
-SCHEDULE_NAMES = ("gpipe", "dapple", "gems", "chimera")  # synchronous: what the planner recommends by default
 RECOMPUTE = ("none", "always")
 GRAD_SYNC = ("end", "eager", "eager_opt")
 
@@ -78,7 +77,7 @@ class Candidate:
         each method (:func:`stage_costs`), so that the planner recommends the concrete method."""
         if self.concat != AUTO_CONCAT:
             return self
-        if costs is None or self.strategy != "chimera":
+        if costs is None or not get_spec(self.strategy).concat:
             return replace(self, concat=resolve_concat(self.strategy, self.D, self.N, self.pipelines, self.B,
                                                        self.concat))
         part = list(partition) if partition is not None else runtime_partition(costs, self.D)
@@ -96,17 +95,20 @@ class Candidate:
         out = [f"strategy={self.strategy}", f"strategy.D={self.D}", f"strategy.W={self.W}",
                f"strategy.micro_batch_size={self.B}", f"strategy.recompute={self.recompute}",
                f"strategy.grad_sync={self.grad_sync}"]
-        if self.strategy == "chimera":
-            out += [f"strategy.pipelines={self.pipelines}", f"strategy.concat={self.concat}"]
+        spec = get_spec(self.strategy)
+        if spec.pipelines.choices is not None:
+            out.append(f"strategy.pipelines={self.pipelines}")
+        if spec.concat:
+            out.append(f"strategy.concat={self.concat}")
         return out
 
     def label(self) -> str:
+        spec = get_spec(self.strategy)
         extra = []
-        if self.strategy == "chimera":
-            if self.pipelines != 2:
-                extra.append(f"{self.pipelines}pipes")
-            if self.concat != "direct":
-                extra.append(self.concat)
+        if spec.pipelines.choices is not None and self.pipelines != spec.pipelines.default:
+            extra.append(f"{self.pipelines}pipes")
+        if spec.concat and self.concat != "direct":
+            extra.append(self.concat)
         if self.recompute != "none":
             extra.append(f"recompute_{self.recompute}")
         if self.grad_sync != "end":
@@ -116,8 +118,13 @@ class Candidate:
 
 @lru_cache(maxsize=1024)
 def schedule_of(strategy: str, D: int, N: int, pipelines: int, concat: str) -> Schedule:
-    chimera = strategy == "chimera"
-    return validate(build_schedule(strategy, D, N, pipelines if chimera else None, concat if chimera else "direct"))
+    return validate(build_schedule(strategy, D, N, pipelines, concat))
+
+
+def default_schedules() -> tuple[str, ...]:
+    """The planner's default search space: every synchronous schedule of the registry (the asynchronous
+    ones change the optimizer's maths, so they are compared only when asked for)."""
+    return tuple(spec.name for spec in specs() if not spec.asynchronous)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -125,19 +132,21 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def candidates(devices: int, global_batch_size: int, num_layers: int, *,
-               schedules: Sequence[str] = SCHEDULE_NAMES, recompute: Sequence[str] = RECOMPUTE,
+               schedules: Sequence[str] | None = None, recompute: Sequence[str] = RECOMPUTE,
                grad_sync: str = "end", max_micro_batches: int = 1024) -> list[Candidate]:
     """Every layout of ``devices`` processes for this global batch (the planner's search space).
 
-    W·D = devices; B a power of two with W·B dividing B̂; Chimera with 2f pipelines for every divisor f
-    of D/2 and each concatenation method of §3.5 that ``strategy.concat=auto`` compares (``concat_choices``);
-    recomputation none / always.
+    W·D = devices; B a power of two with W·B dividing B̂; every schedule of ``schedules`` (default:
+    :func:`default_schedules`) with each of its registry variants (Chimera: 2f pipelines for every
+    divisor f of D/2 and each concatenation method of §3.5 that ``strategy.concat=auto`` compares) and
+    recomputation none / always, wherever the schedule's layout rules allow it.
     """
     if devices < 1 or global_batch_size < 1:
         raise ValueError(f"devices and global_batch_size must be positive, got {devices}, {global_batch_size}")
-    unknown = sorted(set(schedules) - set(SCHEDULE_NAMES) - set(ASYNC_SCHEDULES))
+    schedules = default_schedules() if schedules is None else tuple(schedules)
+    unknown = sorted(set(schedules) - set(names(aliases=True)))
     if unknown:
-        raise ValueError(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULE_NAMES + ASYNC_SCHEDULES)}")
+        raise ValueError(f"unknown schedule(s) {unknown}; choose from {', '.join(names())}")
     out: list[Candidate] = []
     for D in (d for d in range(1, devices + 1) if devices % d == 0 and d <= num_layers):
         W = devices // D
@@ -152,25 +161,12 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
             for name in schedules:
                 if D == 1 and name != "gpipe":
                     continue  # one stage: every schedule is plain gradient accumulation
-                variants: list[tuple[int, str]] = [(1, "direct")]
-                if name == "gems":
-                    if D % 2:
-                        continue  # one stage of each of the two replicas per worker: even D
-                    variants = [(2, "direct")]
-                if name in ASYNC_SCHEDULES:
-                    if (name == "pipedream" and N != 1) or (name == "pipedream_2bw" and N < D) or grad_sync != "end":
-                        continue
-                    out.append(Candidate(name, W, D, B, N, 1, "direct", "none", "end"))  # versions, no recompute
-                    continue
-                if name == "chimera":
-                    if D % 2:
-                        continue
-                    pipes = [2 * f for f in range(1, D // 2 + 1) if (D // 2) % f == 0]
-                    # every method strategy.concat=auto would compare, each predicted at its own costs
-                    variants = [(p, c) for p in pipes for c in concat_choices(D, N, B)]
-                for pipes, concat in variants:
+                spec = get_spec(name)
+                for pipes, concat in spec.planner_variants(D, N, B):
                     for mode in recompute:
-                        out.append(Candidate(name, W, D, B, N, pipes, concat, mode, grad_sync))
+                        settings = Settings(spec.name, D, N, B, pipes, concat, grad_sync=grad_sync, recompute=mode)
+                        if not spec.errors(settings):
+                            out.append(Candidate(spec.name, W, D, B, N, pipes, concat, mode, grad_sync))
     return out
 
 
@@ -234,7 +230,7 @@ def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] 
     cand = cand.resolved()
     t_f, t_b, t_comm = stage_costs(costs, cand, partition)
     cores = costs.cores if cores is None else cores
-    if cand.strategy in ASYNC_SCHEDULES:
+    if get_spec(cand.strategy).asynchronous:
         schedule, makespan, busy = _steady_window(cand, t_f, t_b, t_comm)
         timeline: Sequence = [()] * cand.D
         bubble = 1 - sum(busy) / (cand.D * makespan) if makespan > 0 else 0.0

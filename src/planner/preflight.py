@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from strategies.schedules import get_spec
+
 from .costs import format_bytes
 from .memory import Budget, device_budget, predict_memory
 from .predict import Candidate, candidates
@@ -40,7 +42,7 @@ def candidate_from_config(cfg: Mapping[str, Any], layout: Any) -> Candidate:
         return Candidate("gpipe", W, 1, B, N, 1, "direct", "none", "end")
     concat = str(_get(layout, "concat", None) or strategy.get("concat") or "direct")  # the layout's is resolved
     return Candidate(name, W, D, B, N, int(_get(layout, "pipelines", 1) or 1),
-                     concat if name == "chimera" else "direct",
+                     concat if get_spec(name).concat else "direct",
                      str(strategy.get("recompute") or "none"), str(strategy.get("grad_sync") or "end"))
 
 

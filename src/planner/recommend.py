@@ -16,7 +16,7 @@ from typing import Any
 from .costs import format_bytes
 from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
-from .predict import GRAD_SYNC, RECOMPUTE, SCHEDULE_NAMES, Candidate, TimePrediction, candidates, predict_time, runtime_partition
+from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, predict_time, runtime_partition
 
 JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "predicted_iteration_s",
              "predicted_peak_bytes_per_rank", "fits")
@@ -54,7 +54,7 @@ def plan_one(costs: ModelCosts, cand: Candidate, budget: Budget | None = None, *
 
 
 def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget | None = None, *,
-             ranks_per_node: int | None = None, schedules: Sequence[str] = SCHEDULE_NAMES,
+             ranks_per_node: int | None = None, schedules: Sequence[str] | None = None,
              recompute: Sequence[str] = RECOMPUTE, grad_sync: str = "end",
              partition: str = "runtime", refine: int = 10) -> list[Plan]:
     """Every candidate predicted and ranked (fitting first, then by predicted samples/s).

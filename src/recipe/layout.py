@@ -67,9 +67,11 @@ BASELINES = ("ddp", "single")
 def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> Layout:
     """``ddp``: W = world size replicas of the whole model; ``single``: one process. Both take the
     replica's whole mini-batch in one pass (B = B̂/W, N = 1); ``strategy.micro_batch_size`` is unused."""
+    from strategies.schedules import names
+
     if D != 1:
         raise ConfigError(f"strategy={name} has no pipeline stages but strategy.D = {D}; set strategy.D=1 "
-                          "(or pick a pipeline strategy: gpipe, dapple, gems, chimera, pipedream_2bw, pipedream)")
+                          f"(or pick a pipeline strategy: {', '.join(names())})")
     if name == "single" and world != 1:
         raise ConfigError(f"strategy=single runs one process but trainer.devices × trainer.num_nodes = {world}; "
                           "set trainer.devices=1 trainer.num_nodes=1 (or use strategy=ddp)")
@@ -79,9 +81,30 @@ def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> L
     return Layout(name, world, world, 1, global_batch_size // world, 1, global_batch_size, 1)
 
 
+def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
+    """The strategy's name and, for a pipeline, its registry spec (:mod:`strategies.schedules.registry`)."""
+    from strategies.schedules import ScheduleError, get_spec, names
+
+    schedule, name = strategy.get("schedule"), strategy.get("name")
+    if schedule is not None and name is not None and schedule != name:
+        raise ConfigError(f"strategy.schedule = {schedule} but strategy.name = {name}: strategy.name follows the "
+                          f"schedule; choose the schedule with strategy={name} (or strategy.schedule={name}) instead")
+    name = str(schedule or name or "gpipe")
+    if name in BASELINES:
+        return name, None
+    try:
+        return name, get_spec(name)
+    except ScheduleError as err:
+        raise ConfigError(f"strategy {name!r} is neither a pipeline schedule ({', '.join(names())}) nor a "
+                          f"baseline ({', '.join(BASELINES)}); choose one of them with strategy=NAME") from err
+
+
 def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int) -> Layout:
-    """Derive W and N and check every rule of the pipeline layout."""
-    name = str(strategy.get("name", "gpipe"))
+    """Derive W and N and check every rule of the pipeline layout (the schedule's own rules come from its
+    registry spec)."""
+    from strategies.schedules import CONFIG, Settings, resolve_concat
+
+    name, spec = _schedule_spec(strategy)
     _check_trainer_keys(trainer)
     devices = trainer.get("devices", 1)
     if devices == "auto" or devices == -1:
@@ -89,9 +112,10 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
     world = _positive("trainer.devices", devices) * _positive("trainer.num_nodes", trainer.get("num_nodes", 1))
     D = _positive("strategy.D", strategy.get("D"))
     _positive("data.global_batch_size", global_batch_size)
-    if name in BASELINES:
+    if spec is None:
         return _baseline_layout(name, world, D, global_batch_size)
-    one_per_update = name == "pipedream" and strategy.get("micro_batch_size") is None  # B = B̂ / W: N = 1
+    fixed_n = spec.fixed_micro_batches
+    one_per_update = fixed_n is not None and strategy.get("micro_batch_size") is None  # B = B̂ / (W·N)
     B = 1 if one_per_update else _positive("strategy.micro_batch_size", strategy.get("micro_batch_size"))
     if world % D:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
@@ -106,10 +130,11 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
             f"set strategy.W = {world // D} (or leave it null) or strategy.D to a divisor of {world}"
         )
     if one_per_update:
-        if global_batch_size % W:
-            raise ConfigError(f"data.global_batch_size = {global_batch_size} is not divisible by the W = {W} replicas; "
-                              f"use a multiple of {W} (strategy=pipedream takes B = global batch / W, N = 1)")
-        B = global_batch_size // W
+        if global_batch_size % (W * fixed_n):
+            raise ConfigError(f"data.global_batch_size = {global_batch_size} is not divisible by W·N = "
+                              f"{W}·{fixed_n}; use a multiple of {W * fixed_n} (strategy={name} takes B = global "
+                              f"batch / (W·N), N = {fixed_n})")
+        B = global_batch_size // (W * fixed_n)
     if D > num_layers:
         raise ConfigError(f"strategy.D = {D} stages but the model has only {num_layers} pipeline layers; use D ≤ {num_layers}")
     if global_batch_size % (W * B):
@@ -117,27 +142,18 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
             f"data.global_batch_size = {global_batch_size} is not divisible by W·B = {W}·{B} = {W * B}; "
             f"use a multiple of {W * B} (N = global_batch_size / (W·B) micro-batches per step)"
         )
-    if name in ("pipedream_2bw", "pipedream") and (strategy.get("grad_sync", "end"), strategy.get("recompute", "none")) \
-            != ("end", "none"):
-        raise ConfigError(f"strategy={name} stashes weight versions per step and runs with strategy.grad_sync=end and "
-                          f"strategy.recompute=none, got {strategy.get('grad_sync')} and {strategy.get('recompute')}; "
-                          "drop those overrides")
-    pipelines = 2 if name == "gems" else 1
-    if name == "gems" and D % 2:
-        raise ConfigError(f"gems needs an even strategy.D (each worker holds one stage of each of its two replicas), "
-                          f"got {D}; use D = {D + 1} or {max(D - 1, 2)}")
-    if name == "chimera":
-        if D % 2:
-            raise ConfigError(f"chimera needs an even strategy.D (two pipelines merge without conflict), got {D}; use D = {D + 1} or {max(D - 1, 2)}")
-        pipelines = strategy.get("pipelines") or 2
-        valid = [2 * f for f in range(1, D // 2 + 1) if (D // 2) % f == 0]
-        if pipelines not in valid:
-            raise ConfigError(f"strategy.pipelines = {pipelines} must be 2f for a divisor f of D/2 = {D // 2}; choose one of {valid}")
     N = global_batch_size // (W * B)
-    requested = str(strategy.get("concat") or "direct") if name == "chimera" else "direct"
-    concat = _resolve_concat(name, D, N, B, pipelines, requested)
-    _check_schedule(name, D, N, B, pipelines, concat)
-    return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, name, pipelines, concat),
+    settings = Settings(name, D, N, B, strategy.get("pipelines"), strategy.get("concat"), strategy.get("chunks"),
+                        grad_sync=strategy.get("grad_sync", "end"), recompute=strategy.get("recompute", "none"),
+                        naming=CONFIG)
+    errors = spec.errors(settings)
+    if errors:
+        raise ConfigError(errors[0])
+    pipelines = settings.pipelines or spec.pipelines.default
+    requested = str(settings.concat or "direct") if spec.concat else "direct"
+    concat = resolve_concat(name, D, N, pipelines, B, requested)
+    _check_schedule(spec, D, N, B, pipelines, concat)
+    return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, spec, pipelines, concat),
                   concat, requested == "auto")
 
 
@@ -153,26 +169,15 @@ def _check_trainer_keys(trainer: dict[str, Any]) -> None:
                           "for MFU) or null (looked up from the GPU's name)")
 
 
-def _resolve_concat(name: str, D: int, N: int, B: int, pipelines: int, concat: str) -> str:
-    """``strategy.concat=auto``: the method :func:`strategies.schedules.best_concat` picks for this layout,
-    the same the workers' engines pick."""
-    from strategies.schedules import AUTO_CONCAT, CONCAT_METHODS, resolve_concat
-
-    if concat not in (*CONCAT_METHODS, AUTO_CONCAT):
-        raise ConfigError(f"strategy.concat = {concat!r} is not a concatenation method (Chimera §3.5); use one of "
-                          f"{', '.join((*CONCAT_METHODS, AUTO_CONCAT))}")
-    return resolve_concat(name, D, N, pipelines, B, concat)
-
-
-def _check_schedule(name: str, D: int, N: int, B: int, pipelines: int, concat: str) -> None:
+def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: str) -> None:
     """Build (and validate) the schedule the workers will run, so a bad combination stops here."""
     from strategies.schedules import build_schedule, validate
 
+    name = spec.name
     try:
-        schedule = validate(build_schedule(name, D, N, pipelines if name == "chimera" else None,
-                                           concat if name == "chimera" else "direct"))
+        schedule = validate(build_schedule(name, D, N, pipelines, concat, micro_batch_size=B))
     except ValueError as err:
-        extra = f", concat = {concat}" if name == "chimera" else ""
+        extra = f", concat = {concat}" if spec.concat else ""
         raise ConfigError(f"strategy={name} with D = {D}, N = {N} micro-batches{extra}: {err}") from err
     halved = any(a.half is not None for acts in schedule.workers for a in acts)
     if halved and B % 2:
@@ -180,13 +185,13 @@ def _check_schedule(name: str, D: int, N: int, B: int, pipelines: int, concat: s
                           f"= {B} is odd; use an even micro_batch_size (e.g. {B + 1}) or concat = direct")
 
 
-def _variant(strategy: dict[str, Any], name: str, pipelines: int, concat: str = "direct") -> str:
+def _variant(strategy: dict[str, Any], spec: Any, pipelines: int, concat: str = "direct") -> str:
+    """Settings beyond the schedule's defaults: concatenation method, pipelines, gradient sync, recomputation."""
     parts = []
-    if name == "chimera":
-        if concat != "direct":
-            parts.append(concat)
-        if pipelines != 2:
-            parts.append(f"{pipelines}pipes")
+    if spec.concat and concat != "direct":
+        parts.append(concat)
+    if spec.pipelines.choices is not None and pipelines != spec.pipelines.default:
+        parts.append(f"{pipelines}pipes")
     if strategy.get("grad_sync", "end") != "end":
         parts.append(f"sync_{strategy['grad_sync']}")
     if strategy.get("recompute", "none") != "none":

@@ -26,7 +26,7 @@ from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
 from .p2p import PipeComm, replica_groups
 from .pipeline_model import Batch, PipelineModel, materialize_local, split_batch
 from .recompute import RECOMPUTE_MODES, recompute_stages
-from .schedules import ASYNC_SCHEDULES, Action, Schedule, build_schedule, dapple, resolve_concat, validate
+from .schedules import Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat, validate
 from .schedules.asynchronous import run as async_run
 from .schedules.asynchronous import weight_delay, window
 from .topology import Topology
@@ -55,21 +55,19 @@ class PipelineConfig:
                                      ("recompute", self.recompute, RECOMPUTE_MODES)):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-        if self.is_async and (self.grad_sync, self.recompute) != ("end", "none"):
-            raise ValueError(
-                f"{self.schedule} stashes weight versions per step: it runs with grad_sync=end and recompute=none, "
-                f"got grad_sync={self.grad_sync}, recompute={self.recompute}; drop those settings"
-            )
+        # the schedule's rules that do not depend on N (the batch): strategies.schedules.registry
+        get_spec(self.schedule).check(Settings(self.schedule, self.stages, None, self.micro_batch_size, self.pipelines,
+                                               self.concat, grad_sync=self.grad_sync, recompute=self.recompute))
 
     @property
     def is_async(self) -> bool:
         """PipeDream / PipeDream-2BW: no flush, stashed weight versions, delayed updates."""
-        return self.schedule in ASYNC_SCHEDULES
+        return get_spec(self.schedule).asynchronous
 
     @property
     def smallest_micro_batches(self) -> int:
         """The least N the schedule accepts (to build the topology before any batch is seen)."""
-        return 1 if self.schedule == "pipedream" else max(self.stages, 1)
+        return get_spec(self.schedule).smallest_micro_batches(self.stages)
 
     def concat_for(self, micro_batches: int) -> str:
         """The concatenation method run at N = ``micro_batches`` (``auto``: the fastest, see

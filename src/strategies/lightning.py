@@ -1,4 +1,6 @@
-"""Lightning strategies for pipeline schedules: GPipe, DAPPLE (alias 1F1B), GEMS, Chimera, PipeDream-2BW, PipeDream.
+"""The Lightning strategy for pipeline schedules: one :class:`PipelineStrategy` runs any schedule of the
+registry (:mod:`strategies.schedules.registry`: GPipe, DAPPLE alias 1F1B, GEMS, Chimera, PipeDream-2BW,
+PipeDream), ``PipelineStrategy(schedule="chimera", D=4)`` or ``Trainer(strategy="chimera")``.
 
 The strategy only maps Lightning's hooks onto :class:`~strategies.engine.PipelineEngine`:
 process groups come up in ``setup_environment`` (inherited from DDP: launcher, cluster
@@ -36,12 +38,12 @@ from .executor import loss_counts, micro_batch_loss
 from .optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
 from .process_group import end_process_group
 from .pipeline_model import Batch, run_layers, sequential_loss
+from .schedules import specs
 
 
 class PipelineStrategy(DDPStrategy):
-    """W data-parallel replicas × D pipeline stages, running ``schedule`` (see strategies.schedules)."""
-
-    schedule_name = "gpipe"
+    """W data-parallel replicas × D pipeline stages, running ``schedule``, a name of the schedule registry
+    (``name`` is the config's older spelling of it)."""
 
     def __init__(
         self,
@@ -57,9 +59,12 @@ class PipelineStrategy(DDPStrategy):
         recompute: str = "none",
         **kwargs: Any,
     ) -> None:
+        if schedule is not None and name is not None and schedule != name:
+            raise ValueError(f"strategy.schedule = {schedule!r} but strategy.name = {name!r}: they name the same "
+                             f"schedule; set strategy.schedule only (strategy.name follows it)")
         super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
         self.pipeline_config = PipelineConfig(
-            schedule or name or self.schedule_name, D, micro_batch_size, pipelines, concat, timeout_s,
+            schedule or name or "gpipe", D, micro_batch_size, pipelines, concat, timeout_s,
             grad_sync=grad_sync, recompute=recompute,
         )
         self.requested_W = W
@@ -220,34 +225,6 @@ class PipelineStrategy(DDPStrategy):
         end_process_group()
 
 
-class GPipeStrategy(PipelineStrategy):
-    schedule_name = "gpipe"
-
-
-class DAPPLEStrategy(PipelineStrategy):
-    schedule_name = "dapple"
-
-
-class GEMSStrategy(PipelineStrategy):
-    schedule_name = "gems"
-
-
-class ChimeraStrategy(PipelineStrategy):
-    schedule_name = "chimera"
-
-
-class PipeDream2BWStrategy(PipelineStrategy):
-    """Asynchronous: no flushes, two weight versions, ``w(t+1) = w(t) - ν·∇f(w(t-1))``."""
-
-    schedule_name = "pipedream_2bw"
-
-
-class PipeDreamStrategy(PipelineStrategy):
-    """Asynchronous: an update per micro-batch (N = 1), up to D stashed weight versions."""
-
-    schedule_name = "pipedream"
-
-
 class PipelineModule(pl.LightningModule):
     """A LightningModule around a :class:`~strategies.pipeline_model.PipelineModel`.
 
@@ -373,12 +350,12 @@ def _batch_size(batch: Batch) -> int:
 
 
 def register_strategies() -> None:
-    """Make ``Trainer(strategy="gpipe" | "dapple" | "1f1b" | "gems" | "chimera" | "pipedream_2bw" | "pipedream")`` work."""
-    for name, cls in (("gpipe", GPipeStrategy), ("dapple", DAPPLEStrategy), ("1f1b", DAPPLEStrategy),
-                      ("gems", GEMSStrategy), ("chimera", ChimeraStrategy),
-                      ("pipedream_2bw", PipeDream2BWStrategy), ("pipedream", PipeDreamStrategy)):
-        if name not in StrategyRegistry:
-            StrategyRegistry.register(name, cls, description=f"{cls.schedule_name} pipeline schedule")
+    """Make ``Trainer(strategy=NAME)`` work for every schedule of the registry and its aliases
+    (``gpipe``, ``dapple``, ``1f1b``, ``gems``, ``chimera``, ``pipedream_2bw``, ``pipedream``, ...)."""
+    for spec in specs():
+        for name in (spec.name, *spec.aliases):
+            if name not in StrategyRegistry:
+                StrategyRegistry.register(name, PipelineStrategy, description=spec.description, schedule=spec.name)
 
 
 register_strategies()

@@ -1,19 +1,26 @@
-"""Pipeline schedules as data: generate, validate, simulate (no torch.distributed)."""
+"""Pipeline schedules as data: generate, validate, simulate (no torch.distributed).
+
+:mod:`.registry` describes every schedule once (name, generator, layout rules, asynchronous or not,
+stages per worker, pipelines, planner variants); everything that lists or checks schedules reads it.
+"""
 
 from .actions import Action, Schedule, parse_action
-from .asynchronous import ASYNC_SCHEDULES
 from .generators import (
-    AUTO_CONCAT, CONCAT_METHODS, SCHEDULES, best_concat, build_schedule, chimera, chimera_placement, concat_choices,
-    dapple, gems, gpipe, resolve_concat,
+    AUTO_CONCAT, CONCAT_METHODS, best_concat, chimera, chimera_placement, concat_choices, dapple, gems, gpipe,
 )
 from .graph import ActionIndex, dependencies, index_actions
 from .grid import format_grid
+from .registry import (
+    SCHEDULES, ScheduleError, ScheduleSpec, build_schedule, get_spec, names, register, resolve_concat, specs,
+)
+from .rules import CLI, CONFIG, Naming, Settings
 from .simulate import DeadlockError, Simulation, TimedAction, peak_activations, simulate
 from .validate import validate
 
 __all__ = [
-    "ASYNC_SCHEDULES", "AUTO_CONCAT", "ActionIndex", "CONCAT_METHODS", "SCHEDULES", "Action", "DeadlockError", "Schedule",
-    "Simulation", "TimedAction", "best_concat", "build_schedule", "chimera", "chimera_placement", "concat_choices",
-    "dapple", "dependencies", "format_grid", "index_actions", "gems", "gpipe", "parse_action", "peak_activations",
-    "resolve_concat", "simulate", "validate",
+    "AUTO_CONCAT", "ActionIndex", "CLI", "CONCAT_METHODS", "CONFIG", "SCHEDULES", "Action", "DeadlockError", "Naming",
+    "Schedule", "ScheduleError", "ScheduleSpec", "Settings", "Simulation", "TimedAction", "best_concat",
+    "build_schedule", "chimera", "chimera_placement", "concat_choices", "dapple", "dependencies", "format_grid",
+    "gems", "get_spec", "gpipe", "index_actions", "names", "parse_action", "peak_activations", "register",
+    "resolve_concat", "simulate", "specs", "validate",
 ]

@@ -29,16 +29,10 @@ def _check(name: str, stages: int, micro_batches: int, step: int = 0) -> None:
     for setting, value in (("stages", stages), ("micro_batches", micro_batches)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: {setting} must be a positive integer, got {value!r}; use 1 or more")
-    if name == "pipedream_2bw" and micro_batches < stages:
-        raise ValueError(
-            f"pipedream_2bw: accumulates N ≥ D micro-batches per update so that only two weight versions are "
-            f"in flight, got N = {micro_batches} < D = {stages}; raise the global batch or lower D"
-        )
-    if name == "pipedream" and micro_batches != 1:
-        raise ValueError(
-            f"pipedream: updates the weights after every micro-batch, so N must be 1, got N = {micro_batches}; "
-            f"set the global batch to W·B (or use pipedream_2bw for N ≥ D)"
-        )
+    if name in ASYNC_SCHEDULES:  # N per update: the schedule's rules, as its registry spec states them
+        from .registry import check
+
+        check(name, stages, micro_batches)
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"{name}: step must be a non-negative integer, got {step!r}")
 

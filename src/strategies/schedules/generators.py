@@ -34,8 +34,6 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from .actions import Action, Schedule
-from .asynchronous import ASYNC_SCHEDULES
-from .asynchronous import run as async_run
 from .graph import dependencies, index_actions
 from .messages import fifo_violations, received_messages, sent_messages
 from .simulate import Cost, simulate
@@ -108,22 +106,19 @@ def chimera_placement(stages: int, pipelines: int) -> tuple[tuple[int, ...], ...
     return tuple(down + up)
 
 
+def _check_rules(name: str, stages: int, micro_batches: int, **settings: object) -> None:
+    """The schedule's layout rules, as its registry spec states them (:mod:`strategies.schedules.rules`)."""
+    from .registry import check
+
+    check(name, stages, micro_batches, **settings)
+
+
 def _check_chimera(stages: int, micro_batches: int, pipelines: int, concat: str) -> None:
     _check_sizes("chimera", stages, micro_batches)
-    if stages % 2:
-        raise ValueError(
-            f"chimera: stages (D) must be even to merge down and up pipelines without conflict "
-            f"(§3.1), got D = {stages}; use an even D such as {sorted({max(stages - 1, 2), stages + 1})}"
-        )
-    half = stages // 2
-    divisors = [2 * f for f in range(1, half + 1) if half % f == 0]
-    if pipelines not in divisors:
-        raise ValueError(
-            f"chimera: pipelines must be 2f for a divisor f of D/2 = {half} (§3.6), got {pipelines}; "
-            f"choose one of {divisors}"
-        )
+    _check_rules("chimera", stages, micro_batches, pipelines=pipelines, concat=concat)
     if concat not in CONCAT_METHODS:
-        raise ValueError(f"chimera: concat must be one of {', '.join(CONCAT_METHODS)}, got {concat!r}")
+        raise ValueError(f"chimera: concat = {concat!r} must be resolved to one of {', '.join(CONCAT_METHODS)} "
+                         "first (resolve_concat or best_concat)")
 
 
 def _split_evenly(items: Sequence, parts: int) -> list[list]:
@@ -405,26 +400,10 @@ def best_concat(
     return min(ranked)[3]
 
 
-def resolve_concat(
-    name: str, stages: int, micro_batches: int, pipelines: int | None, micro_batch_size: int | None, concat: str
-) -> str:
-    """``concat`` with ``auto`` replaced by :func:`best_concat`'s choice (``direct`` for schedules other
-    than Chimera, which have no units to concatenate)."""
-    if concat != AUTO_CONCAT:
-        return concat
-    if name != "chimera":
-        return "direct"
-    return best_concat(stages, micro_batches, 2 if pipelines is None else pipelines, micro_batch_size)
-
-
 def gems(stages: int, micro_batches: int) -> Schedule:
     """GEMS: two opposite replicas, micro-batches alternating, one micro-batch at a time per worker."""
     _check_sizes("gems", stages, micro_batches)
-    if stages % 2:
-        raise ValueError(
-            f"gems: stages (D) must be even so that each worker holds two distinct stages, one per replica, "
-            f"got D = {stages}; use an even D such as {sorted({max(stages - 1, 2), stages + 1})}"
-        )
+    _check_rules("gems", stages, micro_batches)
     placement = chimera_placement(stages, 2)
     workers = []
     for w in range(stages):
@@ -435,39 +414,3 @@ def gems(stages: int, micro_batches: int) -> Schedule:
             acts += [Action("F", pipe, stage, (m,)), Action("B", pipe, stage, (m,))]
         workers.append(tuple(acts))
     return Schedule("gems", stages, micro_batches, placement, tuple(workers))
-
-
-ScheduleFactory = Callable[..., Schedule]
-
-ASYNC_VIEW_STEPS = 3  # steps of an asynchronous schedule that build_schedule returns (then the drain)
-
-SCHEDULES: dict[str, ScheduleFactory] = {
-    "gpipe": gpipe, "dapple": dapple, "1f1b": dapple, "gems": gems, "chimera": chimera,
-    **{name: (lambda stages, micro_batches, name=name: async_run(name, stages, micro_batches, ASYNC_VIEW_STEPS))
-       for name in ASYNC_SCHEDULES},
-}
-
-
-def build_schedule(
-    name: str, stages: int, micro_batches: int, pipelines: int | None = None, concat: str = "direct"
-) -> Schedule:
-    """Build a schedule by name; ``pipelines``/``concat`` apply to Chimera only (GEMS runs 2 pipelines).
-
-    An asynchronous schedule (``pipedream_2bw``, ``pipedream``) comes as ``ASYNC_VIEW_STEPS`` steps of
-    N micro-batches without flushes plus the final drain; the runtime runs it window by window
-    (:mod:`strategies.schedules.asynchronous`)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(sorted(SCHEDULES))}")
-    if name == "chimera":
-        return chimera(stages, micro_batches, 2 if pipelines is None else pipelines, concat)
-    if name == "gems" and pipelines not in (None, 2):
-        raise ValueError(f"gems: runs exactly 2 pipelines (two opposite replicas), got pipelines = {pipelines}; "
-                         f"leave pipelines unset, or use chimera for 2f pipelines")
-    if name != "gems" and pipelines not in (None, 1):
-        raise ValueError(
-            f"{name}: runs one pipeline, got pipelines = {pipelines}; leave pipelines unset (or 1), "
-            f"or use chimera for several pipelines"
-        )
-    if concat != "direct":
-        raise ValueError(f"{name}: concat applies to chimera only, got concat={concat!r}")
-    return SCHEDULES[name](stages, micro_batches)

@@ -1,0 +1,221 @@
+"""One registry of pipeline schedules: every schedule is described once, by a :class:`ScheduleSpec`.
+
+A spec names the schedule, its generator (sizes → :class:`~strategies.schedules.actions.Schedule`),
+its layout rules (:mod:`strategies.schedules.rules`), whether it is asynchronous, how many stages a
+worker holds (``chunks``), how many pipelines it runs and whether it concatenates units of
+micro-batches (Chimera §3.5), which gives the planner's variants. Everything that lists schedules or
+checks a layout reads this table: :func:`build_schedule`, the Hydra layout check
+(:mod:`recipe.layout`), the planner's candidates (:mod:`planner.predict`), the viewer's choices
+(``scripts/schedule.py``), Lightning's strategy names (:func:`strategies.lightning.register_strategies`)
+and the engine (:class:`strategies.engine.PipelineConfig`).
+
+Adding a schedule: write its generator, add its :class:`ScheduleSpec` to :data:`SCHEDULES` (with any
+rule of its own), add ``conf/strategy/<name>.yaml`` (``schedule: <name>`` on the shared base) and its
+tests. Schedules: GPipe (Huang et al.), DAPPLE / 1F1B with flushes (Fan et al.), GEMS and Chimera
+(Chimera, Li & Hoefler), PipeDream-2BW (Narayanan et al. 2020) and PipeDream (Narayanan et al. 2019).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+from .actions import Schedule
+from .asynchronous import run as async_run
+from .generators import AUTO_CONCAT, best_concat, chimera, concat_choices, dapple, gems, gpipe
+from .rules import (
+    API, COMMON_RULES, Naming, Rule, Settings, chimera_pipeline_counts, even_stages, micro_batches_at_least_stages,
+)
+
+ASYNC_VIEW_STEPS = 3  # steps of an asynchronous schedule that build_schedule returns (then the drain)
+
+
+class ScheduleError(ValueError):
+    """A schedule name or layout that the registry's rules refuse; the message says which rule and the fix."""
+
+
+@dataclass(frozen=True)
+class Pipelines:
+    """How many pipelines a schedule runs: ``default``, and where the user may choose, the valid counts
+    for D stages (``choices``) with the rule in words."""
+
+    default: int = 1
+    choices: Callable[[int], Sequence[int]] | None = None
+    rule: str = ""
+    what: str = "a single pipeline"
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Stages per worker (v): ``default``, and whether the user may choose it (interleaved schedules)."""
+
+    default: int = 1
+    choosable: bool = False
+    minimum: int = 1
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule, described once.
+
+    ``generator(stages, micro_batches, **options)`` builds it; the options it takes follow from the
+    spec: ``pipelines`` when the user may choose them, ``concat`` when it concatenates units,
+    ``chunks`` when chunks are choosable, ``steps`` when asynchronous. ``rules`` are its own layout
+    rules (checked before :data:`~strategies.schedules.rules.COMMON_RULES`). ``fixed_micro_batches``:
+    N per update when the schedule fixes it (PipeDream: 1).
+    """
+
+    name: str
+    generator: Callable[..., Schedule]
+    description: str
+    rules: tuple[Rule, ...] = ()
+    asynchronous: bool = False
+    chunks: Chunks = field(default_factory=Chunks)
+    pipelines: Pipelines = field(default_factory=Pipelines)
+    concat: bool = False
+    fixed_micro_batches: int | None = None
+    aliases: tuple[str, ...] = ()
+
+    def errors(self, settings: Settings) -> list[str]:
+        """Every rule's message for ``settings`` (empty: the layout is valid)."""
+        settings = replace(settings, schedule=self.name)
+        out = []
+        for rule in (COMMON_RULES[0], *self.rules, *COMMON_RULES[1:]):  # sizes first, then its own rules
+            message = rule(self, settings)
+            if message is not None:
+                out.append(message)
+        return out
+
+    def check(self, settings: Settings) -> None:
+        """Raise :class:`ScheduleError` with the first rule that ``settings`` break."""
+        errors = self.errors(settings)
+        if errors:
+            raise ScheduleError(errors[0])
+
+    def build(self, settings: Settings) -> Schedule:
+        """The schedule of a valid layout (``concat=auto`` resolved by :func:`best_concat`)."""
+        self.check(settings)
+        options: dict[str, object] = {}
+        pipelines = self.pipelines.default if settings.pipelines is None else settings.pipelines
+        if self.pipelines.choices is not None:
+            options["pipelines"] = pipelines
+        if self.concat:
+            options["concat"] = resolve_concat(self.name, settings.stages, settings.micro_batches, pipelines,
+                                               settings.micro_batch_size, settings.concat or "direct")
+        if self.chunks.choosable:
+            options["chunks"] = self.chunks.default if settings.chunks is None else settings.chunks
+        if self.asynchronous:
+            options["steps"] = ASYNC_VIEW_STEPS if settings.steps is None else settings.steps
+        return self.generator(settings.stages, settings.micro_batches, **options)
+
+    def planner_variants(self, stages: int, micro_batches: int,
+                         micro_batch_size: int | None) -> tuple[tuple[int, str], ...]:
+        """(pipelines, concat) pairs the planner compares for a layout: every valid pipeline count and
+        every concatenation method ``strategy.concat=auto`` would compare (:func:`concat_choices`)."""
+        choices = self.pipelines.choices
+        pipes = tuple(choices(stages)) if choices is not None else (self.pipelines.default,)
+        methods = concat_choices(stages, micro_batches, micro_batch_size) if self.concat else ("direct",)
+        return tuple((p, c) for p in pipes for c in methods)
+
+    def smallest_micro_batches(self, stages: int) -> int:
+        """The least N that shows the schedule's whole placement (the engine builds its topology from it)."""
+        return self.fixed_micro_batches or max(stages, 1)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {}
+"""Every schedule by name, in the order they are listed to users."""
+
+
+def register(spec: ScheduleSpec) -> ScheduleSpec:
+    """Add ``spec`` to :data:`SCHEDULES` (its name and aliases must be new)."""
+    taken = {n for s in SCHEDULES.values() for n in (s.name, *s.aliases)}
+    clash = sorted({spec.name, *spec.aliases} & taken)
+    if clash:
+        raise ValueError(f"schedule name(s) {clash} are already registered; pick another name")
+    SCHEDULES[spec.name] = spec
+    return spec
+
+
+def specs() -> tuple[ScheduleSpec, ...]:
+    return tuple(SCHEDULES.values())
+
+
+def names(*, aliases: bool = False) -> tuple[str, ...]:
+    """Registered schedule names (with ``aliases``: also the alternative names, e.g. ``1f1b``)."""
+    return tuple(n for s in SCHEDULES.values() for n in ((s.name, *s.aliases) if aliases else (s.name,)))
+
+
+def describe_names() -> str:
+    return ", ".join(s.name + (f" (alias {', '.join(s.aliases)})" if s.aliases else "") for s in SCHEDULES.values())
+
+
+def get_spec(name: str) -> ScheduleSpec:
+    """The spec of ``name`` (or of an alias); :class:`ScheduleError` listing the valid names otherwise."""
+    spec = SCHEDULES.get(name)
+    if spec is not None:
+        return spec
+    for spec in SCHEDULES.values():
+        if name in spec.aliases:
+            return spec
+    raise ScheduleError(f"unknown schedule {name!r}; choose one of {describe_names()}")
+
+
+def check(name: str, stages: int, micro_batches: int | None = None, *, naming: Naming = API,
+          **settings: object) -> None:
+    """Raise :class:`ScheduleError` if ``name`` with these settings breaks one of its rules."""
+    get_spec(name).check(Settings(name, stages, micro_batches, naming=naming, **settings))  # type: ignore[arg-type]
+
+
+def build_schedule(
+    name: str, stages: int, micro_batches: int, pipelines: int | None = None, concat: str | None = "direct", *,
+    chunks: int | None = None, steps: int | None = None, micro_batch_size: int | None = None, naming: Naming = API,
+) -> Schedule:
+    """Build a schedule by name after checking its rules (messages spelled as ``naming`` says).
+
+    ``pipelines``/``concat`` apply where the spec lets the user choose them (Chimera); ``concat=auto``
+    is resolved by :func:`best_concat` at ``micro_batch_size`` (``None``: any). An asynchronous
+    schedule comes as ``steps`` (default ``ASYNC_VIEW_STEPS``) steps of N micro-batches without
+    flushes plus the final drain; the runtime runs it window by window
+    (:mod:`strategies.schedules.asynchronous`)."""
+    return get_spec(name).build(Settings(name, stages, micro_batches, micro_batch_size, pipelines, concat, chunks,
+                                         steps, naming=naming))
+
+
+def resolve_concat(
+    name: str, stages: int, micro_batches: int | None, pipelines: int | None, micro_batch_size: int | None, concat: str
+) -> str:
+    """``concat`` with ``auto`` replaced by :func:`best_concat`'s choice (``direct`` for schedules without
+    units to concatenate)."""
+    if concat != AUTO_CONCAT:
+        return concat
+    spec = get_spec(name)
+    if not spec.concat or micro_batches is None:
+        return "direct"
+    return best_concat(stages, micro_batches, spec.pipelines.default if pipelines is None else pipelines,
+                       micro_batch_size)
+
+
+register(ScheduleSpec("gpipe", gpipe, "GPipe: all forwards, then all backwards, a flush per step"))
+register(ScheduleSpec("dapple", dapple, "DAPPLE: 1F1B with a flush per step", aliases=("1f1b",)))
+register(ScheduleSpec(
+    "gems", gems, "GEMS: two opposite replicas, one micro-batch at a time per worker (Chimera §2)",
+    rules=(even_stages("each worker holds one stage of each of its two replicas"),),
+    pipelines=Pipelines(2, what="exactly 2 pipelines (two opposite replicas)"),
+))
+register(ScheduleSpec(
+    "chimera", chimera, "Chimera: 2f bidirectional pipelines, units of D micro-batches concatenated (Chimera §3)",
+    rules=(even_stages("its down and up pipelines merge without conflict, Chimera §3.1"),),
+    pipelines=Pipelines(2, chimera_pipeline_counts, "2f for a divisor f of D/2 (Chimera §3.6)", "2f pipelines"),
+    concat=True,
+))
+register(ScheduleSpec(
+    "pipedream_2bw", partial(async_run, "pipedream_2bw"),
+    "PipeDream-2BW: asynchronous 1F1B without flushes, two weight versions, N ≥ D per update",
+    rules=(micro_batches_at_least_stages("so that only two weight versions are in flight"),), asynchronous=True,
+))
+register(ScheduleSpec(
+    "pipedream", partial(async_run, "pipedream"),
+    "PipeDream: asynchronous 1F1B without flushes, an update per micro-batch, up to D weight versions",
+    asynchronous=True, fixed_micro_batches=1,
+))

@@ -1,0 +1,254 @@
+"""The schedule registry: one description per schedule, read by every place that lists or checks schedules.
+
+A toy schedule registered in a test (nothing else touched) appears in the viewer's choices, the
+planner's candidates, the layout check, Lightning's strategy names and the engine; each layout rule's
+message names the setting as the user spelled it, its value, the rule and the fix. Pure Python except
+the Lightning registration (imports lightning, starts no process).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from planner.predict import candidates, default_schedules
+from recipe.layout import ConfigError, resolve_layout
+from strategies.schedules import (
+    SCHEDULES, ScheduleError, ScheduleSpec, best_concat, build_schedule, dapple, get_spec, names, specs, validate,
+)
+from strategies.schedules.registry import Chunks, register
+from strategies.schedules.rules import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _viewer():
+    spec = importlib.util.spec_from_file_location("schedule_viewer_for_registry", ROOT / "scripts" / "schedule.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _toy_generator(stages: int, micro_batches: int):
+    return replace(dapple(stages, micro_batches), name="toy")
+
+
+def _whole_rounds(spec: ScheduleSpec, s: Settings) -> str | None:
+    """Toy rule: N is a multiple of D."""
+    if s.micro_batches is None or s.micro_batches % s.stages == 0:
+        return None
+    n = s.naming
+    return (f"{spec.name} needs N to be a multiple of D, got N = {s.micro_batches} ({n.micro_batches}) and "
+            f"D = {s.stages} ({n.stages}); {n.more_micro_batches}")
+
+
+TOY = ScheduleSpec("toy", _toy_generator, "Toy: DAPPLE's order under another name", rules=(_whole_rounds,))
+
+
+@pytest.fixture
+def toy(monkeypatch: pytest.MonkeyPatch) -> ScheduleSpec:
+    monkeypatch.setitem(SCHEDULES, "toy", TOY)
+    return TOY
+
+
+def test_the_registry_lists_every_schedule_once_with_its_properties() -> None:
+    assert names() == ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream")
+    assert names(aliases=True) == ("gpipe", "dapple", "1f1b", "gems", "chimera", "pipedream_2bw", "pipedream")
+    assert get_spec("1f1b") is get_spec("dapple")
+    assert [s.name for s in specs() if s.asynchronous] == ["pipedream_2bw", "pipedream"]
+    assert all(s.chunks == Chunks(1, False) for s in specs())  # one stage per worker today
+    assert [s.name for s in specs() if s.concat] == ["chimera"]
+    assert get_spec("chimera").planner_variants(8, 16, 2) == tuple(
+        (p, c) for p in (2, 4, 8) for c in ("direct", "forward_doubling", "backward_halving"))
+    assert get_spec("gems").planner_variants(4, 4, 1) == ((2, "direct"),)
+    assert default_schedules() == ("gpipe", "dapple", "gems", "chimera")
+    with pytest.raises(ScheduleError) as err:
+        get_spec("zb_h1")
+    assert str(err.value) == ("unknown schedule 'zb_h1'; choose one of gpipe, dapple (alias 1f1b), gems, chimera, "
+                              "pipedream_2bw, pipedream")
+    with pytest.raises(ValueError, match=r"already registered"):
+        register(replace(TOY, name="gpipe"))
+    with pytest.raises(ValueError, match=r"\['1f1b'\] are already registered"):
+        register(replace(TOY, aliases=("1f1b",)))
+
+
+def test_a_registered_spec_reaches_the_viewer_the_planner_the_layout_and_the_engine(
+        toy: ScheduleSpec, capsys: pytest.CaptureFixture[str]) -> None:
+    viewer = _viewer()
+    assert "toy" in viewer.build_parser()._actions[1].choices
+    assert viewer.main(["toy", "--stages", "2", "--micro-batches", "4", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["schedule"] == "toy" and shown["stages"] == 2 and len(shown["workers"]) == 2
+    assert viewer.main(["toy", "--stages", "2", "--micro-batches", "3"]) == 2
+    assert capsys.readouterr().err == ("error: toy needs N to be a multiple of D, got N = 3 (--micro-batches) and "
+                                       "D = 2 (--stages); raise --micro-batches\n")
+
+    assert "toy" in default_schedules()
+    found = {(c.D, c.N) for c in candidates(4, 8, 6, schedules=["toy"], recompute=["none"])}
+    # W·D = 4 and W·B·N = 8 with B a power of two: N = 1, 2, 4 at D = 2 and 1, 2, 4, 8 at D = 4; the toy's rule
+    # keeps N a multiple of D (D = 1 is gpipe's alone)
+    assert found == {(2, 2), (2, 4), (4, 4), (4, 8)}
+
+    layout = resolve_layout({"schedule": "toy", "D": 2, "micro_batch_size": 1}, {"devices": 2}, 4, num_layers=4)
+    assert (layout.strategy, layout.N, layout.pipelines) == ("toy", 4, 1)
+    with pytest.raises(ConfigError) as err:
+        resolve_layout({"schedule": "toy", "D": 4, "micro_batch_size": 1}, {"devices": 4}, 2, num_layers=4)
+    assert str(err.value) == ("toy needs N to be a multiple of D, got N = 2 (data.global_batch_size / "
+                              "(W·strategy.micro_batch_size)) and D = 4 (strategy.D); raise data.global_batch_size "
+                              "or lower strategy.micro_batch_size")
+
+    from strategies.engine import PipelineConfig
+
+    config = PipelineConfig("toy", 2, 1)
+    assert not config.is_async and config.smallest_micro_batches == 2 and config.build(4).name == "toy"
+
+
+def test_a_registered_spec_becomes_a_lightning_strategy(toy: ScheduleSpec) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from strategies.lightning import PipelineStrategy, register_strategies
+
+    register_strategies()
+    try:
+        entry = StrategyRegistry["toy"]
+        assert entry["strategy"] is PipelineStrategy and entry["init_params"] == {"schedule": "toy"}
+        assert entry["description"] == TOY.description
+    finally:
+        StrategyRegistry.pop("toy", None)
+    assert StrategyRegistry["1f1b"]["init_params"] == {"schedule": "dapple"}
+    assert PipelineStrategy(schedule="chimera", D=4).pipeline_config.schedule == "chimera"
+    assert PipelineStrategy(name="gems").pipeline_config.schedule == "gems"  # the config's older spelling
+    with pytest.raises(ValueError, match="strategy.schedule = 'gpipe' but strategy.name = 'dapple'"):
+        PipelineStrategy(schedule="gpipe", name="dapple")
+    with pytest.raises(ScheduleError, match="unknown schedule 'gpipe2'"):
+        PipelineStrategy(schedule="gpipe2")
+
+
+def test_chunks_reach_a_generator_that_takes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interleaved schedule is just a spec: ``chunks`` reaches its generator, its minimum is a rule."""
+    seen = []
+
+    def interleaved(stages: int, micro_batches: int, chunks: int):
+        seen.append(chunks)
+        return dapple(stages, micro_batches)
+
+    monkeypatch.setitem(SCHEDULES, "toy_v", ScheduleSpec("toy_v", interleaved, "toy", chunks=Chunks(2, True, 2)))
+    build_schedule("toy_v", 2, 2)
+    build_schedule("toy_v", 2, 2, chunks=3)
+    assert seen == [2, 3]
+    with pytest.raises(ScheduleError) as err:
+        build_schedule("toy_v", 2, 2, chunks=1)
+    assert str(err.value) == "toy_v: chunks = 1 must be an integer ≥ 2 (stages per worker); use chunks = 2"
+    with pytest.raises(ScheduleError) as err:  # a one-stage-per-worker schedule now names the one that chooses
+        build_schedule("gpipe", 2, 2, chunks=2)
+    assert str(err.value) == ("gpipe runs one stage per worker, got chunks = 2; drop chunks, or use a schedule with "
+                              "a choice of chunks per worker (toy_v)")
+
+
+CONFIG_RULES = [  # (strategy, devices, global batch) -> the whole message: setting, values, rule, fix
+    ({"name": "chimera", "D": 1}, 1, 4,
+     "chimera needs strategy.D to be even (its down and up pipelines merge without conflict, Chimera §3.1), got "
+     "strategy.D = 1; use strategy.D = 2 (a divisor of trainer.devices × trainer.num_nodes)"),
+    ({"name": "chimera", "D": 3}, 3, 6,
+     "chimera needs strategy.D to be even (its down and up pipelines merge without conflict, Chimera §3.1), got "
+     "strategy.D = 3; use strategy.D = 2 or 4 (a divisor of trainer.devices × trainer.num_nodes)"),
+    ({"name": "gems", "D": 5}, 5, 10,
+     "gems needs strategy.D to be even (each worker holds one stage of each of its two replicas), got strategy.D = 5; "
+     "use strategy.D = 4 or 6 (a divisor of trainer.devices × trainer.num_nodes)"),
+    ({"name": "chimera", "D": 8, "pipelines": 6}, 8, 8,
+     "chimera: strategy.pipelines = 6 must be 2f for a divisor f of D/2 (Chimera §3.6), with strategy.D = 8; "
+     "choose one of [2, 4, 8]"),
+    ({"name": "gems", "D": 4, "pipelines": 4}, 4, 8,
+     "gems runs exactly 2 pipelines (two opposite replicas), got strategy.pipelines = 4; leave strategy.pipelines "
+     "unset (or 2), or use a schedule with a choice of pipelines (chimera)"),
+    ({"name": "gpipe", "D": 2, "pipelines": 2}, 2, 4,
+     "gpipe runs a single pipeline, got strategy.pipelines = 2; leave strategy.pipelines unset (or 1), or use a "
+     "schedule with a choice of pipelines (chimera)"),
+    ({"name": "chimera", "D": 2, "concat": "tripling"}, 2, 4,
+     "chimera: strategy.concat = 'tripling' is not a concatenation method; use direct, forward_doubling, "
+     "backward_halving or auto (the fastest simulated; Chimera §3.5)"),
+    ({"name": "dapple", "D": 2, "concat": "auto"}, 2, 4,
+     "strategy.concat applies to schedules that concatenate units of micro-batches (chimera) only: dapple has none, "
+     "got strategy.concat = auto; drop strategy.concat"),
+    ({"name": "dapple", "D": 2, "chunks": 2}, 2, 4,
+     "dapple runs one stage per worker, got strategy.chunks = 2; drop strategy.chunks"),
+    ({"name": "pipedream_2bw", "D": 4}, 4, 3,
+     "pipedream_2bw needs N ≥ D micro-batches per update (so that only two weight versions are in flight), got N = 3 "
+     "(data.global_batch_size / (W·strategy.micro_batch_size)) < D = 4 (strategy.D); raise data.global_batch_size "
+     "or lower strategy.micro_batch_size, or lower strategy.D"),
+    ({"name": "pipedream", "D": 2}, 2, 4,
+     "pipedream updates the weights after every micro-batch, so N must be 1, got N = 4 (data.global_batch_size / "
+     "(W·strategy.micro_batch_size)); set data.global_batch_size = W·strategy.micro_batch_size, or leave "
+     "strategy.micro_batch_size null (B = data.global_batch_size / W)"),
+    ({"name": "pipedream_2bw", "D": 2, "recompute": "always"}, 2, 4,
+     "pipedream_2bw stashes weight versions per step and runs with strategy.grad_sync=end and strategy.recompute=none, "
+     "got strategy.grad_sync=end and strategy.recompute=always; drop those settings"),
+    ({"name": "gpipe2", "D": 2}, 2, 4,
+     "strategy 'gpipe2' is neither a pipeline schedule (gpipe, dapple, gems, chimera, pipedream_2bw, pipedream) nor a "
+     "baseline (ddp, single); choose one of them with strategy=NAME"),
+    ({"schedule": "gpipe", "name": "dapple", "D": 2}, 2, 4,
+     "strategy.schedule = gpipe but strategy.name = dapple: strategy.name follows the schedule; choose the schedule "
+     "with strategy=dapple (or strategy.schedule=dapple) instead"),
+]
+
+
+@pytest.mark.parametrize("strategy, devices, batch, message", CONFIG_RULES)
+def test_each_rule_names_the_setting_the_values_the_rule_and_the_fix(strategy: dict, devices: int, batch: int,
+                                                                      message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve_layout({"micro_batch_size": 1, **strategy}, {"devices": devices}, batch, num_layers=8)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["chimera", "--stages", "1", "--micro-batches", "4"],
+     "chimera needs --stages to be even (its down and up pipelines merge without conflict, Chimera §3.1), got "
+     "--stages = 1; use --stages = 2"),
+    (["pipedream", "--stages", "2", "--micro-batches", "3"],
+     "pipedream updates the weights after every micro-batch, so N must be 1, got N = 3 (--micro-batches); pass "
+     "--micro-batches 1"),
+    (["gpipe", "--stages", "2", "--micro-batches", "2", "--steps", "2"],
+     "--steps applies to asynchronous schedules only (pipedream_2bw, pipedream: their windows run without flushes), "
+     "got --steps = 2 for gpipe; drop --steps"),
+])
+def test_the_viewer_names_its_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _viewer().main(argv) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_the_api_names_its_arguments() -> None:
+    with pytest.raises(ScheduleError) as err:
+        build_schedule("chimera", 1, 4)
+    assert str(err.value) == ("chimera needs stages to be even (its down and up pipelines merge without conflict, "
+                              "Chimera §3.1), got stages = 1; use stages = 2")
+    with pytest.raises(ScheduleError) as err:
+        build_schedule("pipedream_2bw", 4, 2)
+    assert "got N = 2 (micro_batches) < D = 4 (stages); raise micro_batches, or lower stages" in str(err.value)
+    # concat=auto is resolved at the micro-batch size: an odd B cannot be halved
+    assert {validate(build_schedule("chimera", 4, 8, concat="auto", micro_batch_size=b)).concat for b in (1, 3)} == {
+        best_concat(4, 8, 2, 1)} != {"backward_halving"}
+
+
+def test_every_schedule_has_a_strategy_config_on_the_shared_base() -> None:
+    """``conf/strategy/<name>.yaml`` for every schedule: ``schedule: <name>`` on ``conf/pipeline_strategy.yaml``
+    (not itself a strategy option); every user key of the strategy group keeps working."""
+    conf = ROOT / "conf"
+    options = {p.stem for p in (conf / "strategy").glob("*.yaml")}
+    assert set(names()) <= options and "pipeline_strategy" not in options
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        for name in names():
+            cfg = OmegaConf.to_container(compose("config", overrides=[f"strategy={name}", "strategy.D=4"]).strategy,
+                                         resolve=True)
+            assert cfg["_target_"] == "strategies.lightning.PipelineStrategy"
+            assert cfg["schedule"] == cfg["name"] == name and cfg["D"] == 4
+            assert {"W", "micro_batch_size", "timeout_s", "grad_sync", "recompute"} <= set(cfg)
+        chimera = compose("config", overrides=["strategy=chimera_backward_halving", "strategy.pipelines=4",
+                                               "strategy.D=8"]).strategy
+        assert (chimera.schedule, chimera.pipelines, chimera.concat, chimera.micro_batch_size) == (
+            "chimera", 4, "backward_halving", 2)
