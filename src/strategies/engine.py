@@ -49,6 +49,7 @@ class PipelineConfig:
     timeout_s: float = 120.0
     grad_sync: str = "end"
     recompute: str = "none"
+    chunks: int | None = None  # stages per worker (v); None: the schedule's own (interleaved 1F1B: 2)
 
     def __post_init__(self) -> None:
         for name, value, choices in (("grad_sync", self.grad_sync, GRAD_SYNC_MODES),
@@ -57,7 +58,13 @@ class PipelineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         # the schedule's rules that do not depend on N (the batch): strategies.schedules.registry
         get_spec(self.schedule).check(Settings(self.schedule, self.stages, None, self.micro_batch_size, self.pipelines,
-                                               self.concat, grad_sync=self.grad_sync, recompute=self.recompute))
+                                               self.concat, self.chunks, grad_sync=self.grad_sync,
+                                               recompute=self.recompute))
+
+    @property
+    def num_stages(self) -> int:
+        """S = v·D: the stages the model is split into (D for one stage per worker)."""
+        return get_spec(self.schedule).total_stages(self.stages, self.chunks)
 
     @property
     def is_async(self) -> bool:
@@ -77,7 +84,7 @@ class PipelineConfig:
 
     def build(self, micro_batches: int) -> Schedule:
         return validate(build_schedule(self.schedule, self.stages, micro_batches, self.pipelines,
-                                       self.concat_for(micro_batches)))
+                                       self.concat_for(micro_batches), chunks=self.chunks))
 
 
 def even_partition(num_layers: int, stages: int) -> list[range]:

@@ -24,9 +24,13 @@ from functools import partial
 from .actions import Schedule
 from .asynchronous import run as async_run
 from .generators import AUTO_CONCAT, best_concat, chimera, concat_choices, dapple, gems, gpipe
+from .dualpipe import dualpipev
+from .interleaved import interleaved_1f1b
 from .rules import (
-    API, COMMON_RULES, Naming, Rule, Settings, chimera_pipeline_counts, even_stages, micro_batches_at_least_stages,
+    API, COMMON_RULES, Naming, Rule, Settings, chimera_pipeline_counts, equal_rounds, even_stages,
+    micro_batches_at_least_stages, micro_batches_at_least_twice_stages,
 )
+from .zero_bubble import chimera_zb, zb_h1, zb_h2, zbv
 
 ASYNC_VIEW_STEPS = 3  # steps of an asynchronous schedule that build_schedule returns (then the drain)
 
@@ -119,8 +123,16 @@ class ScheduleSpec:
         return tuple((p, c) for p in pipes for c in methods)
 
     def smallest_micro_batches(self, stages: int) -> int:
-        """The least N that shows the schedule's whole placement (the engine builds its topology from it)."""
-        return self.fixed_micro_batches or max(stages, 1)
+        """The least N ≥ D its rules accept: it shows the schedule's whole placement (the engine builds its
+        topology from it)."""
+        if self.fixed_micro_batches:
+            return self.fixed_micro_batches
+        return next((n for n in range(max(stages, 1), 4 * max(stages, 1) + 2)
+                     if not self.errors(Settings(self.name, stages, n))), max(stages, 1))
+
+    def total_stages(self, workers: int, chunks: int | None = None) -> int:
+        """S = v·P: the stages one pipeline is split into on ``workers`` workers (``chunks`` v, default the spec's)."""
+        return workers * (self.chunks.default if chunks is None else chunks)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
@@ -218,4 +230,32 @@ register(ScheduleSpec(
     "pipedream", partial(async_run, "pipedream"),
     "PipeDream: asynchronous 1F1B without flushes, an update per micro-batch, up to D weight versions",
     asynchronous=True, fixed_micro_batches=1,
+))
+register(ScheduleSpec(
+    "interleaved_1f1b", lambda stages, micro_batches, chunks: interleaved_1f1b(stages, chunks, micro_batches),
+    "Interleaved 1F1B: v chunks per worker in a loop, 1/v of 1F1B's bubble (Megatron-LM, Narayanan et al. 2021)",
+    rules=(equal_rounds,), chunks=Chunks(2, choosable=True, minimum=2),
+))
+register(ScheduleSpec(
+    "zb_h1", zb_h1, "ZB-H1: 1F1B with backwards split into input and weight gradients, 1F1B's memory "
+    "(Zero Bubble Pipeline Parallelism, Qi et al. 2024)",
+))
+register(ScheduleSpec(
+    "zb_h2", zb_h2, "ZB-H2: zero bubble in the steady state at twice 1F1B's activations (Zero Bubble Pipeline "
+    "Parallelism)",
+))
+register(ScheduleSpec(
+    "zbv", zbv, "ZBV: two chunks per worker in a V, split backwards, near-zero bubble at 1F1B's memory "
+    "(Zero Bubble Pipeline Parallelism)", chunks=Chunks(2),
+))
+register(ScheduleSpec(
+    "dualpipev", dualpipev, "DualPipeV: two chunks per worker in a V, overlapped forward/backward pairs "
+    "(DeepSeek-V3 technical report)", rules=(micro_batches_at_least_twice_stages("one per stage of the V"),),
+    chunks=Chunks(2),
+))
+register(ScheduleSpec(
+    "chimera_zb", chimera_zb, "Chimera + zero bubble: Chimera's bidirectional pipelines, bubbles filled by "
+    "deferred weight gradients", rules=(even_stages("its down and up pipelines merge without conflict, Chimera §3.1"),),
+    pipelines=Pipelines(2, chimera_pipeline_counts, "2f for a divisor f of D/2 (Chimera §3.6)", "2f pipelines"),
+    concat=True,
 ))

@@ -211,6 +211,38 @@ def stashed_versions(spec: ScheduleSpec, s: Settings) -> str | None:
             "drop those settings")
 
 
+def equal_rounds(spec: ScheduleSpec, s: Settings) -> str | None:
+    """Interleaved 1F1B runs rounds of equal size: N a multiple of max(1, N // D) (torch's relaxation of
+    Megatron-LM's N mod D = 0; :mod:`strategies.schedules.interleaved`)."""
+    N, D = s.micro_batches, s.stages
+    if N is None or N % max(1, N // D) == 0:
+        return None
+
+    def fits(m: int) -> bool:
+        return m % max(1, m // D) == 0
+
+    below = next(m for m in range(N - 1, 0, -1) if fits(m))
+    above = next(m for m in range(N + 1, 2 * N + D) if fits(m))
+    n = s.naming
+    return (f"{spec.name} runs rounds of equal size: N must be a multiple of max(1, N // D) = {N // D} "
+            f"(Megatron-LM: N a multiple of D), got N = {N} ({n.micro_batches}) with D = {D} ({n.stages}); "
+            f"use N = {below} or N = {above}: {n.more_micro_batches}")
+
+
+def micro_batches_at_least_twice_stages(reason: str) -> Rule:
+    """N ≥ 2D micro-batches per step."""
+
+    def rule(spec: ScheduleSpec, s: Settings) -> str | None:
+        if s.micro_batches is None or s.micro_batches >= 2 * s.stages:
+            return None
+        n = s.naming
+        return (f"{spec.name} needs N ≥ 2·D micro-batches per step ({reason}), got N = {s.micro_batches} "
+                f"({n.micro_batches}) < 2·D = {2 * s.stages} ({n.stages} = {s.stages}); {n.more_micro_batches}, "
+                f"lower {n.stages}{_or_use('no such bound', lambda sp: sp.name == 'zbv')}")
+
+    return rule
+
+
 COMMON_RULES: tuple[Rule, ...] = (
     positive_sizes, pipelines_allowed, concat_allowed, chunks_allowed, steps_allowed, fixed_micro_batches,
     stashed_versions,
