@@ -153,7 +153,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
 def predict_memory(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,
                    keep_sends: bool | None = None, prefetch: int = 1) -> MemoryPrediction:
     """Peak bytes of every worker of one replica; ``keep_sends`` defaults to gloo on CPU."""
-    partition = list(partition) if partition is not None else runtime_partition(costs, cand.D)
+    partition = list(partition) if partition is not None else runtime_partition(costs, cand.S)
     if keep_sends is None:
         keep_sends = not costs.device.startswith("cuda")
     schedule = cand.schedule()

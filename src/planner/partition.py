@@ -48,15 +48,15 @@ def recommend_partition(costs: ModelCosts, cand: Candidate, objective: str = "ti
 
     if objective not in OBJECTIVES:
         raise ValueError(f"partition objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    if cand.D > costs.num_layers:
-        raise ValueError(f"D = {cand.D} stages but the model has {costs.num_layers} layers")
-    by_time = balanced_partition(time_costs(costs, cand), cand.D)
+    if cand.S > costs.num_layers:
+        raise ValueError(f"S = {cand.S} stages but the model has {costs.num_layers} layers")
+    by_time = balanced_partition(time_costs(costs, cand), cand.S)
     if objective == "time":
         return by_time
     if keep_sends is None:
         keep_sends = not costs.device.startswith("cuda")
     schedule = cand.schedule()
-    if schedule.pipelines == 1:
+    if schedule.pipelines == 1 and cand.S == cand.D:  # worker s holds stage s alone
         def cost(s: int, i: int, j: int) -> float:
             return worker_peak(costs, cand, schedule, s, {s: range(i, j)}, keep_sends=keep_sends).peak
 

@@ -59,17 +59,23 @@ class Candidate:
     concat: str = "direct"
     recompute: str = "none"
     grad_sync: str = "end"
+    chunks: int | None = None  # stages per worker (interleaved 1F1B); None: the schedule's own
 
     @property
     def world_size(self) -> int:
         return self.W * self.D
 
     @property
+    def S(self) -> int:
+        """Stages the model is split into (v·D)."""
+        return get_spec(self.strategy).total_stages(self.D, self.chunks)
+
+    @property
     def global_batch_size(self) -> int:
         return self.W * self.B * self.N
 
     def schedule(self) -> Schedule:
-        return schedule_of(self.strategy, self.D, self.N, self.pipelines, self.resolved().concat)
+        return schedule_of(self.strategy, self.D, self.N, self.pipelines, self.resolved().concat, self.chunks)
 
     def resolved(self, costs: ModelCosts | None = None, partition: Sequence[range] | None = None) -> Candidate:
         """This layout with ``concat=auto`` replaced by the method :func:`strategies.schedules.best_concat`
@@ -80,7 +86,7 @@ class Candidate:
         if costs is None or not get_spec(self.strategy).concat:
             return replace(self, concat=resolve_concat(self.strategy, self.D, self.N, self.pipelines, self.B,
                                                        self.concat))
-        part = list(partition) if partition is not None else runtime_partition(costs, self.D)
+        part = list(partition) if partition is not None else runtime_partition(costs, self.S)
         method = best_concat(self.D, self.N, self.pipelines, self.B,
                              costs=lambda m: stage_costs(costs, replace(self, concat=m), part))
         return replace(self, concat=method)
@@ -88,7 +94,7 @@ class Candidate:
     def recompute_stages(self) -> frozenset[int]:
         from strategies.recompute import recompute_stages
 
-        return recompute_stages(self.recompute, self.D)
+        return recompute_stages(self.recompute, self.S)
 
     def overrides(self) -> list[str]:
         """Hydra overrides of ``train.py`` that select this layout."""
@@ -100,6 +106,8 @@ class Candidate:
             out.append(f"strategy.pipelines={self.pipelines}")
         if spec.concat:
             out.append(f"strategy.concat={self.concat}")
+        if spec.chunks.choosable and self.chunks is not None:
+            out.append(f"strategy.chunks={self.chunks}")
         return out
 
     def label(self) -> str:
@@ -109,6 +117,8 @@ class Candidate:
             extra.append(f"{self.pipelines}pipes")
         if spec.concat and self.concat != "direct":
             extra.append(self.concat)
+        if spec.chunks.choosable and self.chunks is not None and self.chunks != spec.chunks.default:
+            extra.append(f"v{self.chunks}")
         if self.recompute != "none":
             extra.append(f"recompute_{self.recompute}")
         if self.grad_sync != "end":
@@ -117,8 +127,11 @@ class Candidate:
 
 
 @lru_cache(maxsize=1024)
-def schedule_of(strategy: str, D: int, N: int, pipelines: int, concat: str) -> Schedule:
-    return validate(build_schedule(strategy, D, N, pipelines, concat))
+def schedule_of(strategy: str, D: int, N: int, pipelines: int, concat: str, chunks: int | None = None) -> Schedule:
+    return validate(build_schedule(strategy, D, N, pipelines, concat, chunks=chunks))
+
+
+CHUNK_CHOICES = (2, 4)  # v the planner compares where the schedule lets the user choose it
 
 
 def default_schedules() -> tuple[str, ...]:
@@ -162,16 +175,22 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
                 if D == 1 and name != "gpipe":
                     continue  # one stage: every schedule is plain gradient accumulation
                 spec = get_spec(name)
+                chunk_choices = CHUNK_CHOICES if spec.chunks.choosable else (None,)
                 for pipes, concat in spec.planner_variants(D, N, B):
-                    for mode in recompute:
-                        settings = Settings(spec.name, D, N, B, pipes, concat, grad_sync=grad_sync, recompute=mode)
-                        if not spec.errors(settings):
-                            out.append(Candidate(spec.name, W, D, B, N, pipes, concat, mode, grad_sync))
+                    for v in chunk_choices:
+                        if spec.total_stages(D, v) > num_layers:
+                            continue
+                        for mode in recompute:
+                            settings = Settings(spec.name, D, N, B, pipes, concat, v, grad_sync=grad_sync,
+                                                recompute=mode)
+                            if not spec.errors(settings):
+                                out.append(Candidate(spec.name, W, D, B, N, pipes, concat, mode, grad_sync, v))
     return out
 
 
 def runtime_partition(costs: ModelCosts, D: int) -> list[range]:
-    """The split ``train.py`` uses: ``model.partition(D)`` (balanced by ``layer_costs("layers")``)."""
+    """The split ``train.py`` uses into ``D`` stages (S for several stages per worker):
+    ``model.partition(D)``, balanced by ``layer_costs("layers")``."""
     from models.partition import balanced_partition
 
     weights = costs.meta.get("layer_costs") or [1.0] * costs.num_layers
@@ -193,8 +212,8 @@ class TimePrediction:
 
 def stage_costs(costs: ModelCosts, cand: Candidate, partition: Sequence[range]) -> tuple[list[float], list[float], float]:
     """Per-stage ``t_f``, ``t_b`` for :func:`simulate` and the p2p time ``t_comm`` (see module docstring)."""
-    if len(partition) != cand.D:
-        raise ValueError(f"partition has {len(partition)} stages for D = {cand.D}")
+    if len(partition) != cand.S:
+        raise ValueError(f"partition has {len(partition)} stages for S = {cand.S}")
     o = costs.comm.action_s
     halving = cand.concat == "backward_halving"
     recompute = cand.recompute_stages()
@@ -226,7 +245,7 @@ def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] 
                  cores: int | None = None) -> TimePrediction:
     """Predicted seconds of one training iteration (forward, backward, gradient sync, AdamW step).
     ``concat=auto`` is predicted as the runtime resolves it (:meth:`Candidate.resolved`)."""
-    partition = list(partition) if partition is not None else runtime_partition(costs, cand.D)
+    partition = list(partition) if partition is not None else runtime_partition(costs, cand.S)
     cand = cand.resolved()
     t_f, t_b, t_comm = stage_costs(costs, cand, partition)
     cores = costs.cores if cores is None else cores

@@ -43,7 +43,8 @@ def candidate_from_config(cfg: Mapping[str, Any], layout: Any) -> Candidate:
     concat = str(_get(layout, "concat", None) or strategy.get("concat") or "direct")  # the layout's is resolved
     return Candidate(name, W, D, B, N, int(_get(layout, "pipelines", 1) or 1),
                      concat if get_spec(name).concat else "direct",
-                     str(strategy.get("recompute") or "none"), str(strategy.get("grad_sync") or "end"))
+                     str(strategy.get("recompute") or "none"), str(strategy.get("grad_sync") or "end"),
+                     strategy.get("chunks"))
 
 
 def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | None = None,

@@ -44,7 +44,7 @@ class Plan:
 
 def plan_one(costs: ModelCosts, cand: Candidate, budget: Budget | None = None, *, ranks_per_node: int | None = None,
              partition: Sequence[range] | None = None) -> Plan:
-    part = list(partition) if partition is not None else runtime_partition(costs, cand.D)
+    part = list(partition) if partition is not None else runtime_partition(costs, cand.S)
     cand = cand.resolved(costs, part)  # concat=auto: the method fastest at this model's measured costs
     time = predict_time(costs, cand, part)
     memory = predict_memory(costs, cand, part)

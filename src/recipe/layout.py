@@ -27,6 +27,7 @@ class Layout:
     variant: str = ""  # settings beyond the schedule's defaults, e.g. "forward_doubling+eager_opt"
     concat: str = "direct"  # Chimera's N > D method that runs (strategy.concat=auto resolved)
     concat_auto: bool = False  # strategy.concat=auto chose it
+    S: int | None = None  # stages the model is split into when a worker holds several (v·D); None: D
 
     @property
     def label(self) -> str:
@@ -48,7 +49,9 @@ class Layout:
 
     def describe(self) -> str:
         return (
-            f"layout: {self.label}  W={self.W} replicas × D={self.D} stages = {self.world_size} processes; "
+            f"layout: {self.label}  W={self.W} replicas × D={self.D} "
+            + (f"workers ({self.S} stages) " if self.S not in (None, self.D) else "stages ")
+            + f"= {self.world_size} processes; "
             f"B={self.B} × N={self.N} micro-batches × W={self.W} = global batch {self.global_batch_size}"
             + (f"; {self.pipelines} pipelines" if self.pipelines > 1 else "")
             + (f"; concat=auto → {self.concat}" if self.concat_auto else "")
@@ -135,8 +138,14 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
                               f"{W}·{fixed_n}; use a multiple of {W * fixed_n} (strategy={name} takes B = global "
                               f"batch / (W·N), N = {fixed_n})")
         B = global_batch_size // (W * fixed_n)
-    if D > num_layers:
-        raise ConfigError(f"strategy.D = {D} stages but the model has only {num_layers} pipeline layers; use D ≤ {num_layers}")
+    S = spec.total_stages(D, strategy.get("chunks"))
+    if S > num_layers:
+        per = S // D
+        raise ConfigError(
+            f"strategy.D = {D}" + (f" with {per} stages per worker (S = {S})" if per > 1 else " stages")
+            + f" but the model has only {num_layers} pipeline layers; use " + (
+                f"D ≤ {num_layers // per}" + (", or fewer strategy.chunks" if spec.chunks.choosable else "")
+                if per > 1 else f"D ≤ {num_layers}"))
     if global_batch_size % (W * B):
         raise ConfigError(
             f"data.global_batch_size = {global_batch_size} is not divisible by W·B = {W}·{B} = {W * B}; "
@@ -152,9 +161,9 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
     pipelines = settings.pipelines or spec.pipelines.default
     requested = str(settings.concat or "direct") if spec.concat else "direct"
     concat = resolve_concat(name, D, N, pipelines, B, requested)
-    _check_schedule(spec, D, N, B, pipelines, concat)
+    _check_schedule(spec, D, N, B, pipelines, concat, settings.chunks)
     return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, spec, pipelines, concat),
-                  concat, requested == "auto")
+                  concat, requested == "auto", S if S != D else None)
 
 
 def _check_trainer_keys(trainer: dict[str, Any]) -> None:
@@ -169,13 +178,13 @@ def _check_trainer_keys(trainer: dict[str, Any]) -> None:
                           "for MFU) or null (looked up from the GPU's name)")
 
 
-def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: str) -> None:
+def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: str, chunks: int | None = None) -> None:
     """Build (and validate) the schedule the workers will run, so a bad combination stops here."""
     from strategies.schedules import build_schedule, validate
 
     name = spec.name
     try:
-        schedule = validate(build_schedule(name, D, N, pipelines, concat, micro_batch_size=B))
+        schedule = validate(build_schedule(name, D, N, pipelines, concat, chunks=chunks, micro_batch_size=B))
     except ValueError as err:
         extra = f", concat = {concat}" if spec.concat else ""
         raise ConfigError(f"strategy={name} with D = {D}, N = {N} micro-batches{extra}: {err}") from err
@@ -192,6 +201,8 @@ def _variant(strategy: dict[str, Any], spec: Any, pipelines: int, concat: str = 
         parts.append(concat)
     if spec.pipelines.choices is not None and pipelines != spec.pipelines.default:
         parts.append(f"{pipelines}pipes")
+    if spec.chunks.choosable and strategy.get("chunks") not in (None, spec.chunks.default):
+        parts.append(f"v{strategy['chunks']}")
     if strategy.get("grad_sync", "end") != "end":
         parts.append(f"sync_{strategy['grad_sync']}")
     if strategy.get("recompute", "none") != "none":

@@ -57,6 +57,7 @@ class PipelineStrategy(DDPStrategy):
         name: str | None = None,
         grad_sync: str = "end",
         recompute: str = "none",
+        chunks: int | None = None,
         **kwargs: Any,
     ) -> None:
         if schedule is not None and name is not None and schedule != name:
@@ -65,7 +66,7 @@ class PipelineStrategy(DDPStrategy):
         super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
         self.pipeline_config = PipelineConfig(
             schedule or name or "gpipe", D, micro_batch_size, pipelines, concat, timeout_s,
-            grad_sync=grad_sync, recompute=recompute,
+            grad_sync=grad_sync, recompute=recompute, chunks=chunks,
         )
         self.requested_W = W
         self.engine: PipelineEngine | None = None
@@ -74,7 +75,13 @@ class PipelineStrategy(DDPStrategy):
 
     @property
     def D(self) -> int:
+        """Workers (devices) per pipeline replica."""
         return self.pipeline_config.stages
+
+    @property
+    def S(self) -> int:
+        """Stages the model is split into: D, or v·D with v chunks per worker."""
+        return self.pipeline_config.num_stages
 
     @property
     def W(self) -> int:
@@ -107,10 +114,11 @@ class PipelineStrategy(DDPStrategy):
         self.precision_plugin.convert_module(module)
         self.model_index = ckpt.ModelIndex.of(module, module.model.pipeline_layers())  # before remote layers go
         self.engine = PipelineEngine(
-            module.model, self.pipeline_config, self.W, self.root_device, partition=module.partition(self.D)
+            module.model, self.pipeline_config, self.W, self.root_device, partition=module.partition(self.S)
         )
         module.to(self.root_device)
-        rank_zero_info(f"pipeline: {self.pipeline_config.schedule} W={self.W} D={self.D}; "
+        stages = f" S={self.S}" if self.S != self.D else ""
+        rank_zero_info(f"pipeline: {self.pipeline_config.schedule} W={self.W} D={self.D}{stages}; "
                        + "; ".join(self.engine.topology.describe(r) for r in range(min(self.world_size, 8))))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -134,16 +142,16 @@ class PipelineStrategy(DDPStrategy):
     def checkpoint_meta(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """``meta.json`` of a sharded checkpoint: format, layout, progress, names."""
         engine, config = self.engine, self.pipeline_config
-        owners = {s: min(engine.topology.stage_group(s)) for s in range(self.D)}
+        owners = {s: min(engine.topology.stage_group(s)) for s in range(self.S)}
         return {
             "format": ckpt.SHARDED_FORMAT, "version": ckpt.VERSION,
-            "schedule": config.schedule, "D": self.D, "W": self.W, "world_size": self.world_size,
+            "schedule": config.schedule, "D": self.D, "S": self.S, "W": self.W, "world_size": self.world_size,
             "micro_batch_size": config.micro_batch_size, "pipelines": config.pipelines, "concat": config.concat,
             "partition": [[r.start, r.stop] for r in engine.partition],
             "num_layers": len(self.model_index.prefixes),
             "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
             "has_optimizer_states": "optimizer_states" in checkpoint,
-            "files": {str(s): ckpt.stage_file(s) for s in range(self.D)},
+            "files": {str(s): ckpt.stage_file(s) for s in range(self.S)},
             "owners": {str(s): r for s, r in owners.items()},
             "index": self.model_index.as_dict(),
         }
