@@ -261,8 +261,12 @@ def test_cpu_contention_charges_only_the_overlap_with_computation() -> None:
 def test_candidates_cover_the_search_space() -> None:
     cands = candidates(4, 16, 6)
     assert all(c.W * c.D == 4 and c.W * c.B * c.N == 16 for c in cands)
-    assert {c.strategy for c in cands} == {"gpipe", "dapple", "gems", "chimera"}
+    assert {c.strategy for c in cands} == {"gpipe", "dapple", "gems", "chimera", "interleaved_1f1b", "zb_h1", "zb_h2",
+                                           "zbv", "dualpipev", "chimera_zb"}
     assert all(c.D % 2 == 0 and c.pipelines == 2 for c in cands if c.strategy == "gems")
+    assert all(c.S <= 6 for c in cands)  # v·D stages of the 6 layers: interleaved v = 2 only up to D = 3
+    assert {(c.D, c.chunks) for c in cands if c.strategy == "interleaved_1f1b"} == {(2, 2)}
+    assert all(c.N >= 2 * c.D for c in cands if c.strategy == "dualpipev")
     assert {c.recompute for c in cands} == {"none", "always"}
     chimera = [c for c in cands if c.strategy == "chimera"]
     assert all(c.D % 2 == 0 for c in chimera)
@@ -462,7 +466,9 @@ def test_strategy_auto_overrides(tmp_path: Path) -> None:
     assert out[:3] == given and "strategy=auto" not in out
     assert sum(o.startswith("strategy.D=") for o in out) == 1  # the user's strategy.D=2 is replaced
     chosen = dict(o.split("=", 1) for o in out[3:])
-    assert chosen["strategy"] in ("gpipe", "dapple", "chimera")
+    from planner.predict import default_schedules
+
+    assert chosen["strategy"] in default_schedules()
     assert int(chosen["strategy.D"]) * int(chosen["strategy.W"]) == 2
 
 

@@ -58,20 +58,22 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> ScheduleSpec:
 
 
 def test_the_registry_lists_every_schedule_once_with_its_properties() -> None:
-    assert names() == ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream")
-    assert names(aliases=True) == ("gpipe", "dapple", "1f1b", "gems", "chimera", "pipedream_2bw", "pipedream")
+    modern = ("interleaved_1f1b", "zb_h1", "zb_h2", "zbv", "dualpipev", "chimera_zb")
+    assert names() == ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream", *modern)
+    assert names(aliases=True) == ("gpipe", "dapple", "1f1b", "gems", "chimera", "pipedream_2bw", "pipedream", *modern)
     assert get_spec("1f1b") is get_spec("dapple")
     assert [s.name for s in specs() if s.asynchronous] == ["pipedream_2bw", "pipedream"]
-    assert all(s.chunks == Chunks(1, False) for s in specs())  # one stage per worker today
-    assert [s.name for s in specs() if s.concat] == ["chimera"]
+    assert {s.name: (s.chunks.default, s.chunks.choosable) for s in specs() if s.chunks != Chunks(1, False)} == {
+        "interleaved_1f1b": (2, True), "zbv": (2, False), "dualpipev": (2, False)}
+    assert [s.name for s in specs() if s.concat] == ["chimera", "chimera_zb"]
     assert get_spec("chimera").planner_variants(8, 16, 2) == tuple(
         (p, c) for p in (2, 4, 8) for c in ("direct", "forward_doubling", "backward_halving"))
     assert get_spec("gems").planner_variants(4, 4, 1) == ((2, "direct"),)
-    assert default_schedules() == ("gpipe", "dapple", "gems", "chimera")
+    assert default_schedules() == ("gpipe", "dapple", "gems", "chimera", *modern)
     with pytest.raises(ScheduleError) as err:
-        get_spec("zb_h1")
-    assert str(err.value) == ("unknown schedule 'zb_h1'; choose one of gpipe, dapple (alias 1f1b), gems, chimera, "
-                              "pipedream_2bw, pipedream")
+        get_spec("zb_h3")
+    assert str(err.value) == ("unknown schedule 'zb_h3'; choose one of gpipe, dapple (alias 1f1b), gems, chimera, "
+                              "pipedream_2bw, pipedream, " + ", ".join(modern))
     with pytest.raises(ValueError, match=r"already registered"):
         register(replace(TOY, name="gpipe"))
     with pytest.raises(ValueError, match=r"\['1f1b'\] are already registered"):
@@ -148,7 +150,7 @@ def test_chunks_reach_a_generator_that_takes_them(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ScheduleError) as err:  # a one-stage-per-worker schedule now names the one that chooses
         build_schedule("gpipe", 2, 2, chunks=2)
     assert str(err.value) == ("gpipe runs one stage per worker, got chunks = 2; drop chunks, or use a schedule with "
-                              "a choice of chunks per worker (toy_v)")
+                              "a choice of chunks per worker (interleaved_1f1b, toy_v)")
 
 
 CONFIG_RULES = [  # (strategy, devices, global batch) -> the whole message: setting, values, rule, fix
@@ -166,18 +168,19 @@ CONFIG_RULES = [  # (strategy, devices, global batch) -> the whole message: sett
      "choose one of [2, 4, 8]"),
     ({"name": "gems", "D": 4, "pipelines": 4}, 4, 8,
      "gems runs exactly 2 pipelines (two opposite replicas), got strategy.pipelines = 4; leave strategy.pipelines "
-     "unset (or 2), or use a schedule with a choice of pipelines (chimera)"),
+     "unset (or 2), or use a schedule with a choice of pipelines (chimera, chimera_zb)"),
     ({"name": "gpipe", "D": 2, "pipelines": 2}, 2, 4,
      "gpipe runs a single pipeline, got strategy.pipelines = 2; leave strategy.pipelines unset (or 1), or use a "
-     "schedule with a choice of pipelines (chimera)"),
+     "schedule with a choice of pipelines (chimera, chimera_zb)"),
     ({"name": "chimera", "D": 2, "concat": "tripling"}, 2, 4,
      "chimera: strategy.concat = 'tripling' is not a concatenation method; use direct, forward_doubling, "
      "backward_halving or auto (the fastest simulated; Chimera §3.5)"),
     ({"name": "dapple", "D": 2, "concat": "auto"}, 2, 4,
-     "strategy.concat applies to schedules that concatenate units of micro-batches (chimera) only: dapple has none, "
+     "strategy.concat applies to schedules that concatenate units of micro-batches (chimera, chimera_zb) only: dapple has none, "
      "got strategy.concat = auto; drop strategy.concat"),
     ({"name": "dapple", "D": 2, "chunks": 2}, 2, 4,
-     "dapple runs one stage per worker, got strategy.chunks = 2; drop strategy.chunks"),
+     "dapple runs one stage per worker, got strategy.chunks = 2; drop strategy.chunks, or use a schedule with a "
+     "choice of chunks per worker (interleaved_1f1b)"),
     ({"name": "pipedream_2bw", "D": 4}, 4, 3,
      "pipedream_2bw needs N ≥ D micro-batches per update (so that only two weight versions are in flight), got N = 3 "
      "(data.global_batch_size / (W·strategy.micro_batch_size)) < D = 4 (strategy.D); raise data.global_batch_size "
@@ -190,7 +193,7 @@ CONFIG_RULES = [  # (strategy, devices, global batch) -> the whole message: sett
      "pipedream_2bw stashes weight versions per step and runs with strategy.grad_sync=end and strategy.recompute=none, "
      "got strategy.grad_sync=end and strategy.recompute=always; drop those settings"),
     ({"name": "gpipe2", "D": 2}, 2, 4,
-     "strategy 'gpipe2' is neither a pipeline schedule (gpipe, dapple, gems, chimera, pipedream_2bw, pipedream) nor a "
+     "strategy 'gpipe2' is neither a pipeline schedule (gpipe, dapple, gems, chimera, pipedream_2bw, pipedream, interleaved_1f1b, zb_h1, zb_h2, zbv, dualpipev, chimera_zb) nor a "
      "baseline (ddp, single); choose one of them with strategy=NAME"),
     ({"schedule": "gpipe", "name": "dapple", "D": 2}, 2, 4,
      "strategy.schedule = gpipe but strategy.name = dapple: strategy.name follows the schedule; choose the schedule "

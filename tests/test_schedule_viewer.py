@@ -100,7 +100,7 @@ def test_concat_auto_shows_the_method_it_picks(capsys: pytest.CaptureFixture[str
         assert code == 0 and out == json.dumps(build_schedule("chimera", 4, n, 2, chosen).to_json()) + "\n"
     assert best_concat(4, 8, 2, None) == "backward_halving" and best_concat(4, 4, 2, None) == "direct"
     code, _, err = run_main(["dapple", "--stages", "4", "--micro-batches", "8", "--concat", "auto"], capsys)
-    assert code == 2 and "--concat applies to schedules that concatenate units of micro-batches (chimera) only" in err
+    assert code == 2 and "--concat applies to schedules that concatenate units of micro-batches (chimera, chimera_zb) only" in err
 
 
 def test_ascii_chimera_subprocess() -> None:
