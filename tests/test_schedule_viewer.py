@@ -185,3 +185,54 @@ def test_ascii_asynchronous_names_the_steps(capsys: pytest.CaptureFixture[str]) 
     assert code == 0
     assert out.startswith("pipedream_2bw: D=2 N=2 per update, 4 updates without flushes, then the drain")
     assert "bubble ratio: 11.1%" in out  # (D - 1) / (T·N + D - 1): only the first fill and the last drain
+
+
+def test_workers_and_chunks_build_the_schedules_with_several_stages_per_worker(capsys: pytest.CaptureFixture[str]) -> None:
+    from strategies.schedules.interleaved import interleaved_1f1b
+    from strategies.schedules.zero_bubble import zbv
+
+    code, out, _ = run_main(["interleaved_1f1b", "--workers", "4", "--chunks", "3", "--micro-batches", "8", "--json"],
+                            capsys)
+    assert code == 0 and out == json.dumps(interleaved_1f1b(4, 3, 8).to_json()) + "\n"
+    data = json.loads(out)
+    assert (data["stages"], len(data["workers"])) == (12, 4)  # S = v·P stages, P lists of actions
+    code, out, _ = run_main(["zbv", "--workers", "3", "--micro-batches", "6", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and Schedule.from_json(data) == zbv(3, 6)
+    assert {a["kind"] for w in data["workers"] for a in w} == {"F", "I", "W"}
+    code, out, _ = run_main(["dapple", "--workers", "3", "--micro-batches", "4", "--json"], capsys)
+    assert code == 0 and json.loads(out) == build_schedule("dapple", 3, 4).to_json()  # --workers P = --stages D
+
+
+def test_overlapped_pairs_in_the_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_main(["dualpipev", "--workers", "2", "--micro-batches", "4", "--json"], capsys)
+    workers = json.loads(out)["workers"]
+    pairs = [(w[i - 1], w[i]) for w in workers for i in range(len(w)) if w[i].get("overlap")]
+    assert code == 0 and pairs  # an overlapped pair: two consecutive actions, "overlap": true on the second
+    assert all("overlap" not in first and first["kind"] == "F" and second["kind"] == "B" for first, second in pairs)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["zbv", "--stages", "4", "--micro-batches", "8"],
+         "error: zbv holds 2 stages per worker, so --stages is ambiguous; pass --workers P instead (S = 2·P stages), "
+         "e.g. --workers 4\n"),
+        (["interleaved_1f1b", "--stages", "4", "--micro-batches", "8"],
+         "error: interleaved_1f1b holds 2 stages per worker, so --stages is ambiguous; pass --workers P instead "
+         "(S = 2·P stages), e.g. --workers 4\n"),
+        (["interleaved_1f1b", "--workers", "4", "--chunks", "1", "--micro-batches", "8"],
+         "error: interleaved_1f1b: --chunks = 1 must be an integer ≥ 2 (stages per worker); use --chunks = 2\n"),
+        (["dualpipev", "--workers", "4", "--micro-batches", "6"],
+         "error: dualpipev needs N ≥ 2·D micro-batches per step (one per stage of the V), got N = 6 (--micro-batches) "
+         "< 2·D = 8 (--workers = 4); raise --micro-batches, lower --workers, or use a schedule with no such bound (zbv)\n"),
+        (["zb_h1", "--workers", "0", "--micro-batches", "4"],
+         "error: --workers must be a positive integer, got 0; pass 1 or more, e.g. --workers 4\n"),
+        (["zb_h1", "--workers", "4", "--micro-batches", "4", "--t-w", "3"],
+         "error: --t-w is the weight-gradient share of a backward, 0 ≤ t_w ≤ t_b = 2, got 3; e.g. --t-w 1\n"),
+    ],
+)
+def test_bad_sizes_of_the_new_schedules_exit_2_with_one_error_line(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(argv, capsys)
+    assert (code, out, err) == (2, "", message)
