@@ -27,8 +27,9 @@ def _shape(peer: int, what: str) -> tuple[torch.Size, torch.dtype]:
 
 def _programs(schedule: str, D: int, N: int, W: int = 1, *, pipelines: int | None = None, concat: str = "direct",
               train_steps: int = 2, evaluate: bool = True, tied: bool = False, grad_sync: str = "end",
-              recompute: str = "none") -> list:
-    config = PipelineConfig(schedule, D, B, pipelines, concat, 30.0, grad_sync=grad_sync, recompute=recompute)
+              recompute: str = "none", chunks: int | None = None) -> list:
+    config = PipelineConfig(schedule, D, B, pipelines, concat, 30.0, grad_sync=grad_sync, recompute=recompute,
+                            chunks=chunks)
     batches = toy_batches(train_steps + 1, W * N * B, width=WIDTH)
 
     def mine(rank: int, batch: dict, engine) -> dict:
@@ -38,7 +39,8 @@ def _programs(schedule: str, D: int, N: int, W: int = 1, *, pipelines: int | Non
     steps = [lambda engine, rank, b=b: engine.train_step(mine(rank, b, engine)) for b in batches[:train_steps]]
     if evaluate:
         steps.append(lambda engine, rank: engine.eval_step(mine(rank, batches[-1], engine)))
-    return record_programs(lambda: ToyMLP(layers=max(D, 4), width=WIDTH, tied=tied), config, W, steps, _shape)
+    layers = max(config.num_stages, 4)
+    return record_programs(lambda: ToyMLP(layers=layers, width=WIDTH, tied=tied), config, W, steps, _shape)
 
 
 def _grid() -> list[tuple]:
@@ -59,8 +61,31 @@ def test_every_schedule_completes_under_nccl_rules(name: str, D: int, N: int, pi
     replay(_programs(name, D, N, pipelines=pipelines, concat=concat))
 
 
+def _modern_grid() -> list[tuple]:
+    """The schedules after Chimera: several stages per worker (local messages), split backwards, overlapped pairs."""
+    cases = []
+    for D in (2, 3, 4, 8):
+        for N in sorted({max(D // 2, 1), D, 2 * D + 1}):
+            cases += [("zb_h1", D, N, None), ("zb_h2", D, N, None), ("zbv", D, N, None)]
+            if N % max(1, N // D) == 0:
+                cases += [("interleaved_1f1b", D, N, 2)] + ([("interleaved_1f1b", D, N, 3)] if D <= 4 else [])
+            if N >= 2 * D:
+                cases.append(("dualpipev", D, N, None))
+            if D % 2 == 0:
+                cases.append(("chimera_zb", D, N, None))
+    return cases
+
+
+@pytest.mark.parametrize("name, D, N, chunks", _modern_grid())
+def test_every_modern_schedule_completes_under_nccl_rules(name: str, D: int, N: int, chunks: int | None) -> None:
+    replay(_programs(name, D, N, chunks=chunks))
+
+
 @pytest.mark.parametrize("case", [
     {"schedule": "chimera", "D": 4, "N": 4, "W": 2, "tied": True, "grad_sync": "eager"},
+    {"schedule": "zbv", "D": 2, "N": 4, "W": 2, "tied": True, "grad_sync": "eager", "recompute": "always"},
+    {"schedule": "interleaved_1f1b", "D": 2, "N": 4, "W": 2, "grad_sync": "eager_opt"},
+    {"schedule": "dualpipev", "D": 2, "N": 4, "W": 2, "tied": True},
     {"schedule": "dapple", "D": 2, "N": 3, "W": 2, "grad_sync": "eager_opt", "recompute": "always"},
     {"schedule": "gpipe", "D": 4, "N": 4, "W": 2, "tied": True},
     {"schedule": "chimera", "D": 2, "N": 4, "W": 2, "concat": "backward_halving", "grad_sync": "eager"},
