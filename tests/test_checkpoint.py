@@ -277,6 +277,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                   f"ckpt_path={root / 'full_dropout' / 'checkpoints' / 'step-000003.ckpt'}"),
         "dapple": ("strategy=dapple", "strategy.D=1", f"ckpt_path={root / 'step3.ckpt'}", "checkpoint.every_n_steps=6"),
         "chimera": ("strategy=chimera", "strategy.D=2", f"ckpt_path={step3}", "checkpoint.every_n_steps=6"),
+        # two stages per worker in a V: 4 stages from GPipe's 2, the tied ends on one rank
+        "zbv": ("strategy=zbv", "strategy.D=2", f"ckpt_path={step3}", "checkpoint.every_n_steps=6"),
     }
     procs = {name: _train(root / name, "trainer.max_steps=6", *args) for name, args in resumes.items()}
     for proc in procs.values():
@@ -299,7 +301,7 @@ def test_sharded_checkpoint_is_one_file_per_stage_plus_state(runs: dict[str, Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("resumed", ["gpipe", "dapple", "chimera"])
+@pytest.mark.parametrize("resumed", ["gpipe", "dapple", "chimera", "zbv"])
 def test_resuming_gives_the_uninterrupted_losses(runs: dict[str, Path], resumed: str) -> None:
     full, losses = _losses(runs["full_dropout" if resumed == "gpipe" else "full"]), _losses(runs[resumed])
     assert len(full) == len(losses) == 6
@@ -311,15 +313,16 @@ def test_resuming_gives_the_uninterrupted_losses(runs: dict[str, Path], resumed:
     assert resumed_lr == full_lr and len(set(full_lr)) == 6, (full_lr, resumed_lr)
     result = json.loads((runs[resumed] / "results.json").read_text())
     assert (result["strategy"], result["D"], result["W"]) == {"gpipe": ("gpipe", 2, 1), "dapple": ("dapple", 1, 2),
-                                                              "chimera": ("chimera", 2, 1)}[resumed]
+                                                              "chimera": ("chimera", 2, 1), "zbv": ("zbv", 2, 1)}[resumed]
 
 
 @pytest.mark.slow
 def test_other_layouts_save_the_same_state(runs: dict[str, Path]) -> None:
-    """Step 6 as saved by GPipe D=2 (uninterrupted), DAPPLE W=2 D=1 (two copies of one stage) and
-    Chimera D=2 (every rank holds both stages): the same model and optimizer state once consolidated."""
+    """Step 6 as saved by GPipe D=2 (uninterrupted), DAPPLE W=2 D=1 (two copies of one stage),
+    Chimera D=2 (every rank holds both stages) and ZBV D=2 (four stages, two per rank in a V): the same
+    model and optimizer state once consolidated."""
     states = {name: ckpt.consolidate(runs[name] / "checkpoints" / "step-000006.ckpt")
-              for name in ("full", "dapple", "chimera")}
+              for name in ("full", "dapple", "chimera", "zbv")}
     reference = states.pop("full")
     for name, state in states.items():
         assert state["state_dict"].keys() == reference["state_dict"].keys()
@@ -331,6 +334,8 @@ def test_other_layouts_save_the_same_state(runs: dict[str, Path]) -> None:
                                        rtol=0, atol=1e-6)
     meta = json.loads((runs["dapple"] / "checkpoints" / "step-000006.ckpt" / "meta.json").read_text())
     assert (meta["W"], meta["D"], meta["owners"]) == (2, 1, {"0": 0})
+    meta = json.loads((runs["zbv"] / "checkpoints" / "step-000006.ckpt" / "meta.json").read_text())
+    assert (meta["D"], meta["S"], meta["owners"]) == (2, 4, {"0": 0, "1": 1, "2": 1, "3": 0})
 
 
 @pytest.mark.slow

@@ -27,7 +27,8 @@ def _train(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.Co
 @pytest.mark.parametrize(
     "strategy, devices, extra",
     [("gpipe", 2, []), ("dapple", 4, ["strategy.D=2"]), ("gems", 2, []),
-     ("chimera", 4, ["strategy.D=4", "model.n_layer=2"])],
+     ("chimera", 4, ["strategy.D=4", "model.n_layer=2"]),
+     ("interleaved_1f1b", 2, ["strategy.chunks=2"]), ("dualpipev", 2, [])],
 )
 def test_train_py_runs_each_strategy(tmp_path: Path, strategy: str, devices: int, extra: list[str]) -> None:
     result = _train(tmp_path, f"strategy={strategy}", f"trainer.devices={devices}", "trainer.max_steps=3", "trainer.log_every_n_steps=1",
