@@ -69,6 +69,15 @@ def _cases(world: int) -> list[dict]:
             cases.append(_case("chimera", W, D, D, concat="backward_halving", grad_sync="eager"))
             cases.append(_case("chimera", W, D, D, grad_sync="eager_opt"))
         cases.append(_case("dapple", W, D, 2 * D, recompute="always", grad_sync="eager"))
+        deep = {"n_layer": 2 * D}  # two stages per worker: S = 2D stages
+        cases.append(_case("interleaved_1f1b", W, D, 2 * D, chunks=2, model=deep))
+        cases.append(_case("zb_h1", W, D, 2 * D))
+        cases.append(_case("zb_h2", W, D, 2 * D, grad_sync="eager"))
+        cases.append(_case("zbv", W, D, 2 * D, model=deep, recompute="always"))
+        cases.append(_case("dualpipev", W, D, 2 * D, model=deep))
+        cases.append(_case("zbv", W, D, 2 * D, model=deep, bf16=True))
+        if D % 2 == 0:
+            cases.append(_case("chimera_zb", W, D, D))
         cases.append(_case("gpipe", W, D, 2 * D, bf16=True))
         cases.append(_case("dapple", W, D, 2 * D, bf16=True, recompute="always"))
     D = world
@@ -117,10 +126,10 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
         ref_losses, ref_params = train_sgd(twin, hf_loss, batches, LR, MOMENTUM, trained=hf)
         names = {id(p): n for n, p in model.named_parameters()}  # the pipeline's names equal the twin's
         config = PipelineConfig(case["schedule"], D, B, None, case.get("concat", "direct"), 60.0,
-                                grad_sync=case["grad_sync"], recompute=case["recompute"])
+                                grad_sync=case["grad_sync"], recompute=case["recompute"], chunks=case.get("chunks"))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        engine = PipelineEngine(model, config, W, device, partition=model.partition(D))
+        engine = PipelineEngine(model, config, W, device, partition=model.partition(config.num_stages))
         params = engine.local_parameters()
         assert all(p.device == device for p in params)
         opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
@@ -190,6 +199,8 @@ def test_ranks_sharing_one_gpu_run_every_schedule_on_cuda_tensors() -> None:
     """Four ranks on GPU 0 over gloo (NCCL refuses two ranks on one GPU): the executor's CUDA compute,
     bf16, recomputation, CUDA-event timelines and CUDA memory figures with messages staged through the host."""
     cases = [_case(s, 1, 4, 4) for s in ("gpipe", "dapple", "gems", "chimera")]
+    cases += [_case(s, 1, 4, 8, model={"n_layer": 8}) for s in ("interleaved_1f1b", "zbv", "dualpipev")]
+    cases += [_case(s, 1, 4, 4) for s in ("zb_h1", "zb_h2", "chimera_zb")]
     cases += [_case("chimera", 1, 4, 8, concat="forward_doubling", grad_sync="eager_opt"),
               _case("dapple", 2, 2, 4, bf16=True, recompute="always"), _case("chimera", 2, 2, 4, bf16=True)]
     results = run_world(4, _pipeline_vs_hf_on_gpu, cases, backend="gloo", timeout=900)
@@ -251,15 +262,20 @@ def test_a_silent_peer_is_named_within_the_timeout_on_nccl() -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("strategy", ["gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream", "single"])
+@pytest.mark.parametrize("strategy", ["gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream", "single",
+                                      "interleaved_1f1b", "zb_h1", "zb_h2", "zbv", "dualpipev", "chimera_zb"])
 def test_train_py_bf16_on_gpu(tmp_path: Path, strategy: str) -> None:
     world = _world()
     D = world if strategy != "single" else 1
-    if strategy in ("gems", "chimera") and D % 2:
+    if strategy in ("gems", "chimera", "chimera_zb") and D % 2:
         pytest.skip(f"{strategy} needs an even D: two GPUs or more")
     extra = [] if strategy == "single" else [f"strategy.D={D}"]
     if strategy == "pipedream":
         extra.append(f"data.global_batch_size={B}")  # N = 1: one micro-batch per update
+    if strategy in ("interleaved_1f1b", "zbv", "dualpipev"):
+        extra.append(f"model.n_layer={max(2 * D, 2)}")  # S = 2D stages
+    if strategy == "dualpipev":
+        extra.append(f"data.global_batch_size={max(16, 2 * D)}")  # N ≥ 2D
     res = _train(tmp_path, f"strategy={strategy}", f"trainer.devices={world if strategy != 'single' else 1}", *extra)
     assert res["status"] == "ok", res["reason"]
     losses = res["loss_history"]
