@@ -243,7 +243,7 @@ def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, step
 def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, mbs: int, steps: int,
                      warmup: int, ours: tuple[str, ...], theirs: tuple[str, ...]) -> list[dict]:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    import torch.distributed.pipelining as pipelining
     from torch import nn
 
     from models.gpt2 import causal_lm_loss
@@ -255,29 +255,41 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
         model = _gpt2(size)
         engine = PipelineEngine(model, PipelineConfig(name, world, samples // mbs), 1, torch.device("cpu"))
         runners[f"ours:{name}"] = (lambda e: lambda: e.train_step(batch))(engine)
-    classes = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}
     for label in theirs:
-        cls = classes[label]
         model = _gpt2(size)
         layers = model.pipeline_layers()
-        part = even_partition(len(layers), world)[rank]
-        module = nn.Sequential(*[layers[i] for i in part])
-        stage = PipelineStage(module, rank, world, torch.device("cpu"))
-        schedule = cls(stage, mbs, loss_fn=causal_lm_loss)
-        params = list(module.parameters())
+        held = TORCH_STAGES[label](rank, world)  # this rank's stage indices, the same placement as ours
+        S = 2 * world if len(held) == 2 else world
+        part = even_partition(len(layers), S)
+        modules = {s: nn.Sequential(*[layers[i] for i in part[s]]) for s in held}
+        stages = [pipelining.PipelineStage(modules[s], s, S, torch.device("cpu")) for s in held]
+        cls = getattr(pipelining, label)
+        multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)  # takes a list of stages
+        schedule = cls(stages if multi else stages[0], mbs, loss_fn=causal_lm_loss)
+        params = [p for m in modules.values() for p in m.parameters()]
+        first, last = 0 in held, S - 1 in held
 
-        def step(schedule=schedule, params=params) -> None:
+        def step(schedule=schedule, params=params, first=first, last=last) -> None:
             for p in params:
                 p.grad = None
-            if rank == 0:
-                schedule.step(batch["input_ids"], return_outputs=False)
-            else:
-                schedule.step(target=batch["input_ids"], return_outputs=False)
+            args = (batch["input_ids"],) if first else ()
+            schedule.step(*args, target=batch["input_ids"] if last else None, return_outputs=False)
 
         runners[f"theirs:{label}"] = step
     times = _rounds(runners, steps, warmup)
     dist.barrier()
     return [{"system": k, "median_s": statistics.median(v), "times_s": v} for k, v in times.items()]
+
+
+TORCH_STAGES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
+    # torch.distributed.pipelining's class → the stage indices rank r of P holds (the same placement as ours)
+    "ScheduleGPipe": lambda r, P: (r,),
+    "Schedule1F1B": lambda r, P: (r,),
+    "ScheduleInterleaved1F1B": lambda r, P: (r, r + P),  # loop placement, v = 2
+    "ScheduleInterleavedZeroBubble": lambda r, P: (r,),  # ZB-H1 with one stage per rank
+    "ScheduleZBVZeroBubble": lambda r, P: (r, 2 * P - 1 - r),  # V placement
+    "ScheduleDualPipeV": lambda r, P: (r, 2 * P - 1 - r),
+}
 
 
 def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, steps: int, warmup: int) -> dict:
@@ -350,16 +362,23 @@ GPT2_QUICK = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 1000, "seq": 32}
 def part_vs_torch(quick: bool) -> dict[str, list[dict]]:
     size, samples, mbs, steps, warmup = (GPT2_QUICK, 4, 2, 2, 1) if quick else (GPT2_BENCH, 16, 4, 11, 2)
     pairs = [("gpipe", "ScheduleGPipe"), ("dapple", "Schedule1F1B"), ("chimera", "Schedule1F1B"),
-             ("chimera", "ScheduleGPipe")]
+             ("chimera", "ScheduleGPipe"), ("interleaved_1f1b", "ScheduleInterleaved1F1B"),
+             ("zb_h1", "ScheduleInterleavedZeroBubble"), ("zbv", "ScheduleZBVZeroBubble"),
+             ("dualpipev", "ScheduleDualPipeV"), ("chimera_zb", "ScheduleZBVZeroBubble"),
+             ("chimera_zb", "ScheduleDualPipeV")]
     if quick:
-        pairs = pairs[1:2]
+        pairs = [pairs[1], pairs[6]]
     ours = tuple(dict.fromkeys(p[0] for p in pairs))
     theirs = tuple(dict.fromkeys(p[1] for p in pairs))
     rows = run_world(2, _vs_torch_worker, size, samples, mbs, steps, warmup, ours, theirs)[0]
     t = {r["system"]: r.pop("times_s") for r in rows}
     out = [{"ours": o, "theirs": th, "throughput_ratio": paired_ratio(t[f"theirs:{th}"], t[f"ours:{o}"])}
            for o, th in pairs]
-    return {"vs_torch": out, "_vs_torch_times": rows}
+    # Chimera + zero bubble against the other bidirectional / V-shaped schedules, measured in the same rounds
+    versus = [{"schedule": "chimera_zb", "versus": other,
+               "throughput_ratio": paired_ratio(t[f"ours:{other}"], t["ours:chimera_zb"])}
+              for other in ("chimera", "zbv", "dualpipev") if f"ours:{other}" in t and "ours:chimera_zb" in t]
+    return {"vs_torch": out, "bidirectional": versus, "_vs_torch_times": rows}
 
 
 def part_overhead(quick: bool) -> dict[str, Any]:
