@@ -33,7 +33,9 @@ def _pipeline_vs_reference(rank: int, world: int, cases: list[dict]) -> list[dic
         batches = toy_batches(STEPS, W * N * B)
         ref_losses, ref_params = _reference(reference, batches)
         names = {id(p): n for n, p in model.named_parameters()}  # before remote layers are dropped
-        config = PipelineConfig(case["schedule"], D, B, case.get("pipelines"), case.get("concat", "direct"), 30.0)
+        config = PipelineConfig(case["schedule"], D, B, case.get("pipelines"), case.get("concat", "direct"), 30.0,
+                                grad_sync=case.get("grad_sync", "end"), recompute=case.get("recompute", "none"),
+                                chunks=case.get("chunks"))
         engine = PipelineEngine(model, config, W, torch.device("cpu"))
         opt = torch.optim.SGD(engine.local_parameters(), lr=LR, momentum=0.9)
         replica = engine.topology.replica_of(rank)
@@ -43,7 +45,8 @@ def _pipeline_vs_reference(rank: int, world: int, cases: list[dict]) -> list[dic
             losses.append(engine.train_step(mine).item())
             opt.step()
         err = max((p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in engine.local_parameters())
-        out.append({**case, "param_err": err, "losses": losses, "ref_losses": ref_losses})
+        out.append({**case, "param_err": err, "losses": losses, "ref_losses": ref_losses,
+                    "stages_here": sorted(engine.local_stages)})
         dist.barrier()
     return out
 
@@ -62,7 +65,7 @@ def _cases(world: int) -> list[dict]:
 def _check(results: list[list[dict]]) -> None:
     for rank_results in results:
         for r in rank_results:
-            label = {k: r[k] for k in r if k not in ("param_err", "losses", "ref_losses")}
+            label = {k: r[k] for k in r if k not in ("param_err", "losses", "ref_losses", "stages_here")}
             assert r["param_err"] < 1e-5, f"{label}: parameters differ by {r['param_err']:.2e}"
             assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5), label
 

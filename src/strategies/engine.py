@@ -29,6 +29,7 @@ from .recompute import RECOMPUTE_MODES, recompute_stages
 from .schedules import Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat, validate
 from .schedules.asynchronous import run as async_run
 from .schedules.asynchronous import weight_delay, window
+from .stage import unique_parameters
 from .topology import Topology
 from .versions import WeightVersions
 
@@ -212,12 +213,7 @@ class PipelineEngine:
 
     @staticmethod
     def _params(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
-        seen: dict[int, nn.Parameter] = {}
-        for layer in layers:
-            for p in layer.parameters():
-                if p.requires_grad:
-                    seen.setdefault(id(p), p)
-        return list(seen.values())
+        return unique_parameters(layers)
 
     def local_parameters(self) -> list[nn.Parameter]:
         return self._params([layer for ls in self.stage_layers.values() for layer in ls])

@@ -65,7 +65,7 @@ class PipelineStage:
         self.is_first, self.is_last = index == 0, index == stages - 1
         self.recompute, self.versions = recompute, versions
         self.stored = stored if stored is not None else StoredBytes()
-        self.parameters = _unique_parameters(self.layers)
+        self.parameters = unique_parameters(self.layers)
         self._graphs: dict[GraphKey, _Saved] = {}
 
     @property
@@ -155,7 +155,8 @@ def forget_autocast_casts() -> None:
         torch.clear_autocast_cache()
 
 
-def _unique_parameters(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
+def unique_parameters(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The trainable parameters of ``layers``, each once (a tied weight held by two layers counts once)."""
     seen: dict[int, nn.Parameter] = {}
     for layer in layers:
         for p in layer.parameters():
