@@ -39,7 +39,7 @@ from .schedules import Action, Schedule, format_grid
 from .schedules.comm import CommPlan, Round, comm_plan
 from .schedules.effects import graph_effect
 from .schedules.messages import Message, is_local
-from .stage import PipelineStage, StoredBytes, forget_autocast_casts
+from .stage import PipelineStage, StoredBytes, forget_autocast_casts, unique_parameters
 from .timing import ActionClock
 from .topology import Topology
 from .versions import WeightVersions
@@ -109,7 +109,6 @@ class StepContext:
     micro_batches: Mapping[int, Batch]
     totals: Mapping[str, float | Tensor]
     train: bool
-    parameter_storages: frozenset[int]
     inbox: dict[Message, Incoming] = field(default_factory=dict)  # received or posted, not yet consumed
     losses: list[Tensor] = field(default_factory=list)
     halved: set[int] = field(default_factory=set)
@@ -135,15 +134,15 @@ class StageExecutor:
         self.model, self.stage_layers, self.topology, self.rank, self.comm = model, stage_layers, topology, rank, comm
         self.worker = topology.worker_of(rank)
         self.stored = StoredBytes()
+        weights = parameter_storages([p for layers in stage_layers.values() for p in unique_parameters(layers)])
         self.stages = {s: PipelineStage(s, topology.stages, layers, recompute=s in recompute, versions=versions,
-                                        stored=self.stored) for s, layers in stage_layers.items()}
+                                        stored=self.stored, parameter_storages=weights)
+                       for s, layers in stage_layers.items()}
         self._outbox: dict[Message, Tensor] = {}  # produced by the last action, sent in the next round
         self._local: dict[Message, Tensor] = {}  # between consecutive stages on this worker: no transfer
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # (pipe, sending stage, batch shapes)
         self._probed: set[tuple] = set()  # micro-batch shapes whose message shapes are known
         self._plans: dict[tuple[Schedule, bool], CommPlan] = {}  # the synchronous steps' plans, derived once
-        params = [p for stage in self.stages.values() for p in stage.parameters]
-        self._parameter_storages = parameter_storages(params)
 
     def run(
         self,
@@ -160,7 +159,7 @@ class StageExecutor:
         batches = dict(micro_batches) if isinstance(micro_batches, Mapping) else dict(enumerate(micro_batches))
         if train:
             self.stored.now = 0
-        ctx = StepContext(schedule, plan, batches, totals, train, self._parameter_storages)
+        ctx = StepContext(schedule, plan, batches, totals, train)
         record = self.execute(ctx, after_backward)
         self.comm.finish()
         left = [(s, k) for s, stage in self.stages.items() for k in stage.pending]
@@ -171,7 +170,6 @@ class StageExecutor:
     def execute(self, ctx: StepContext, after_backward: Callable[[Action], None] | None = None) -> StepRecord:
         """The action loop: before each action one round of messages, then the action on its stage."""
         self.stored.peak = self.stored.now
-        self._ctx = ctx
         self._learn_shapes(ctx)
         record = StepRecord(torch.zeros((), dtype=torch.float64), ActionClock(self.comm.device))
         plan = ctx.plan
@@ -294,7 +292,7 @@ class StageExecutor:
             x = self.model.pipeline_input(batch) if stage.is_first else inputs[action.mbs.index(mb)]
             part = batch if half is None else half_of(batch, half)
             inp = x if half is None else x.chunk(2)[half]
-            out = stage.forward(key, inp, part, self._loss(ctx), ctx.train, ctx.parameter_storages)
+            out = stage.forward(key, inp, part, self._loss(ctx), ctx.train)
             (ctx.losses if stage.is_last else outputs[mb]).append(out.detach() if stage.is_last else out)
         if not stage.is_last:
             for mb, parts in outputs.items():
@@ -334,8 +332,7 @@ class AsyncWindows:
         ex = self.executor
         plan = comm_plan(window, ex.worker, True, carried_in=self._carried.keys())
         self._in_flight.update(micro_batches)
-        ctx = StepContext(window, plan, dict(self._in_flight), totals, True, ex._parameter_storages,
-                          inbox=self._carried)
+        ctx = StepContext(window, plan, dict(self._in_flight), totals, True, inbox=self._carried)
         record = ex.execute(ctx)
         ex.comm.finish(keep_open=True)  # the window's last rounds complete during the next window
         self._carried = ctx.inbox  # sent in this window, consumed in the next

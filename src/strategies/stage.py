@@ -60,11 +60,14 @@ class PipelineStage:
     """Stage ``index`` of ``stages``: forward, backward, input and weight gradients of its layers."""
 
     def __init__(self, index: int, stages: int, layers: Sequence[nn.Module], *, recompute: bool = False,
-                 versions: WeightVersions | None = None, stored: StoredBytes | None = None) -> None:
+                 versions: WeightVersions | None = None, stored: StoredBytes | None = None,
+                 parameter_storages: frozenset[int] = frozenset()) -> None:
+        """``stored`` is shared by the rank's stages; ``parameter_storages`` are the rank's weights (not activations)."""
         self.index, self.layers = index, list(layers)
         self.is_first, self.is_last = index == 0, index == stages - 1
         self.recompute, self.versions = recompute, versions
         self.stored = stored if stored is not None else StoredBytes()
+        self.parameter_storages = parameter_storages
         self.parameters = unique_parameters(self.layers)
         self._graphs: dict[GraphKey, _Saved] = {}
 
@@ -81,8 +84,7 @@ class PipelineStage:
             out = run_layers(self.layers, inp, batch)
         return loss(out, batch) if self.is_last and loss is not None else out
 
-    def forward(self, key: GraphKey, inp: Tensor, batch: Batch, loss: LossFn | None, train: bool,
-                parameter_storages: frozenset[int] = frozenset()) -> Tensor:
+    def forward(self, key: GraphKey, inp: Tensor, batch: Batch, loss: LossFn | None, train: bool) -> Tensor:
         """The stage's output (the last stage: its loss share); in training keeps what the backward needs."""
         if not train:
             return self._run(inp, batch, loss, train)
@@ -96,7 +98,7 @@ class PipelineStage:
             return out
         if not self.is_first:
             inp = inp.detach().requires_grad_(True)
-        saved = SavedBytes(parameter_storages)
+        saved = SavedBytes(self.parameter_storages)
         with saved.track():
             out = self._run(inp, batch, loss, train)
         saved.add(out)
