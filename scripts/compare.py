@@ -20,9 +20,9 @@ import json
 import sys
 from pathlib import Path
 
-from recipe.layout import BASELINES
-from recipe.results import RunResult, find_results, sort_results, summary_table
-from strategies.schedules import names
+from pipeline_recipes.recipe.layout import BASELINES
+from pipeline_recipes.recipe.results import RunResult, find_results, sort_results, summary_table
+from pipeline_recipes.strategies.schedules import names
 
 STRATEGY_ORDER = (*names(), *BASELINES)  # the registry's schedules in their order, then the baselines
 

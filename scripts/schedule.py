@@ -25,11 +25,11 @@ import math
 import sys
 from dataclasses import replace
 
-from strategies.schedules import (
+from pipeline_recipes.strategies.schedules import (
     AUTO_CONCAT, CLI, CONCAT_METHODS, build_schedule, get_spec, names, simulate, specs, validate,
 )
-from strategies.schedules.registry import ASYNC_VIEW_STEPS
-from strategies.schedules.render import ascii_timeline, save_png
+from pipeline_recipes.strategies.schedules.registry import ASYNC_VIEW_STEPS
+from pipeline_recipes.strategies.schedules.render import ascii_timeline, save_png
 
 
 def build_parser() -> argparse.ArgumentParser:

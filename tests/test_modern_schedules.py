@@ -14,17 +14,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from strategies.schedules import Schedule, chimera, dapple, parse_action, peak_activations, simulate, validate
-from strategies.schedules.actions import Action
-from strategies.schedules.dualpipe import GENERATORS as DUALPIPE
-from strategies.schedules.dualpipe import dualpipev
-from strategies.schedules.graph import dependencies, index_actions
-from strategies.schedules.interleaved import GENERATORS as INTERLEAVED
-from strategies.schedules.interleaved import interleaved_1f1b
-from strategies.schedules.render import ascii_chart
-from strategies.schedules.simulate import Simulation, action_cost
-from strategies.schedules.zero_bubble import GENERATORS as ZERO_BUBBLE
-from strategies.schedules.zero_bubble import (
+from pipeline_recipes.strategies.schedules import (Schedule, chimera, dapple, parse_action, peak_activations, simulate,
+                                                   validate)
+from pipeline_recipes.strategies.schedules.actions import Action
+from pipeline_recipes.strategies.schedules.dualpipe import GENERATORS as DUALPIPE
+from pipeline_recipes.strategies.schedules.dualpipe import dualpipev
+from pipeline_recipes.strategies.schedules.graph import dependencies, index_actions
+from pipeline_recipes.strategies.schedules.interleaved import GENERATORS as INTERLEAVED
+from pipeline_recipes.strategies.schedules.interleaved import interleaved_1f1b
+from pipeline_recipes.strategies.schedules.render import ascii_chart
+from pipeline_recipes.strategies.schedules.simulate import Simulation, action_cost
+from pipeline_recipes.strategies.schedules.zero_bubble import GENERATORS as ZERO_BUBBLE
+from pipeline_recipes.strategies.schedules.zero_bubble import (
     chimera_zb, defer_weight_gradients, split_backwards, zb_h1, zb_h2, zbv,
 )
 
@@ -77,8 +78,8 @@ def test_no_torch_import() -> None:
     import subprocess
     import sys
 
-    code = ("import strategies.schedules.interleaved, strategies.schedules.zero_bubble, "
-            "strategies.schedules.dualpipe, sys; print('torch' in sys.modules)")
+    code = ("import pipeline_recipes.strategies.schedules.interleaved, pipeline_recipes.strategies.schedules.zero_bubble, "
+            "pipeline_recipes.strategies.schedules.dualpipe, sys; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False", "schedule generators must stay pure Python"
 

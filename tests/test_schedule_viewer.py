@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from strategies.schedules import Schedule, best_concat, build_schedule, simulate
-from strategies.schedules.asynchronous import run as async_run
-from strategies.schedules.render import Span, ascii_chart, ascii_timeline, to_spans
+from pipeline_recipes.strategies.schedules import Schedule, best_concat, build_schedule, simulate
+from pipeline_recipes.strategies.schedules.asynchronous import run as async_run
+from pipeline_recipes.strategies.schedules.render import Span, ascii_chart, ascii_timeline, to_spans
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "schedule.py"
@@ -188,8 +188,8 @@ def test_ascii_asynchronous_names_the_steps(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_workers_and_chunks_build_the_schedules_with_several_stages_per_worker(capsys: pytest.CaptureFixture[str]) -> None:
-    from strategies.schedules.interleaved import interleaved_1f1b
-    from strategies.schedules.zero_bubble import zbv
+    from pipeline_recipes.strategies.schedules.interleaved import interleaved_1f1b
+    from pipeline_recipes.strategies.schedules.zero_bubble import zbv
 
     code, out, _ = run_main(["interleaved_1f1b", "--workers", "4", "--chunks", "3", "--micro-batches", "8", "--json"],
                             capsys)

@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from strategies.schedules import Schedule, get_spec
-from strategies.schedules.asynchronous import stashed_versions
-from strategies.schedules.effects import graph_effect
+from pipeline_recipes.strategies.schedules import Schedule, get_spec
+from pipeline_recipes.strategies.schedules.asynchronous import stashed_versions
+from pipeline_recipes.strategies.schedules.effects import graph_effect
 
 from .model_costs import ADAMW_STATES, ModelCosts
 from .predict import Candidate, runtime_partition
@@ -69,7 +69,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     worker's stages to their layers; ``prefetch`` receive buffers are allocated ahead of their
     action (a round receives the next action's inputs, a few messages come one round earlier:
     :mod:`strategies.schedules.comm`)."""
-    from strategies.grad_sync import launch_plan
+    from pipeline_recipes.strategies.grad_sync import launch_plan
 
     D, B, S = cand.D, cand.B, schedule.stages
     stages = schedule.stages_of(worker)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from strategies.schedules import get_spec
+from pipeline_recipes.strategies.schedules import get_spec
 
 from .costs import format_bytes
 from .memory import Budget, device_budget, predict_memory

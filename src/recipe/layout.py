@@ -70,7 +70,7 @@ BASELINES = ("ddp", "single")
 def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> Layout:
     """``ddp``: W = world size replicas of the whole model; ``single``: one process. Both take the
     replica's whole mini-batch in one pass (B = B̂/W, N = 1); ``strategy.micro_batch_size`` is unused."""
-    from strategies.schedules import names
+    from pipeline_recipes.strategies.schedules import names
 
     if D != 1:
         raise ConfigError(f"strategy={name} has no pipeline stages but strategy.D = {D}; set strategy.D=1 "
@@ -86,7 +86,7 @@ def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> L
 
 def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
     """The strategy's name and, for a pipeline, its registry spec (:mod:`strategies.schedules.registry`)."""
-    from strategies.schedules import ScheduleError, get_spec, names
+    from pipeline_recipes.strategies.schedules import ScheduleError, get_spec, names
 
     schedule, name = strategy.get("schedule"), strategy.get("name")
     if schedule is not None and name is not None and schedule != name:
@@ -105,7 +105,7 @@ def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
 def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int) -> Layout:
     """Derive W and N and check every rule of the pipeline layout (the schedule's own rules come from its
     registry spec)."""
-    from strategies.schedules import CONFIG, Settings, resolve_concat
+    from pipeline_recipes.strategies.schedules import CONFIG, Settings, resolve_concat
 
     name, spec = _schedule_spec(strategy)
     _check_trainer_keys(trainer)
@@ -180,7 +180,7 @@ def _check_trainer_keys(trainer: dict[str, Any]) -> None:
 
 def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: str, chunks: int | None = None) -> None:
     """Build (and validate) the schedule the workers will run, so a bad combination stops here."""
-    from strategies.schedules import build_schedule, validate
+    from pipeline_recipes.strategies.schedules import build_schedule, validate
 
     name = spec.name
     try:
