@@ -85,6 +85,25 @@ class _TorchSchedule:
         self.optimizer.step()
 
 
+class _BareEngine:
+    """This repository's engine stepped directly (no Lightning), with AdamW: what ``bench.py``'s
+    ``vs_torch`` part times, here in the job's processes."""
+
+    def __init__(self, schedule: str, size: dict[str, int], samples: int, micro_batches: int, lr: float) -> None:
+        from strategies.engine import PipelineConfig, PipelineEngine
+
+        self.engine = PipelineEngine(build_gpt2(size), PipelineConfig(schedule, dist.get_world_size(),
+                                                                      samples // micro_batches),
+                                     1, torch.device("cpu"))
+        self.optimizer = torch.optim.AdamW(self.engine.local_parameters(), lr=lr)
+        g = torch.Generator().manual_seed(1)
+        self.batch = {"input_ids": torch.randint(0, size["vocab"], (samples, size["seq"]), generator=g)}
+
+    def __call__(self) -> None:
+        self.engine.train_step(self.batch)
+        self.optimizer.step()
+
+
 class _PlainModule(pl.LightningModule):
     def __init__(self, model: torch.nn.Module, lr: float) -> None:
         super().__init__()
@@ -172,7 +191,9 @@ class InterleavedRounds(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.kind == "torch":
-            self.systems = {label: _TorchSchedule(label, self.size, self.samples, self.micro_batches, self.lr)
+            self.systems = {label: _BareEngine(label.split(":", 1)[1], self.size, self.samples, self.micro_batches,
+                                               self.lr) if label.startswith("engine:")
+                            else _TorchSchedule(label, self.size, self.samples, self.micro_batches, self.lr)
                             for label in self.labels}
         else:
             self.systems = {self.labels[0]: _PlainLightning(self.size, self.samples, trainer.max_steps, self.lr)}
@@ -217,8 +238,10 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
-def _run_job(root: Path, name: str, overrides: list[str], callback: dict[str, Any], timeout: float) -> dict:
-    """``python train.py <overrides>`` with the rounds callback; returns the callback's times."""
+def _run_job(root: Path, name: str, overrides: list[str], callback: dict[str, Any], timeout: float,
+             src: Path | None = None) -> dict:
+    """``python train.py <overrides>`` with the rounds callback (the package from ``src``, default this
+    checkout's); returns the callback's times."""
     import os
     import subprocess
     import sys
@@ -227,7 +250,8 @@ def _run_job(root: Path, name: str, overrides: list[str], callback: dict[str, An
     times_file = run_dir / "rounds.json"
     cb = ",".join(f"{k}:{v}" for k, v in {"_target_": "bench_e2e.InterleavedRounds", "out": str(times_file),
                                           **callback}.items())
-    scripts, src = Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "src"
+    scripts = Path(__file__).resolve().parent
+    src = src or scripts.parent / "src"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true",
            "PYTHONPATH": os.pathsep.join([str(src), str(scripts), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(scripts.parent / "train.py"), f"hydra.run.dir={run_dir}", *overrides,
