@@ -14,6 +14,8 @@ within a fraction of a second (paired ratios, as the rest of ``bench.py``).
 * ``torch``: ``ScheduleGPipe`` and ``Schedule1F1B`` on the same model, stage split (the engine's
   ``even_partition``), micro-batches, gloo processes and optimizer (AdamW); each step starts after a
   barrier and lasts until the slowest rank returns.
+* ``engine:<schedule>``: this repository's engine stepped directly with AdamW (no Lightning), the
+  same schedule as the job: job ÷ engine is what the Lightning path adds.
 * ``plain``: a plain Lightning loop (a LightningModule computing the model's loss, AdamW, no
   logger/callbacks) on the same model and batch size, in a thread of the same process that runs
   one step whenever the job has run one (only one of the two runs at a time).
@@ -275,7 +277,7 @@ def common_overrides(quick: bool, steps: int) -> list[str]:
 def part_e2e(quick: bool, rounds: int | None = None, ours: tuple[str, ...] = ("gpipe", "dapple"),
              extra: list[str] | None = None) -> dict[str, Any]:
     """``e2e_vs_torch``: each of ``ours`` through ``train.py`` (D = 2, 4 micro-batches) against
-    ScheduleGPipe and Schedule1F1B; ``e2e_overhead_d1``: ``train.py strategy=single`` against a plain
+    ScheduleGPipe, Schedule1F1B and the bare engine (``engine:<name>``); ``e2e_overhead_d1``: ``train.py strategy=single`` against a plain
     Lightning loop. ``throughput_ratio`` = their median-paired step time ÷ ours (> 1: ours faster)."""
     import tempfile
 
@@ -285,11 +287,13 @@ def part_e2e(quick: bool, rounds: int | None = None, ours: tuple[str, ...] = ("g
     root = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     rows, raw = [], {}
     for name in ours:
+        engine = f"engine:{name}"
         times = _run_job(root, name, [*common_overrides(quick, steps), *(extra or []), f"strategy={name}",
                                       "strategy.D=2", "trainer.devices=2", "strategy.micro_batch_size=4"],
-                         {"kind": "torch", "warmup": warmup, "quick": quick}, timeout=900)
+                         {"kind": "torch", "warmup": warmup, "quick": quick,
+                          "systems": f"[ScheduleGPipe,Schedule1F1B,{engine}]"}, timeout=900)
         raw[name] = times
-        for label in ("ScheduleGPipe", "Schedule1F1B"):
+        for label in ("ScheduleGPipe", "Schedule1F1B", engine):
             rows.append({"ours": f"train.py strategy={name}", "theirs": label,
                          "ours_median_s": statistics.median(times["job"]),
                          "theirs_median_s": statistics.median(times[label]),

@@ -298,7 +298,7 @@ def test_bench_quick_writes_the_json_contract(tmp_path: Path) -> None:
     assert data["vs_torch"] and set(data["vs_torch"][0]) == {"ours", "theirs", "throughput_ratio"}
     assert isinstance(data["overhead_d1"], float)
     assert data["grad_sync"] and data["recompute"]
-    assert {r["theirs"] for r in data["e2e_vs_torch"]} == {"ScheduleGPipe", "Schedule1F1B"}
+    assert {r["theirs"] for r in data["e2e_vs_torch"]} == {"ScheduleGPipe", "Schedule1F1B", "engine:dapple"}
     assert all(r["throughput_ratio"] > 0 for r in data["e2e_vs_torch"]) and data["e2e_overhead_d1"]["ratio"] > 0
     assert set(data["meta"]["parts"]) == {"efficiency", "vs_torch", "overhead", "grad_sync", "recompute", "e2e"}
     for row in data["schedule_efficiency"] + data["vs_torch"]:
