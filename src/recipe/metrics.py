@@ -8,7 +8,8 @@
   clock on CPU, CUDA events on GPUs); the theoretical one is the
   simulator's for the schedule that was executed (t_b = 2·t_f).
 * Peak memory per rank: CUDA max allocated on GPU, the process's peak RSS on CPU.
-* The learning rate of every step (logged every step, kept as ``lr_history``) and the model FLOPs
+* The learning rate of every step (a logger row per step, written in bursts on reporting steps; kept
+  as ``lr_history``) and the model FLOPs
   utilisation (:mod:`recipe.flops`: achieved TFLOP/s per device from the median token rate, MFU
   against the device's peak).
 
@@ -119,6 +120,7 @@ class PipelineMetrics(Callback):
         self._pending: list[tuple[torch.Tensor, float, float, int | None]] = []
         self._device = torch.device("cpu")
         self._trainer: pl.Trainer | None = None
+        self._rows: list[tuple[int, dict[str, float]]] = []  # rank 0: (step, metrics) not written yet
 
     @override
     def state_dict(self) -> dict[str, Any]:  # kept in checkpoints: a resumed run reports the whole history
@@ -161,19 +163,30 @@ class PipelineMetrics(Callback):
             span = record.timeline[-1][2] - record.timeline[0][1]
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.lr_history.append(self._lr)
-        if self._lr is not None and trainer.is_global_zero:  # every step, like ThroughputMonitor's rates
-            for logger in trainer.loggers:
-                logger.log_metrics({"train/lr": self._lr}, step=trainer.global_step - 1)
+        if trainer.is_global_zero:  # the learning rate of every step, written to the loggers on reporting steps
+            self._rows.append((trainer.global_step - 1, {} if self._lr is None else {"train/lr": self._lr}))
         step = engine.loss_step if engine is not None and engine.config.is_async else None
         self._pending.append((torch.full((), float("nan")) if loss is None else loss.detach(), busy, span, step))
         if not self._reporting(trainer):
             return
         self._collect(engine)
-        if record is not None and self.bubbles:
-            pl_module.log("train/bubble_ratio_measured", self.bubbles[-1], on_step=True, rank_zero_only=True)
-        pl_module.log("memory/peak_bytes_max", float(max(self.peak_memory)), on_step=True, rank_zero_only=True)
-        for rank, peak in enumerate(self.peak_memory):
-            pl_module.log(f"memory/peak_bytes_rank{rank}", float(peak), on_step=True, rank_zero_only=True)
+        if trainer.is_global_zero and self._rows:  # this step's row also carries the bubble and memory figures
+            figures = self._rows[-1][1]
+            if record is not None and self.bubbles:
+                figures["train/bubble_ratio_measured"] = self.bubbles[-1]
+            figures["memory/peak_bytes_max"] = float(max(self.peak_memory))
+            figures.update({f"memory/peak_bytes_rank{rank}": float(peak) for rank, peak in enumerate(self.peak_memory)})
+        self._write_rows(trainer)
+
+    def _write_rows(self, trainer: pl.Trainer) -> None:
+        """The rows kept since the last reporting step, one logger call per step, in step order (one
+        call per step, but in bursts: a logger call every step cost rank 0 about 1 ms, which the other
+        ranks of a pipeline then wait for)."""
+        rows, self._rows = self._rows, []
+        for step, metrics in rows:
+            if metrics:
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step)
 
     @staticmethod
     def _reporting(trainer: pl.Trainer) -> bool:
@@ -236,6 +249,7 @@ class PipelineMetrics(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine(trainer)
         self._collect(engine)  # steps since the last reporting step (every rank)
+        self._write_rows(trainer)
         for step, loss in engine.flush_losses() if engine is not None else []:  # the last steps' losses, late
             self._record_loss(float(loss), engine, step)
         rows = self._gather_timeline(trainer)
