@@ -401,7 +401,7 @@ def part_recompute(quick: bool) -> dict[str, list[dict]]:
 def part_e2e(quick: bool) -> dict[str, Any]:
     from bench_e2e import part_e2e as run_e2e
 
-    return run_e2e(quick, ours=("dapple",) if quick else ("gpipe", "dapple"))
+    return run_e2e(quick, ours=("dapple",) if quick else ("gpipe", "dapple"), without_logger=() if quick else ("dapple",))
 
 
 RUNNERS = {"efficiency": part_efficiency, "vs_torch": part_vs_torch, "overhead": part_overhead,

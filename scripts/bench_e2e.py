@@ -275,26 +275,30 @@ def common_overrides(quick: bool, steps: int) -> list[str]:
 
 
 def part_e2e(quick: bool, rounds: int | None = None, ours: tuple[str, ...] = ("gpipe", "dapple"),
-             extra: list[str] | None = None) -> dict[str, Any]:
+             extra: list[str] | None = None, without_logger: tuple[str, ...] = ()) -> dict[str, Any]:
     """``e2e_vs_torch``: each of ``ours`` through ``train.py`` (D = 2, 4 micro-batches) against
     ScheduleGPipe, Schedule1F1B and the bare engine (``engine:<name>``); ``e2e_overhead_d1``: ``train.py strategy=single`` against a plain
-    Lightning loop. ``throughput_ratio`` = their median-paired step time ÷ ours (> 1: ours faster)."""
+    Lightning loop; ``without_logger``: those schedules once more with ``logger=none`` (what the default
+    W&B logger costs). ``throughput_ratio`` = their step time ÷ ours, median of the rounds (> 1: ours faster)."""
     import tempfile
 
-    rounds = rounds or (4 if quick else 40)
+    rounds = rounds or (4 if quick else 60)
     warmup = 1 if quick else 5
     steps = rounds + warmup
     root = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     rows, raw = [], {}
-    for name in ours:
+    jobs = [(name, []) for name in ours] + [(name, ["logger=none"]) for name in without_logger]
+    for name, job_overrides in jobs:
         engine = f"engine:{name}"
-        times = _run_job(root, name, [*common_overrides(quick, steps), *(extra or []), f"strategy={name}",
-                                      "strategy.D=2", "trainer.devices=2", "strategy.micro_batch_size=4"],
+        label_ours = " ".join([f"train.py strategy={name}", *job_overrides])
+        times = _run_job(root, label_ours.replace(" ", "_").replace("=", "-"),
+                         [*common_overrides(quick, steps), *(extra or []), f"strategy={name}", "strategy.D=2",
+                          "trainer.devices=2", "strategy.micro_batch_size=4", *job_overrides],
                          {"kind": "torch", "warmup": warmup, "quick": quick,
                           "systems": f"[ScheduleGPipe,Schedule1F1B,{engine}]"}, timeout=900)
-        raw[name] = times
+        raw[label_ours] = times
         for label in ("ScheduleGPipe", "Schedule1F1B", engine):
-            rows.append({"ours": f"train.py strategy={name}", "theirs": label,
+            rows.append({"ours": label_ours, "theirs": label,
                          "ours_median_s": statistics.median(times["job"]),
                          "theirs_median_s": statistics.median(times[label]),
                          "throughput_ratio": paired_ratio(times[label], times["job"]), "rounds": len(times["job"])})
