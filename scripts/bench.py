@@ -506,12 +506,14 @@ def main(argv: list[str] | None = None) -> int:
     data["meta"].setdefault("parts", {})
     for part in parts:
         start, load = time.perf_counter(), os.getloadavg()
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         result = RUNNERS[part](args.quick)
         data["details"] = {**data["details"], **{k[1:]: v for k, v in result.items() if k.startswith("_")}}
         data.update({k: v for k, v in result.items() if not k.startswith("_")})
         wall = time.perf_counter() - start
         data["meta"]["parts"][part] = {"wall_s": round(wall, 1), "load_average_before": list(load),
-                                       "load_average_after": list(os.getloadavg())}
+                                       "load_average_after": list(os.getloadavg()), "started_utc": started,
+                                       "git_commit": data["meta"]["machine"]["git_commit"]}
         print(f"[{part}: {wall:.1f}s, load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}]", file=sys.stderr)
     data["meta"]["wall_s"] = round(time.perf_counter() - began, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
