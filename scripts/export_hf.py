@@ -31,6 +31,7 @@ from torch import nn
 
 from datamodules.tokenizer import TOKENIZER_FILES_KEY, write_tokenizer_files
 from strategies.checkpoint import MODEL_CONFIG_KEY, CheckpointError, model_state, read_checkpoint
+from strategies.legacy import upgrade_targets
 
 DATAMODULE_KEY = "PipelineDataModule"  # Lightning keeps the datamodule's state_dict under its class name
 
@@ -40,7 +41,7 @@ def build_model(model_config: dict[str, Any]) -> nn.Module:
     ``pretrained`` starting point is not read again)."""
     from hydra.utils import instantiate
 
-    config = {k: v for k, v in model_config.items() if k != "device"}
+    config = {k: v for k, v in upgrade_targets(dict(model_config)).items() if k != "device"}  # older names too
     if config.get("pretrained"):
         config["pretrained"] = None
     return instantiate(config)

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .legacy import old_module_names, upgrade_targets
+
 SHARDED_FORMAT = "pipeline-sharded"
 CONSOLIDATED_FORMAT = "pipeline-consolidated"
 VERSION = 1
@@ -325,11 +327,21 @@ def stages_holding(meta: Mapping[str, Any], layers: Iterable[int | None]) -> lis
 
 
 def _load(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    with old_module_names():
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 
 def _load_file(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)  # as Lightning loads checkpoints by default
+    with old_module_names():  # a file written before the packages moved under one name (strategies.legacy)
+        return torch.load(path, map_location="cpu", weights_only=True)  # as Lightning loads checkpoints by default
+
+
+def _current_names(trainer_state: Mapping[str, Any]) -> dict[str, Any]:
+    """``trainer_state`` with the model config's ``_target_`` of an older checkpoint renamed (strategies.legacy)."""
+    state = dict(trainer_state)
+    if state.get(MODEL_CONFIG_KEY) is not None:
+        state[MODEL_CONFIG_KEY] = upgrade_targets(state[MODEL_CONFIG_KEY])
+    return state
 
 
 def read_sharded(path: str | Path, stages: Iterable[int] | None = None,
@@ -347,9 +359,10 @@ def read_sharded(path: str | Path, stages: Iterable[int] | None = None,
             if i == len(optimizers):
                 optimizers.append(OptimizerState())
             optimizers[i].merge(part)
-    trainer_state = (load_trainer_state or _load_file)(path / TRAINER_FILE)
+    with old_module_names():
+        trainer_state = (load_trainer_state or _load_file)(path / TRAINER_FILE)
     index = meta["index"]
-    return FullState(model, optimizers, dict(trainer_state), str(path), meta, dict(index["aliases"]))
+    return FullState(model, optimizers, _current_names(trainer_state), str(path), meta, dict(index["aliases"]))
 
 
 def _by_name(packed: Mapping[str, Any], names: Sequence[str]) -> OptimizerState:
@@ -368,8 +381,8 @@ def _by_name(packed: Mapping[str, Any], names: Sequence[str]) -> OptimizerState:
 def from_lightning_checkpoint(checkpoint: Mapping[str, Any], source: str, index: ModelIndex | None) -> FullState:
     """A consolidated file, or a plain Lightning checkpoint of the unsplit module (single, DDP)."""
     section = checkpoint.get(PIPELINE_KEY) or {}
-    rest = {k: v for k, v in checkpoint.items()
-            if k not in ("state_dict", "optimizer_states", PIPELINE_KEY, OPTIMIZER_NAMES_KEY)}
+    rest = _current_names({k: v for k, v in checkpoint.items()
+                           if k not in ("state_dict", "optimizer_states", PIPELINE_KEY, OPTIMIZER_NAMES_KEY)})
     if "state_dict" not in checkpoint:
         raise CheckpointError(f"{source} has no 'state_dict': not a Lightning checkpoint")
     optimizers: list[OptimizerState] = []
@@ -398,7 +411,9 @@ def read_checkpoint(path: str | Path, index: ModelIndex | None = None, stages: I
     load_file = load_file or _load_file
     if path.is_dir():
         return read_sharded(path, stages, load_file)
-    return from_lightning_checkpoint(load_file(path), str(path), index)
+    with old_module_names():
+        checkpoint = load_file(path)
+    return from_lightning_checkpoint(checkpoint, str(path), index)
 
 
 # -- fitting a checkpoint to the model being trained ------------------------------------------
