@@ -24,7 +24,7 @@ def resolve_auto_strategy(argv: list[str]) -> list[str]:
         return argv
     if "-m" in argv or "--multirun" in argv:
         sys.exit("error: strategy=auto picks one layout; it cannot be part of a -m sweep")
-    from planner.auto import auto_overrides
+    from pipeline_recipes.planner.auto import auto_overrides
 
     config_overrides = [a for a in argv if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
     others = [a for a in argv if a not in config_overrides]
@@ -60,7 +60,7 @@ def check_launcher_plugin(argv: list[str]) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from recipe.launch import run
+    from pipeline_recipes.recipe.launch import run
 
     return run(cfg)
 

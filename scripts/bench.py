@@ -47,14 +47,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import strategies  # noqa: F401
-except ImportError:  # not installed: run from the checkout
-    sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from strategies.spawn import run_world  # noqa: E402
+from pipeline_recipes.strategies.spawn import run_world  # noqa: E402
 
 PARTS = ("efficiency", "vs_torch", "overhead", "grad_sync", "recompute", "e2e")
 KEYS = ("schedule_efficiency", "chimera_vs_dapple", "vs_torch", "overhead_d1", "grad_sync", "recompute",
@@ -120,7 +116,7 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
 
 
 def _gpt2(size: dict[str, int]) -> Any:
-    from models import build_model
+    from pipeline_recipes.models import build_model
 
     torch.manual_seed(0)
     return build_model("gpt2-tiny", n_layer=size["layers"], n_embd=size["hidden"], n_head=size["heads"],
@@ -178,8 +174,8 @@ class _Stream(_Step):
 
 def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: int, warmup: int,
                        act: int, params: int) -> list[dict]:
-    from strategies.emulated import EmulatedPipeline
-    from strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
     rows = []
     for N in [*Ns, 1]:  # N = 1: PipeDream (one micro-batch per update)
@@ -203,8 +199,8 @@ def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: 
 
 def _step_makespan(engine: Any, N: int, t_f: float, t_b: float) -> float:
     """Simulated time of one step: the schedule's makespan, or an asynchronous schedule's steady step."""
-    from strategies.schedules import simulate
-    from strategies.schedules.asynchronous import steady_step_makespan
+    from pipeline_recipes.strategies.schedules import simulate
+    from pipeline_recipes.strategies.schedules.asynchronous import steady_step_makespan
 
     config = engine.config
     if config.is_async:
@@ -232,8 +228,8 @@ def _simulate_measured(engine: Any, N: int, durations: dict[str, list[float]]) -
 
 def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, steps: int, warmup: int,
                       act: int, params: int) -> list[dict]:
-    from strategies.emulated import EmulatedPipeline
-    from strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
     rows = []
     for case in cases:
@@ -259,8 +255,8 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch import nn
 
-    from models.gpt2 import causal_lm_loss
-    from strategies.engine import PipelineConfig, PipelineEngine, even_partition
+    from pipeline_recipes.models.gpt2 import causal_lm_loss
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine, even_partition
 
     batch = _gpt2_batch(size, samples)
     runners: dict[str, Callable[[], Any]] = {}
@@ -294,8 +290,8 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
 
 
 def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, steps: int, warmup: int) -> dict:
-    from strategies.engine import PipelineConfig, PipelineEngine
-    from strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.pipeline_model import sequential_loss
 
     batch = _gpt2_batch(size, samples)
     plain_model = _gpt2(size)
@@ -316,7 +312,7 @@ def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, 
 
 def _recompute_worker(rank: int, world: int, size: dict[str, int], schedule: str, samples: int, mbs: int,
                       steps: int, warmup: int) -> list[dict]:
-    from strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
     batch = _gpt2_batch(size, samples)
     engines = {}

@@ -42,7 +42,7 @@ SIZE_QUICK = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 1000, "seq": 32}
 
 
 def build_gpt2(size: dict[str, int]) -> Any:
-    from models import build_model
+    from pipeline_recipes.models import build_model
 
     torch.manual_seed(0)
     return build_model("gpt2-tiny", n_layer=size["layers"], n_embd=size["hidden"], n_head=size["heads"],
@@ -65,8 +65,8 @@ class _TorchSchedule:
         from torch import nn
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        from models.gpt2 import causal_lm_loss
-        from strategies.engine import even_partition
+        from pipeline_recipes.models.gpt2 import causal_lm_loss
+        from pipeline_recipes.strategies.engine import even_partition
 
         self.rank, world = dist.get_rank(), dist.get_world_size()
         layers = build_gpt2(size).pipeline_layers()
@@ -92,7 +92,7 @@ class _BareEngine:
     ``vs_torch`` part times, here in the job's processes."""
 
     def __init__(self, schedule: str, size: dict[str, int], samples: int, micro_batches: int, lr: float) -> None:
-        from strategies.engine import PipelineConfig, PipelineEngine
+        from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
         self.engine = PipelineEngine(build_gpt2(size), PipelineConfig(schedule, dist.get_world_size(),
                                                                       samples // micro_batches),
@@ -112,7 +112,7 @@ class _PlainModule(pl.LightningModule):
         self.model, self.lr = model, lr
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        from strategies.pipeline_model import sequential_loss
+        from pipeline_recipes.strategies.pipeline_model import sequential_loss
 
         return sequential_loss(self.model, batch)
 

@@ -61,8 +61,8 @@ def _child(model_name: str, stages: int, rank: int, mode: str) -> dict[str, Any]
     import torch
     from torch import nn
 
-    from models import build_model
-    from strategies.pipeline_model import materialize_local
+    from pipeline_recipes.models import build_model
+    from pipeline_recipes.strategies.pipeline_model import materialize_local
 
     torch.set_num_threads(1)
     layout = build_model(model_name, device="meta")
@@ -121,7 +121,7 @@ def compare_runs(baseline: Path, run: Path) -> dict[str, Any]:
     of ``run``'s whole model."""
     from omegaconf import OmegaConf
 
-    from models import build_model
+    from pipeline_recipes.models import build_model
 
     base = json.loads((baseline / "results.json").read_text())["peak_memory_bytes"]
     peaks = json.loads((run / "results.json").read_text())["peak_memory_bytes"]

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from recipe.results import RunResult, find_results, sort_results, summary_table
+from pipeline_recipes.recipe.results import RunResult, find_results, sort_results, summary_table
 
 STRATEGY_ORDER = ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream", "ddp", "single")
 

@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from strategies.checkpoint import CheckpointError, read_meta, save_consolidated
+from pipeline_recipes.strategies.checkpoint import CheckpointError, read_meta, save_consolidated
 
 
 def main(argv: list[str] | None = None) -> int:

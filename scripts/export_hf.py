@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from datamodules.tokenizer import TOKENIZER_FILES_KEY, write_tokenizer_files
-from strategies.checkpoint import MODEL_CONFIG_KEY, CheckpointError, model_state, read_checkpoint
-from strategies.legacy import upgrade_targets
+from pipeline_recipes.datamodules.tokenizer import TOKENIZER_FILES_KEY, write_tokenizer_files
+from pipeline_recipes.strategies.checkpoint import MODEL_CONFIG_KEY, CheckpointError, model_state, read_checkpoint
+from pipeline_recipes.strategies.legacy import upgrade_targets
 
 DATAMODULE_KEY = "PipelineDataModule"  # Lightning keeps the datamodule's state_dict under its class name
 
@@ -72,7 +72,7 @@ def _load_trained(full: Any, ckpt: str | Path) -> nn.Module:
     if not config:
         raise CheckpointError(f"{ckpt} carries no {MODEL_CONFIG_KEY!r} (how to rebuild the model): it was not "
                               "written by train.py; build the model yourself and load "
-                              "strategies.checkpoint.model_state(ckpt) into it")
+                              "pipeline_recipes.strategies.checkpoint.model_state(ckpt) into it")
     model = build_model(dict(config))
     state = model_state(full)
     missing, unexpected = model.load_state_dict(state, strict=False)

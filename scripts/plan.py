@@ -26,10 +26,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import planner  # noqa: F401
-except ImportError:  # not installed: run from the checkout
-    sys.path.insert(0, str(ROOT / "src"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -65,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"unknown option(s) {bad}")
     from omegaconf import OmegaConf
 
-    from models.partition import format_partition_table
-    from planner.costs import format_bytes, parse_bytes
-    from planner.memory import device_budget
-    from planner.partition import partition_overrides, recommend_partition
-    from planner.profile import load_or_profile
-    from planner.recommend import format_table, plan_all, plan_rows
-    from recipe.accelerator import choose_accelerator
+    from pipeline_recipes.models.partition import format_partition_table
+    from pipeline_recipes.planner.costs import format_bytes, parse_bytes
+    from pipeline_recipes.planner.memory import device_budget
+    from pipeline_recipes.planner.partition import partition_overrides, recommend_partition
+    from pipeline_recipes.planner.profile import load_or_profile
+    from pipeline_recipes.planner.recommend import format_table, plan_all, plan_rows
+    from pipeline_recipes.recipe.accelerator import choose_accelerator
 
     cfg = compose_config(overrides)
     trainer = choose_accelerator(OmegaConf.to_container(cfg.trainer, resolve=True)).trainer  # trainer=auto: this node
@@ -129,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _peaks(costs, cand, part) -> list[float]:
-    from planner.partition import rank_peaks
+    from pipeline_recipes.planner.partition import rank_peaks
 
     return rank_peaks(costs, cand, part, keep_sends=not costs.device.startswith("cuda"))
 

@@ -45,12 +45,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    import planner  # noqa: F401
-except ImportError:  # not installed: run from the checkout
-    sys.path.insert(0, str(ROOT / "src"))
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODEL = "gpt2-tiny"
@@ -92,25 +86,25 @@ QUICK_EMULATED = [EMULATED_LAYOUTS[1], EMULATED_LAYOUTS[3]]
 def build_measured_model(spec: str | dict[str, Any]) -> Any:
     """A preset name (real compute) or :data:`EMULATED`'s settings."""
     if isinstance(spec, str):
-        from models import build_model
+        from pipeline_recipes.models import build_model
 
         return build_model(spec)
-    from strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.emulated import EmulatedPipeline
 
     return EmulatedPipeline(**spec)
 
 
 def batch_of(model: Any, size: int, seed: int) -> dict[str, Any]:
-    from planner.profile import make_batch
-    from strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.planner.profile import make_batch
+    from pipeline_recipes.strategies.emulated import EmulatedPipeline
 
     return model.batch(size) if isinstance(model, EmulatedPipeline) else make_batch(model, size, seed=seed)
 
 
 def profile(spec: str | dict[str, Any], args: argparse.Namespace, log: Any) -> Any:
     """The profile the planner predicts with: measured now (default) or the planner's cache."""
-    from planner.comm import load_or_measure_comm
-    from planner.profile import DEFAULT_CACHE, load_or_profile, profile_pipeline
+    from pipeline_recipes.planner.comm import load_or_measure_comm
+    from pipeline_recipes.planner.profile import DEFAULT_CACHE, load_or_profile, profile_pipeline
 
     cache = Path(args.cache) if args.cache else DEFAULT_CACHE
     if isinstance(spec, str):
@@ -136,9 +130,9 @@ def _measure_worker(rank: int, world: int, spec: str | dict[str, Any], layouts: 
     import torch
     import torch.distributed as dist
 
-    from models.partition import balanced_partition
-    from planner.profile import _peak_in_ranges
-    from strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.models.partition import balanced_partition
+    from pipeline_recipes.planner.profile import _peak_in_ranges
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
     runs = []
     for name, W, D, B, N, pipes, concat, recompute, sync in layouts:
@@ -211,8 +205,8 @@ def _measure_worker(rank: int, world: int, spec: str | dict[str, Any], layouts: 
 
 def _row(compute: str, costs: Any, layout: tuple, results: list[dict]) -> dict[str, Any]:
     """One layout's prediction next to what every rank measured."""
-    from planner.predict import Candidate
-    from planner.recommend import plan_one
+    from pipeline_recipes.planner.predict import Candidate
+    from pipeline_recipes.planner.recommend import plan_one
 
     name, W, D, B, N, pipes, concat, recompute, sync = layout
     cand = Candidate(name, W, D, B, N, pipes, concat, recompute, sync)
@@ -319,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="real,emulated", help="comma-separated: real (tiny GPT-2), emulated")
     args = p.parse_args(argv)
 
-    from strategies.spawn import run_world
+    from pipeline_recipes.strategies.spawn import run_world
 
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     kinds = [k.strip() for k in args.models.split(",") if k.strip()]

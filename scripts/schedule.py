@@ -19,11 +19,11 @@ import json
 import math
 import sys
 
-from strategies.schedules import (
+from pipeline_recipes.strategies.schedules import (
     ASYNC_SCHEDULES, AUTO_CONCAT, CONCAT_METHODS, build_schedule, resolve_concat, simulate, validate,
 )
-from strategies.schedules.asynchronous import run as async_run
-from strategies.schedules.render import ascii_timeline, save_png
+from pipeline_recipes.strategies.schedules.asynchronous import run as async_run
+from pipeline_recipes.strategies.schedules.render import ascii_timeline, save_png
 
 NAMES = ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream")
 

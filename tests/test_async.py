@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from distributed import run_world
-from strategies.schedules import dapple, simulate, validate
-from strategies.schedules.comm import comm_plan, unconsumed_messages
-from strategies.schedules.messages import Message
-from strategies.schedules.asynchronous import (
+from pipeline_recipes.strategies.schedules import dapple, simulate, validate
+from pipeline_recipes.strategies.schedules.comm import comm_plan, unconsumed_messages
+from pipeline_recipes.strategies.schedules.messages import Message
+from pipeline_recipes.strategies.schedules.asynchronous import (
     run, stashed_versions, version_of, weight_delay, window,
 )
 from toy_model import ToyMLP, toy_batches
@@ -85,7 +85,7 @@ def test_bad_settings_raise(call, fragment: str) -> None:
 def test_a_backward_uses_its_forwards_version_after_the_update() -> None:
     """Weight stashing in one process: forward on version 0, update the live weights, backward:
     the gradient is the one at version 0's weights, and the live parameters got none."""
-    from strategies.versions import WeightVersions
+    from pipeline_recipes.strategies.versions import WeightVersions
 
     layer = torch.nn.Linear(3, 1, bias=False)
     versions = WeightVersions("pipedream_2bw", 1, {0: [layer]})
@@ -108,8 +108,8 @@ def _reference(name: str, model: ToyMLP, D: int, batches: list[dict],
                clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The asynchronous update rule in one process (same optimizer, same data); ``clip``: each
     stage's due gradient scaled to at most that norm on its own (tied parameters as one group)."""
-    from strategies.engine import even_partition
-    from strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.strategies.engine import even_partition
+    from pipeline_recipes.strategies.pipeline_model import sequential_loss
 
     delay_of: dict[int, int] = {}  # a parameter on several stages (tied) takes the largest delay
     stages_of: dict[int, set[int]] = {}
@@ -146,7 +146,7 @@ def _reference(name: str, model: ToyMLP, D: int, batches: list[dict],
 def _pipeline_vs_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
-    from strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
     out = []
     for case in cases:

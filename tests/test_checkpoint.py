@@ -26,10 +26,10 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from datamodules.resumable import ResumableDataLoader
-from strategies import checkpoint as ckpt
-from strategies.lightning import PipelineModule
-from strategies.pipeline_model import sequential_loss
+from pipeline_recipes.datamodules.resumable import ResumableDataLoader
+from pipeline_recipes.strategies import checkpoint as ckpt
+from pipeline_recipes.strategies.lightning import PipelineModule
+from pipeline_recipes.strategies.pipeline_model import sequential_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -178,7 +178,7 @@ def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
 
 
 def test_ddp_and_single_ask_for_a_consolidated_checkpoint(tmp_path: Path) -> None:
-    from recipe.job import resolve_ckpt_path
+    from pipeline_recipes.recipe.job import resolve_ckpt_path
 
     module, optimizer, _ = _trained_module()
     path = _save_two_stages(module, optimizer, tmp_path / "s.ckpt")

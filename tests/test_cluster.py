@@ -15,11 +15,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recipe.accelerator import NodeDevices, check_precision, probe_node, resolve_accelerator
-from recipe.cluster import (SLURM_TASK_VARS, Launch, detect_launch, global_rank, is_global_zero, slurm_port,
-                            slurm_root_address, worker_env)
-from recipe.layout import ConfigError
-from recipe.results import find_results
+from pipeline_recipes.recipe.accelerator import NodeDevices, check_precision, probe_node, resolve_accelerator
+from pipeline_recipes.recipe.cluster import (SLURM_TASK_VARS, Launch, detect_launch, global_rank, is_global_zero,
+                                             slurm_port, slurm_root_address, worker_env)
+from pipeline_recipes.recipe.layout import ConfigError
+from pipeline_recipes.recipe.results import find_results
 
 ROOT = Path(__file__).resolve().parents[1]
 H100_NODE = NodeDevices(cuda_devices=8, bf16=True, gpu_name="NVIDIA H100 80GB HBM3")

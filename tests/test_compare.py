@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from recipe.results import RESULT_KEYS, RunResult, find_results, read_results, summary_table, write_results
+from pipeline_recipes.recipe.results import (RESULT_KEYS, RunResult, find_results, read_results, summary_table,
+                                             write_results)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "compare.py"

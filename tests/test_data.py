@@ -10,8 +10,8 @@ import pytest
 import torch
 import yaml
 
-from datamodules import (CLS_ID, IGNORE_INDEX, MASK_ID, PAD_ID, SEP_ID, SOURCE_DEFAULTS, build_dataloaders,
-                         build_datasets, make_dataloader, split_documents)
+from pipeline_recipes.datamodules import (CLS_ID, IGNORE_INDEX, MASK_ID, PAD_ID, SEP_ID, SOURCE_DEFAULTS,
+                                          build_dataloaders, build_datasets, make_dataloader, split_documents)
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "data"
 WORDS = ("the cat dog sat on a mat and ran over hill while bird sang song of river stone tree under light "
@@ -193,7 +193,7 @@ def test_yaml_configs() -> None:
     files = {p.stem: yaml.safe_load(p.read_text()) for p in CONF.glob("*.yaml")}
     assert set(files) == {"synthetic", "text", "wikitext2", "wikipedia"}
     for name, cfg in files.items():
-        assert cfg["_target_"] == "datamodules.build_datamodule" and cfg["name"] == name
+        assert cfg["_target_"] == "pipeline_recipes.datamodules.build_datamodule" and cfg["name"] == name
         for key in ("global_batch_size", "seed", "num_samples", "family", "seq_len", "vocab_size"):
             assert key in cfg, (name, key)
         mandatory = {k for k, v in cfg.items() if v == "???"}  # e.g. text's data_files

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import build_model
-from strategies.pipeline_model import call_layer, materialize_local, run_layers, sequential_loss, split_batch
+from pipeline_recipes.models import build_model
+from pipeline_recipes.strategies.pipeline_model import (call_layer, materialize_local, run_layers, sequential_loss,
+                                                        split_batch)
 
 SMALL = {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 48, "vocab_size": 96, "max_position_embeddings": 64, "seq_len": 16}
@@ -196,7 +197,7 @@ def test_layer_names_costs_and_errors() -> None:
         build_model("llama-tiny", seq_len=65, device="meta")
     with pytest.raises(ValueError, match="unknown model family 'gemma'"):
         build_model({"family": "gemma", "name": "g"}, device="meta")
-    from models import build_decoder
+    from pipeline_recipes.models import build_decoder
 
     with pytest.raises(ValueError, match="'gemma' is not supported by the decoder adapter; supported: llama"):
         build_decoder(family="gemma", device="meta")
@@ -288,8 +289,8 @@ def test_pretrained_mismatch_is_refused(tmp_path: Path) -> None:
 
 
 def test_flops_count_three_mlp_matrices_and_grouped_query_attention() -> None:
-    from recipe.flops import model_flops_per_token
-    from models import hydra_config
+    from pipeline_recipes.recipe.flops import model_flops_per_token
+    from pipeline_recipes.models import hydra_config
 
     cfg = hydra_config("llama-tiny")
     L, d, heads, kv, ffn, V, T = 4, 64, 4, 2, 128, 1000, 32
@@ -350,8 +351,8 @@ def test_pretrained_bf16_checkpoint_loads_into_fp32_weights(tmp_path: Path) -> N
 def test_planner_estimates_decoder_memory_with_the_tied_head() -> None:
     """The pre-flight's fake-tensor estimate runs the decoder layers (rotary embeddings, masks) and sees
     Qwen2's tied embedding; the paper-scale Llama is estimated without memory."""
-    from models import hydra_config
-    from planner.estimate import estimate_costs
+    from pipeline_recipes.models import hydra_config
+    from pipeline_recipes.planner.estimate import estimate_costs
 
     costs = estimate_costs(hydra_config("qwen2-tiny"))
     assert [layer.name for layer in costs.layers] == ["embeddings", *(f"layer.{i}" for i in range(4)), "head"]
@@ -367,7 +368,7 @@ def test_pretrained_hub_name_fetches_only_the_needed_shards(tmp_path: Path, monk
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from models.pretrained import load_layers
+    from pipeline_recipes.models.pretrained import load_layers
 
     hf, path = _save_hf(tmp_path, "llama-tiny", shard="100KB")
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]

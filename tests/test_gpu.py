@@ -82,11 +82,11 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
     import torch.distributed as dist
     from torch.utils.data import default_collate
 
-    from datamodules import SyntheticGPT2Dataset
-    from models import build_model
-    from strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.datamodules import SyntheticGPT2Dataset
+    from pipeline_recipes.models import build_model
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
-    from recipe.metrics import peak_memory_bytes
+    from pipeline_recipes.recipe.metrics import peak_memory_bytes
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -209,7 +209,7 @@ def _silent_peer(rank: int, world: int, backend: str, timeout_s: float, silent_s
     """Rank 1 stops answering before its second step; rank 0 must name it within the timeout."""
     import torch.distributed as dist
 
-    from strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
     from toy_model import ToyMLP, toy_batches
 
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")

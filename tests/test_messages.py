@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from strategies.schedules import build_schedule
-from strategies.schedules.comm import Transfer, plans
-from strategies.schedules.messages import Message, fifo_violations, pair_messages
+from pipeline_recipes.strategies.schedules import build_schedule
+from pipeline_recipes.strategies.schedules.comm import Transfer, plans
+from pipeline_recipes.strategies.schedules.messages import Message, fifo_violations, pair_messages
 
 CASES = [(name, D, N, concat)
          for name in ("gpipe", "dapple", "chimera") for D in (2, 4, 6, 8) for N in (max(D // 2, 1), D, 2 * D, 2 * D + 1)

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from recipe.layout import Layout
-from recipe.metrics import PipelineMetrics, ReplicaThroughputMonitor
+from pipeline_recipes.recipe.layout import Layout
+from pipeline_recipes.recipe.metrics import PipelineMetrics, ReplicaThroughputMonitor
 
 
 class _Logger:

@@ -66,7 +66,7 @@ def _cases() -> list[dict]:
 
 
 def _build(key: str, device: str | None = None):
-    from models import build_model
+    from pipeline_recipes.models import build_model
 
     name, overrides = MODELS[key]
     model = build_model(name, init_seed=0, device=device, **overrides)
@@ -79,7 +79,7 @@ def _batches(model, samples: int) -> list[dict]:
     """``STEPS`` mini-batches of ``samples`` synthetic items (BERT: padded, MLM-masked, NSP-labelled)."""
     from torch.utils.data import default_collate
 
-    from datamodules import SyntheticBertDataset, SyntheticGPT2Dataset
+    from pipeline_recipes.datamodules import SyntheticBertDataset, SyntheticGPT2Dataset
 
     causal = model.family != "bert"  # GPT-2 and the decoder-only models: causal-LM blocks
     cls = SyntheticGPT2Dataset if causal else SyntheticBertDataset
@@ -112,7 +112,7 @@ def _mask_sensitivity(model, batch: dict) -> float:
     change over the layers): far above the tolerance, so every stage must have received the mask."""
     import torch
 
-    from strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.strategies.pipeline_model import sequential_loss
 
     twin = copy.deepcopy(model)
     layers = twin.pipeline_layers()
@@ -131,7 +131,7 @@ def _pipeline_vs_hf(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
     out = []
     for case in cases:

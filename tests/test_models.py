@@ -10,8 +10,8 @@ import pytest
 import torch
 import yaml
 
-from models import PAPER_PARAMS, PRESETS, build_model, hydra_config, model_names
-from strategies.pipeline_model import call_layer, run_layers, sequential_loss, split_batch
+from pipeline_recipes.models import PAPER_PARAMS, PRESETS, build_model, hydra_config, model_names
+from pipeline_recipes.strategies.pipeline_model import call_layer, run_layers, sequential_loss, split_batch
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 

@@ -17,8 +17,8 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline_recipes import cli
-from strategies import checkpoint as ckpt
-from strategies import legacy, optim
+from pipeline_recipes.strategies import checkpoint as ckpt
+from pipeline_recipes.strategies import legacy, optim
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

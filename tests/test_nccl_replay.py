@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strategies.engine import PipelineConfig
-from strategies.nccl_replay import P2P, HostWait, Post, ReplayError, StreamWait, replay
-from strategies.recording import record_programs
+from pipeline_recipes.strategies.engine import PipelineConfig
+from pipeline_recipes.strategies.nccl_replay import P2P, HostWait, Post, ReplayError, StreamWait, replay
+from pipeline_recipes.strategies.recording import record_programs
 from toy_model import ToyMLP, toy_batches
 
 B, WIDTH = 2, 4
@@ -123,7 +123,7 @@ def test_the_transport_posts_every_message_untagged_in_one_batch_per_round(monke
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from strategies.p2p import Incoming, Outgoing, PipeComm
+    from pipeline_recipes.strategies.p2p import Incoming, Outgoing, PipeComm
 
     batches: list[list] = []
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from models.partition import balanced_partition, format_partition_table, stage_costs
+from pipeline_recipes.models.partition import balanced_partition, format_partition_table, stage_costs
 
 
 def brute_force_bottleneck(costs: list[float], stages: int) -> float:

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from planner.costs import AlphaBeta, LinearFit, fit_line, parse_bytes, rabenseifner, robust_line
-from planner.memory import Budget, predict_memory, worker_peak
-from planner.model_costs import CommCosts, LayerCosts, ModelCosts, uniform_costs
-from planner.partition import minmax_partition, recommend_partition
-from planner.predict import Candidate, candidates, predict_time
-from planner.recommend import JSON_KEYS, best_config, plan_all
-from strategies.schedules import peak_activations
+from pipeline_recipes.planner.costs import AlphaBeta, LinearFit, fit_line, parse_bytes, rabenseifner, robust_line
+from pipeline_recipes.planner.memory import Budget, predict_memory, worker_peak
+from pipeline_recipes.planner.model_costs import CommCosts, LayerCosts, ModelCosts, uniform_costs
+from pipeline_recipes.planner.partition import minmax_partition, recommend_partition
+from pipeline_recipes.planner.predict import Candidate, candidates, predict_time
+from pipeline_recipes.planner.recommend import JSON_KEYS, best_config, plan_all
+from pipeline_recipes.strategies.schedules import peak_activations
 
 ROOT = Path(__file__).resolve().parents[1]
 FREE = CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0))
@@ -189,8 +189,8 @@ def test_end_sync_fuses_the_buckets_copied_on_the_same_workers() -> None:
 
 def test_emulated_pipeline_profiles_without_sharing_cores() -> None:
     """The emulated stages (issue 6) are profiled like a model; they hold no core, so no stretch."""
-    from planner.profile import profile_pipeline
-    from strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.planner.profile import profile_pipeline
+    from pipeline_recipes.strategies.emulated import EmulatedPipeline
 
     model = EmulatedPipeline(4, t_f=0.002, activation_numel=64, param_numel=16)
     costs = profile_pipeline(model, model.batch, "emulated", batch_sizes=(1, 2), reps=2, memory=False,
@@ -208,8 +208,8 @@ def test_profile_rounds_interleave_batch_sizes(monkeypatch: pytest.MonkeyPatch) 
     read a 3× slope)."""
     import torch
 
-    import planner.profile as prof
-    from strategies.emulated import EmulatedPipeline
+    import pipeline_recipes.planner.profile as prof
+    from pipeline_recipes.strategies.emulated import EmulatedPipeline
 
     model = EmulatedPipeline(3, t_f=0.0, activation_numel=4, param_numel=4)
     runner = prof._LayerRunner(model, torch.device("cpu"))
@@ -248,8 +248,8 @@ def test_eager_sync_hides_allreduce_behind_bubbles() -> None:
 def test_cpu_contention_charges_only_the_overlap_with_computation() -> None:
     from types import SimpleNamespace as Box
 
-    from planner.costs import Collective
-    from planner.predict import _cpu_contention
+    from pipeline_recipes.planner.costs import Collective
+    from pipeline_recipes.planner.predict import _cpu_contention
 
     timeline = [[Box(start=0.0, end=2.0), Box(start=3.0, end=4.0)], [Box(start=0.0, end=4.0)]]
     early = Collective("stage0", (0, 1), {0: 1.0, 1: 1.0}, 2.5)  # runs 1.0–3.5
@@ -275,8 +275,8 @@ def test_candidates_cover_the_search_space() -> None:
 def test_concat_auto_with_the_planners_measured_costs() -> None:
     """``concat=auto``: as the runtime picks it (best_concat at t_b = 2 t_f) unless the planner has measured
     costs, then the method fastest at each method's own costs; a plan shows the concrete method."""
-    from planner.recommend import plan_one
-    from strategies.schedules import best_concat, concat_choices
+    from pipeline_recipes.planner.recommend import plan_one
+    from pipeline_recipes.strategies.schedules import best_concat, concat_choices
 
     assert [c.concat for c in candidates(4, 16, 6) if c.strategy == "chimera" and (c.D, c.B, c.pipelines) == (4, 2, 2)
             and c.recompute == "none"] == list(concat_choices(4, 8, 2))
@@ -307,7 +307,7 @@ def skewed() -> ModelCosts:
 
 
 def test_minmax_partition_equals_balanced_partition_for_additive_costs() -> None:
-    from models.partition import balanced_partition
+    from pipeline_recipes.models.partition import balanced_partition
 
     costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
     for stages in (1, 2, 3, 4):
@@ -374,9 +374,9 @@ def test_plan_script_json_keys(tmp_path: Path) -> None:
 
 
 def test_preflight_refuses_the_paper_gpt2_on_one_small_process() -> None:
-    from models import hydra_config
-    from planner.preflight import PreflightError, preflight
-    from recipe.layout import resolve_layout
+    from pipeline_recipes.models import hydra_config
+    from pipeline_recipes.planner.preflight import PreflightError, preflight
+    from pipeline_recipes.recipe.layout import resolve_layout
 
     cfg = {"model": hydra_config("gpt2"), "trainer": {"accelerator": "cpu", "devices": 1, "num_nodes": 1},
            "strategy": {"name": "gpipe", "D": 1, "micro_batch_size": 1, "recompute": "none"},
@@ -392,8 +392,8 @@ def test_preflight_refuses_the_paper_gpt2_on_one_small_process() -> None:
 
 
 def test_preflight_passes_and_suggests_layouts_that_fit() -> None:
-    from models import hydra_config
-    from planner.preflight import PreflightError, preflight
+    from pipeline_recipes.models import hydra_config
+    from pipeline_recipes.planner.preflight import PreflightError, preflight
 
     cfg = {"model": hydra_config("gpt2-tiny"), "trainer": {"accelerator": "cpu", "devices": 2},
            "strategy": {"name": "dapple", "recompute": "none"}}
@@ -405,7 +405,7 @@ def test_preflight_passes_and_suggests_layouts_that_fit() -> None:
 
 
 def test_profile_cache_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import planner.profile as prof
+    import pipeline_recipes.planner.profile as prof
 
     first = prof.load_or_profile("gpt2-tiny", cache_dir=tmp_path, comm="none", batch_sizes=(1, 2), reps=1)
     assert first.num_layers == 6 and first.layers[1].fwd(2) > 0
@@ -423,7 +423,7 @@ def test_profile_cache_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_profile_of_a_large_model_materialises_two_copies_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model whose training state would not fit is profiled from a meta build holding the embedding,
     the head and two blocks; a small one gets every layer."""
-    import planner.profile as prof
+    import pipeline_recipes.planner.profile as prof
 
     seen: dict = {}
 
@@ -453,7 +453,7 @@ def test_model_costs_json_round_trip() -> None:
 
 
 def test_strategy_auto_overrides(tmp_path: Path) -> None:
-    from planner.auto import auto_overrides
+    from pipeline_recipes.planner.auto import auto_overrides
 
     given = ["model=gpt2-tiny", "trainer.devices=2", "data.global_batch_size=4"]
     assert auto_overrides(given, ROOT / "conf") == given  # no strategy=auto: unchanged
@@ -540,7 +540,7 @@ def test_plan_accuracy_compares_the_pick_with_the_best_measured_per_global_batch
 @pytest.mark.slow
 def test_comm_micro_benchmarks_run_the_runtime_synchronizer() -> None:
     """Two gloo processes: p2p ping-pong, GradientSynchronizer all-reduces, the emulated calibration step."""
-    from planner.comm import measure_comm
+    from pipeline_recipes.planner.comm import measure_comm
 
     comm = measure_comm(sizes=(4096, 65536, 262144), reps=3, steps=3)
     assert comm.measured and comm.process_bytes > 0
@@ -550,8 +550,8 @@ def test_comm_micro_benchmarks_run_the_runtime_synchronizer() -> None:
 
 def test_runtime_calibration_separates_action_cost_from_message_latency() -> None:
     """Steps synthesised with a known per-action cost, per-message latency and per-step cost come back."""
-    from planner.comm import calibrate_runtime
-    from strategies.schedules import build_schedule, simulate
+    from pipeline_recipes.planner.comm import calibrate_runtime
+    from pipeline_recipes.strategies.schedules import build_schedule, simulate
 
     t_f, t_comm, o, hop, step = 0.002, 1e-4, 3e-4, 7e-4, 5e-4
     steps = {name: {n: step + simulate(build_schedule(name, 2, n), t_f + o, 2 * t_f + o, t_comm=t_comm + hop).makespan
@@ -567,7 +567,7 @@ def test_runtime_calibration_separates_action_cost_from_message_latency() -> Non
 def test_nonnegative_least_squares() -> None:
     import numpy as np
 
-    from planner.comm import nonnegative_lstsq
+    from pipeline_recipes.planner.comm import nonnegative_lstsq
 
     a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     assert nonnegative_lstsq(a, a @ np.array([2.0, 3.0])) == pytest.approx([2.0, 3.0])
@@ -576,7 +576,7 @@ def test_nonnegative_least_squares() -> None:
 
 
 def test_comm_samples_combine_as_the_slowest_rank_per_repetition() -> None:
-    from planner.comm import combine_ranks
+    from pipeline_recipes.planner.comm import combine_ranks
 
     def rank(p2p: list[float], allreduce: list[float], steps: list[float], rss: int) -> dict:
         return {"p2p": {4096: p2p}, "allreduce": {4096: allreduce}, "steps": {"gpipe": {2: steps}},

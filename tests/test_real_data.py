@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from datamodules import build_source, load_text_dataset
-from datamodules.cache import prepared
-from datamodules.tokenizer import TOKENIZER_FILES_KEY, check_tokenizer_config, hub_offline, tokenizer_files
+from pipeline_recipes.datamodules import build_source, load_text_dataset
+from pipeline_recipes.datamodules.cache import prepared
+from pipeline_recipes.datamodules.tokenizer import (TOKENIZER_FILES_KEY, check_tokenizer_config, hub_offline,
+                                                    tokenizer_files)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -183,7 +184,7 @@ def test_the_hub_is_offline_only_when_told(tmp_path: Path, corpus: Path, monkeyp
         assert hub_offline(False, environ={var: "1"})
     # train.py and the recipe's processes leave the variables alone
     env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
-    code = ("import os, sys; sys.path.insert(0, '.'); import train, recipe.worker, recipe.launch; "
+    code = ("import os, sys; sys.path.insert(0, '.'); import train, pipeline_recipes.recipe.worker, pipeline_recipes.recipe.launch; "
             "print(sorted(k for k in os.environ if k.endswith('_OFFLINE')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT / "src")},
                          capture_output=True, text=True, timeout=120)

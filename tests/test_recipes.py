@@ -18,10 +18,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recipe.accelerator import NodeDevices, resolve_accelerator
-from recipe.launch import launch_workers, num_layers
-from recipe.layout import ConfigError, resolve_layout
-from recipe.results import find_results
+from pipeline_recipes.recipe.accelerator import NodeDevices, resolve_accelerator
+from pipeline_recipes.recipe.launch import launch_workers, num_layers
+from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
+from pipeline_recipes.recipe.results import find_results
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF, RECIPES = ROOT / "conf", ROOT / "recipes"
@@ -64,7 +64,7 @@ def test_strategies_instantiate_from_config() -> None:
     from hydra.utils import instantiate
     from lightning.pytorch.strategies import Strategy
 
-    from strategies.lightning import PipelineStrategy
+    from pipeline_recipes.strategies.lightning import PipelineStrategy
 
     for option in GROUPS["strategy"]:
         cfg = _compose(overrides=[f"strategy={option}"])
@@ -103,7 +103,7 @@ def test_every_recipe_composes_and_every_cpu_job_is_valid(recipe: str) -> None:
 def test_users_trainer_keys_override_the_recipes() -> None:
     """``+trainer.<any Trainer argument>`` and the trainer group's keys reach ``Trainer`` over the recipe's
     own arguments (no duplicate keywords); ``trainer.callbacks`` are added; ``trainer.strategy`` is refused."""
-    from recipe.job import trainer_kwargs
+    from pipeline_recipes.recipe.job import trainer_kwargs
 
     cfg = _compose(overrides=["+trainer.enable_progress_bar=true", "+trainer.default_root_dir=/elsewhere",
                               "trainer.peak_tflops=312", "+trainer.callbacks=[{_target_: "
@@ -132,9 +132,9 @@ def test_layout_names_variants() -> None:
 def test_concat_auto_is_resolved_before_launch() -> None:
     """strategy.concat=auto: the layout (printed, labelled) and every worker's engine pick the same method,
     best_concat's (Chimera §3.5) for this D, N, B and pipelines; a bad method stops before launch."""
-    from planner.preflight import candidate_from_config
-    from strategies.engine import PipelineConfig
-    from strategies.schedules import best_concat
+    from pipeline_recipes.planner.preflight import candidate_from_config
+    from pipeline_recipes.strategies.engine import PipelineConfig
+    from pipeline_recipes.strategies.schedules import best_concat
 
     for B, expected in ((1, "forward_doubling"), (2, "backward_halving")):  # N = 8 = 2D: no halving at odd B
         cfg = _compose(overrides=["strategy=chimera", "strategy.concat=auto", "trainer.devices=4", "strategy.D=4",
@@ -192,7 +192,7 @@ def test_multirun_sweep_runs_every_job_once_and_logs_offline(tmp_path: Path) -> 
     assert ok[0].loss_history == pytest.approx(ok[1].loss_history, abs=1e-5)
     assert ok[0].loss_history == pytest.approx(ok[2].loss_history, abs=1e-5)
 
-    from recipe.wandb_offline import find_offline_runs
+    from pipeline_recipes.recipe.wandb_offline import find_offline_runs
 
     runs = find_offline_runs(sweep)
     assert sorted(r.name for r in runs) == ["chimera-W1-D2-B1-gpt2-tiny", "dapple-W1-D2-B1-gpt2-tiny",
@@ -262,7 +262,7 @@ def test_a_silent_rank_is_named_by_its_heartbeat(tmp_path: Path) -> None:
     once its heartbeat is older than hang_s, names rank 1 and stops both workers."""
     outcome, seconds = _launch_fake_workers(tmp_path, "silent_worker", (
         "import os, signal, time\n"
-        "from recipe.heartbeat import HEARTBEAT_ENV, start_heartbeat\n"
+        "from pipeline_recipes.recipe.heartbeat import HEARTBEAT_ENV, start_heartbeat\n"
         "start_heartbeat(os.environ[HEARTBEAT_ENV], interval_s=0.2)\n"
         "print('rank', os.environ['RANK'], 'started', flush=True)\n"
         "if os.environ['RANK'] == '1':\n"
@@ -297,7 +297,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.2)
         workers = {int(p.environ()["RANK"]): p for p in psutil.Process(proc.pid).children()
-                   if "recipe.worker" in " ".join(p.cmdline())}
+                   if "pipeline_recipes.recipe.worker" in " ".join(p.cmdline())}
         assert sorted(workers) == [0, 1]
         workers[1].send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()

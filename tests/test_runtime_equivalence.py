@@ -14,7 +14,7 @@ STEPS, B, LR = 3, 2, 0.05
 
 
 def _reference(model: ToyMLP, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.strategies.pipeline_model import sequential_loss
 
     return train_sgd(model, lambda batch: sequential_loss(model, batch), batches, LR)
 
@@ -22,7 +22,7 @@ def _reference(model: ToyMLP, batches) -> tuple[list[float], dict[str, torch.Ten
 def _pipeline_vs_reference(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
-    from strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
     out = []
     for case in cases:

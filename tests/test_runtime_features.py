@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed import WorldError, run_world
-from strategies.engine import PipelineConfig
-from strategies.grad_sync import bubble_after, last_backwards, launch_plan
-from strategies.pipeline_model import PipelineModel
-from strategies.recompute import recompute_stages
-from strategies.schedules import build_schedule
+from pipeline_recipes.strategies.engine import PipelineConfig
+from pipeline_recipes.strategies.grad_sync import bubble_after, last_backwards, launch_plan
+from pipeline_recipes.strategies.pipeline_model import PipelineModel
+from pipeline_recipes.strategies.recompute import recompute_stages
+from pipeline_recipes.strategies.schedules import build_schedule
 from toy_model import ToyMLP, toy_batches, train_sgd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,9 +46,9 @@ def test_config_defaults_keep_current_behaviour() -> None:
 def test_strategy_configs_and_strategy_pass_the_modes(name: str) -> None:
     import yaml
 
-    from strategies.grad_sync import GRAD_SYNC_MODES
-    from strategies.lightning import PipelineStrategy
-    from strategies.recompute import RECOMPUTE_MODES
+    from pipeline_recipes.strategies.grad_sync import GRAD_SYNC_MODES
+    from pipeline_recipes.strategies.lightning import PipelineStrategy
+    from pipeline_recipes.strategies.recompute import RECOMPUTE_MODES
 
     conf = yaml.safe_load((ROOT / "conf" / "strategy" / f"{name}.yaml").read_text())
     assert conf["grad_sync"] in GRAD_SYNC_MODES and conf["recompute"] in RECOMPUTE_MODES
@@ -70,7 +70,7 @@ def test_saved_bytes_tracking_frees_a_graph_dropped_without_backward() -> None:
     import gc
     import weakref
 
-    from strategies.recompute import SavedBytes
+    from pipeline_recipes.strategies.recompute import SavedBytes
 
     layer = nn.Linear(4, 4)
     saved = SavedBytes(frozenset())
@@ -152,7 +152,7 @@ def _train(engine, batches, rank, N):
 
 
 def _reference(model, batches):
-    from strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.strategies.pipeline_model import sequential_loss
 
     return train_sgd(model, lambda batch: sequential_loss(model, batch), batches, LR)
 
@@ -160,9 +160,9 @@ def _reference(model, batches):
 def _features(rank: int, world: int, cases: list[dict]) -> dict:
     import torch.distributed as dist
 
-    from strategies.emulated import EmulatedPipeline
-    from strategies.engine import PipelineEngine
-    from strategies.schedules import simulate
+    from pipeline_recipes.strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.engine import PipelineEngine
+    from pipeline_recipes.strategies.schedules import simulate
 
     out: dict = {"equivalence": [], "memory": {}, "dropout": {}}
     for case in cases:

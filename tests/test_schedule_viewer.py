@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from strategies.schedules import Schedule, best_concat, build_schedule, simulate
-from strategies.schedules.asynchronous import run as async_run
-from strategies.schedules.render import Span, ascii_chart, ascii_timeline, to_spans
+from pipeline_recipes.strategies.schedules import Schedule, best_concat, build_schedule, simulate
+from pipeline_recipes.strategies.schedules.asynchronous import run as async_run
+from pipeline_recipes.strategies.schedules.render import Span, ascii_chart, ascii_timeline, to_spans
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "schedule.py"

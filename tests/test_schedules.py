@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from strategies.schedules import (
+from pipeline_recipes.strategies.schedules import (
     CONCAT_METHODS, Action, DeadlockError, Schedule, best_concat, build_schedule, chimera, chimera_placement,
     concat_choices, dapple, gems, gpipe, parse_action, resolve_concat, simulate, validate,
 )
-from strategies.schedules.messages import fifo_violations
+from pipeline_recipes.strategies.schedules.messages import fifo_violations
 
 GRID = [(d, n) for d in (1, 2, 3, 4, 5, 6, 8) for n in (1, 2, 3, 4, 5, 7, 8, 12, 16)]
 EVEN_GRID = [(d, n) for d, n in GRID if d % 2 == 0]
@@ -24,7 +24,7 @@ def chimera_pipelines(d: int) -> list[int]:
 def test_no_torch_distributed_import() -> None:
     import subprocess
 
-    code = "import strategies.schedules, sys; print('torch' in sys.modules)"
+    code = "import pipeline_recipes.strategies.schedules, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False", "schedules must stay pure Python"
 

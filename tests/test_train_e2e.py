@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipe.layout import ConfigError, resolve_layout
+from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,7 +119,7 @@ def test_every_strategy_sees_the_same_batches(tmp_path: Path) -> None:
     the same learning rates. Rank 0 prints its progress line every step; the single run shows
     Lightning's progress bar instead (a user's trainer key over the recipe's); W&B names and tags
     carry strategy, model, W, D and B."""
-    from recipe.wandb_offline import find_offline_runs
+    from pipeline_recipes.recipe.wandb_offline import find_offline_runs
 
     common = ["trainer.max_steps=3", "trainer.log_every_n_steps=1", "data.global_batch_size=8", "preflight=false"]
     jobs = {"single": ["strategy=single", "trainer.devices=1", "+trainer.enable_progress_bar=true"],
@@ -167,9 +167,9 @@ def _ddp_share_vs_whole_batch(rank: int, world: int) -> float:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from datamodules import build_datasets
-    from strategies.lightning import PipelineModule
-    from strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.datamodules import build_datasets
+    from pipeline_recipes.strategies.lightning import PipelineModule
+    from pipeline_recipes.strategies.pipeline_model import sequential_loss
 
     cfg = {**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "bert-tiny.yaml")), "num_hidden_layers": 1}
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.pipeline_model import PipelineModel, TiedGroup
+from pipeline_recipes.strategies.pipeline_model import PipelineModel, TiedGroup
 
 from .materialize import materialize_layers, resolve_seed
 from .partition import balanced_partition, format_partition_table

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.masking_utils import create_causal_mask
 
-from strategies.pipeline_model import Batch, TiedGroup
+from pipeline_recipes.strategies.pipeline_model import Batch, TiedGroup
 
 from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .base import HFPipelineModel
 
-TARGETS = {"gpt2": "models.build_gpt2", "bert": "models.build_bert", **{
-    family: "models.build_decoder" for family in ("llama", "mistral", "qwen2", "qwen3")}}
+TARGETS = {"gpt2": "pipeline_recipes.models.build_gpt2", "bert": "pipeline_recipes.models.build_bert", **{
+    family: "pipeline_recipes.models.build_decoder" for family in ("llama", "mistral", "qwen2", "qwen3")}}
 
 
 def _gpt2(name: str, seq_len: int, n_layer: int, n_embd: int, n_head: int, *, tied: bool,

@@ -24,7 +24,7 @@ def auto_overrides(overrides: Sequence[str], config_dir: str | Path, *, cache_di
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from recipe.accelerator import choose_accelerator
+    from pipeline_recipes.recipe.accelerator import choose_accelerator
 
     from .memory import device_budget
     from .profile import load_or_profile

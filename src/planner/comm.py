@@ -74,7 +74,7 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
     import torch
     import torch.distributed as dist
 
-    from strategies.grad_sync import GradientSynchronizer
+    from pipeline_recipes.strategies.grad_sync import GradientSynchronizer
 
     rss = psutil.Process().memory_info().rss
     evict = torch.zeros(EVICT_BYTES // 4)
@@ -98,8 +98,8 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
         sync = GradientSynchronizer({0: [weight]}, {0: dist.group.WORLD}, [], None, timedelta(seconds=120))
         # in a step the all-reduce follows a backward: its buffers are not in cache
         allreduce[size] = _timed_samples(sync.finish, reps, before=lambda: evict.add_(1.0))
-    from strategies.emulated import EmulatedPipeline, hold
-    from strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.emulated import EmulatedPipeline, hold
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
     configs = []
     for name in CALIBRATION_SCHEDULES:
@@ -162,7 +162,7 @@ def calibrate_runtime(steps: Mapping[str, Mapping[int, float]], t_f: float, t_co
     """
     import numpy as np
 
-    from strategies.schedules import build_schedule, simulate
+    from pipeline_recipes.strategies.schedules import build_schedule, simulate
 
     rows, ys = [], []
     eps = 1e-6
@@ -204,7 +204,7 @@ def nonnegative_lstsq(a: Any, b: Any) -> list[float]:
 
 def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 30, steps: int = 30) -> CommCosts:
     """Run the micro-benchmarks in two spawned gloo processes (about 20 seconds)."""
-    from strategies.spawn import run_world
+    from pipeline_recipes.strategies.spawn import run_world
 
     results = run_world(2, _comm_worker, list(sizes), reps, steps, timeout=300)
     return fit_comm(combine_ranks(results))

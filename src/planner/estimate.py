@@ -52,7 +52,7 @@ class _FakeSaved:
 def _run(model: Any, first: int, last: int, x: Any, batch: Mapping[str, Any], skip: frozenset[int]) -> tuple[Any, _FakeSaved]:
     import torch
 
-    from strategies.pipeline_model import run_layers
+    from pipeline_recipes.strategies.pipeline_model import run_layers
 
     layers = model.pipeline_layers()
     inp = x.detach().requires_grad_(True) if first > 0 else x
@@ -81,8 +81,8 @@ def _estimate(cfg_json: str, sizes: tuple[int, ...]) -> ModelCosts:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from models import build_model
-    from models.materialize import allocate_empty
+    from pipeline_recipes.models import build_model
+    from pipeline_recipes.models.materialize import allocate_empty
 
     from .profile import make_batch
 

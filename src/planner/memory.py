@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from strategies.schedules import ASYNC_SCHEDULES, Schedule
-from strategies.schedules.asynchronous import stashed_versions
+from pipeline_recipes.strategies.schedules import ASYNC_SCHEDULES, Schedule
+from pipeline_recipes.strategies.schedules.asynchronous import stashed_versions
 
 from .model_costs import ADAMW_STATES, ModelCosts
 from .predict import Candidate, runtime_partition
@@ -66,7 +66,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     worker's stages to their layers; ``prefetch`` receive buffers are allocated ahead of their
     action (a round receives the next action's inputs, a few messages come one round earlier:
     :mod:`strategies.schedules.comm`)."""
-    from strategies.grad_sync import launch_plan
+    from pipeline_recipes.strategies.grad_sync import launch_plan
 
     D, B = cand.D, cand.B
     stages = schedule.stages_of(worker)

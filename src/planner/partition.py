@@ -25,7 +25,7 @@ OBJECTIVES = ("time", "memory")
 
 def minmax_partition(num_layers: int, stages: int, cost: Callable[[int, int, int], float]) -> list[range]:
     """:func:`models.partition.minmax_partition` with ``cost`` memoised (a stage's predicted peak)."""
-    from models.partition import minmax_partition as solve
+    from pipeline_recipes.models.partition import minmax_partition as solve
 
     return solve(num_layers, stages, functools.cache(lambda s, i, j: float(cost(s, i, j))))
 
@@ -44,7 +44,7 @@ def rank_peaks(costs: ModelCosts, cand: Candidate, partition: Sequence[range], k
 def recommend_partition(costs: ModelCosts, cand: Candidate, objective: str = "time", *,
                         keep_sends: bool | None = None) -> list[range]:
     """The recommended layers per stage for this layout (see the module docstring)."""
-    from models.partition import balanced_partition
+    from pipeline_recipes.models.partition import balanced_partition
 
     if objective not in OBJECTIVES:
         raise ValueError(f"partition objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -91,7 +91,7 @@ def partition_overrides(partition: Sequence[range], layer_costs: Sequence[float]
                         grid: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)) -> list[str] | None:
     """``model.embedding_cost``/``model.head_cost`` overrides under which ``train.py``'s
     ``model.partition(D)`` yields ``partition`` (None if no pair on the grid does)."""
-    from models.partition import balanced_partition
+    from pipeline_recipes.models.partition import balanced_partition
 
     target = [(r.start, r.stop) for r in partition]
     base = list(layer_costs)

@@ -33,11 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from strategies.schedules import (
+from pipeline_recipes.strategies.schedules import (
     ASYNC_SCHEDULES, AUTO_CONCAT, Schedule, best_concat, build_schedule, concat_choices, resolve_concat, simulate,
     validate,
 )
-from strategies.schedules.asynchronous import steady_step, steady_step_makespan, window
+from pipeline_recipes.strategies.schedules.asynchronous import steady_step, steady_step_makespan, window
 
 from .costs import Collective, rabenseifner, sync_timeline
 from .model_costs import ModelCosts
@@ -87,7 +87,7 @@ class Candidate:
         return replace(self, concat=method)
 
     def recompute_stages(self) -> frozenset[int]:
-        from strategies.recompute import recompute_stages
+        from pipeline_recipes.strategies.recompute import recompute_stages
 
         return recompute_stages(self.recompute, self.D)
 
@@ -176,7 +176,7 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
 
 def runtime_partition(costs: ModelCosts, D: int) -> list[range]:
     """The split ``train.py`` uses: ``model.partition(D)`` (balanced by ``layer_costs("layers")``)."""
-    from models.partition import balanced_partition
+    from pipeline_recipes.models.partition import balanced_partition
 
     weights = costs.meta.get("layer_costs") or [1.0] * costs.num_layers
     return balanced_partition(weights, D)
@@ -293,7 +293,7 @@ def _cpu_contention(collectives: Sequence[Collective], timeline: Sequence, compu
 def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range], schedule: Schedule,
                  timeline: Sequence, compute_end: Sequence[float], stretch: float) -> list[Collective]:
     """The gradient all-reduces of one replica group's workers (every replica alike, Chimera §3.3)."""
-    from strategies.grad_sync import launch_plan
+    from pipeline_recipes.strategies.grad_sync import launch_plan
 
     ar = costs.comm.allreduce
     early: dict[int, set[int]] = {}

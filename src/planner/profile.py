@@ -55,7 +55,7 @@ PROFILE_QUANTILE = 0.25  # of the samples: background load only ever slows a sam
 def model_config_dict(model_cfg: Any) -> dict[str, Any]:
     """A plain dict of a model config (Hydra ``DictConfig``, mapping or preset name)."""
     if isinstance(model_cfg, str):
-        from models import preset
+        from pipeline_recipes.models import preset
 
         return preset(model_cfg)
     try:
@@ -89,7 +89,7 @@ def cache_key(model_cfg: Mapping[str, Any], device: str, settings: Mapping[str, 
 
 def make_batch(model: nn.Module, size: int, seed: int = 0) -> dict[str, Tensor]:
     """A synthetic mini-batch of ``size`` samples shaped like the training data of ``model``."""
-    from datamodules.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
+    from pipeline_recipes.datamodules.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
 
     vocab, seq = int(model.config.vocab_size), int(model.seq_len)
     if getattr(model, "family", "") == "bert":
@@ -130,7 +130,7 @@ class _LayerRunner:
     """Forward/backward of a group of consecutive layers as the executor runs a stage."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        from strategies.recompute import parameter_storages
+        from pipeline_recipes.strategies.recompute import parameter_storages
 
         self.model, self.device = model, device
         self.layers = model.pipeline_layers()
@@ -138,7 +138,7 @@ class _LayerRunner:
 
     def loss(self, out: Any, batch: Mapping[str, Any]) -> Tensor:
         try:
-            from strategies.executor import loss_counts, micro_batch_loss
+            from pipeline_recipes.strategies.executor import loss_counts, micro_batch_loss
 
             totals = {k: float(v) for k, v in loss_counts(self.model, batch).items()}
             return micro_batch_loss(self.model, out, batch, totals)
@@ -147,8 +147,8 @@ class _LayerRunner:
 
     def forward(self, first: int, last: int, x: Tensor, batch: Mapping[str, Any]) -> tuple[Tensor, Any, int, bool]:
         """Run layers ``first..last``; return (input, output, saved bytes, whether the input is saved)."""
-        from strategies.pipeline_model import run_layers
-        from strategies.recompute import SavedBytes
+        from pipeline_recipes.strategies.pipeline_model import run_layers
+        from pipeline_recipes.strategies.recompute import SavedBytes
 
         inp = x.detach().requires_grad_(True) if first > 0 else x
         saved = SavedBytes(self.storages)
@@ -164,7 +164,7 @@ class _LayerRunner:
 
     def forward_nograd(self, index: int, x: Tensor, batch: Mapping[str, Any]) -> Tensor:
         """Layer ``index`` without a graph, as a recomputed stage first runs it."""
-        from strategies.pipeline_model import run_layers
+        from pipeline_recipes.strategies.pipeline_model import run_layers
 
         with torch.no_grad():
             out = run_layers(self.layers[index : index + 1], x, batch)
@@ -225,7 +225,7 @@ class _SizeRun:
 
 def _prepare_size(runner: _LayerRunner, batch: dict[str, Tensor]) -> _SizeRun:
     """Each layer's input, output gradient, stored and output bytes at this batch size."""
-    from strategies.pipeline_model import call_layer
+    from pipeline_recipes.strategies.pipeline_model import call_layer
 
     model, layers = runner.model, runner.layers
     n = len(layers)
@@ -375,7 +375,7 @@ def layers_mode(model_cfg: Any, device: str | torch.device = "cpu", layers: str 
         raise ValueError(f"layers must be one of {', '.join(LAYER_MODES)}, got {layers!r}")
     if layers != "auto":
         return layers
-    from models import build_model
+    from pipeline_recipes.models import build_model
 
     params = build_model(model_config_dict(model_cfg), device="meta").num_parameters()
     return "distinct" if 16 * params > DISTINCT_FRACTION * _device_memory(torch.device(device)) else "all"
@@ -403,7 +403,7 @@ def profile_model(model_cfg: Any, *, batch_sizes: Sequence[int] = (1, 4), reps: 
     reuse those weights (identical layers cost the same; their samples are pooled anyway), so the
     profile of a model larger than one device never holds the whole model.
     """
-    from models import build_model
+    from pipeline_recipes.models import build_model
 
     cfg = model_config_dict(model_cfg)
     dev = torch.device(device)

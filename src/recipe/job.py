@@ -106,7 +106,7 @@ def resolve_ckpt_path(value: str | None, pipeline: bool = True) -> str | None:
     Only the pipeline strategies read sharded directories; ``ddp`` and ``single`` need the
     consolidated file (``scripts/consolidate_ckpt.py``).
     """
-    from strategies.checkpoint import is_sharded
+    from pipeline_recipes.strategies.checkpoint import is_sharded
 
     if not value:
         return None
@@ -145,7 +145,7 @@ def run_job(spec: JobSpec) -> float | None:
     import torch
     from hydra.utils import instantiate
 
-    from strategies.lightning import PipelineModule, PipelineStrategy
+    from pipeline_recipes.strategies.lightning import PipelineModule, PipelineStrategy
 
     from .flops import model_flops_per_token
     from .metrics import PipelineMetrics, ReplicaThroughputMonitor

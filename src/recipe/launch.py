@@ -77,7 +77,7 @@ def _tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
-def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path, module: str = "recipe.worker",
+def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path, module: str = "pipeline_recipes.recipe.worker",
                    grace_s: float = GRACE_S, hang_s: float | None = None, launch: Launch | None = None) -> Outcome:
     """Start ``devices`` workers (``python -m module job_file``) of this node (``launch``: which node
     and where the ranks meet; default one node), stream rank 0's output, stop them all if one dies
@@ -192,14 +192,14 @@ def run(cfg: DictConfig) -> float | None:
                                 cfg.data.global_batch_size, num_layers(cfg.model))
         check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True))
         if cfg.data.get("tokenizer"):  # loads it (transformers): model.vocab_size must cover it
-            from datamodules.tokenizer import check_tokenizer_config
+            from pipeline_recipes.datamodules.tokenizer import check_tokenizer_config
 
             check_tokenizer_config(OmegaConf.to_container(cfg.data, resolve=True))
         check_devices(trainer_cfg, _gpus(choice))
         check_precision(layout.strategy, trainer_cfg)
         launch = detect_launch(os.environ, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
         if cfg.get("preflight", True):
-            from planner.preflight import preflight  # estimates on fake tensors: no memory is allocated
+            from pipeline_recipes.planner.preflight import preflight  # estimates on fake tensors: no memory is allocated
 
             preflight(OmegaConf.to_container(cfg, resolve=True), layout)
     except ValueError as err:  # ConfigError, or the planner's PreflightError (does not fit in memory)

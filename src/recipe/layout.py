@@ -156,7 +156,7 @@ def _check_trainer_keys(trainer: dict[str, Any]) -> None:
 def _resolve_concat(name: str, D: int, N: int, B: int, pipelines: int, concat: str) -> str:
     """``strategy.concat=auto``: the method :func:`strategies.schedules.best_concat` picks for this layout,
     the same the workers' engines pick."""
-    from strategies.schedules import AUTO_CONCAT, CONCAT_METHODS, resolve_concat
+    from pipeline_recipes.strategies.schedules import AUTO_CONCAT, CONCAT_METHODS, resolve_concat
 
     if concat not in (*CONCAT_METHODS, AUTO_CONCAT):
         raise ConfigError(f"strategy.concat = {concat!r} is not a concatenation method (Chimera §3.5); use one of "
@@ -166,7 +166,7 @@ def _resolve_concat(name: str, D: int, N: int, B: int, pipelines: int, concat: s
 
 def _check_schedule(name: str, D: int, N: int, B: int, pipelines: int, concat: str) -> None:
     """Build (and validate) the schedule the workers will run, so a bad combination stops here."""
-    from strategies.schedules import build_schedule, validate
+    from pipeline_recipes.strategies.schedules import build_schedule, validate
 
     try:
         schedule = validate(build_schedule(name, D, N, pipelines if name == "chimera" else None,

@@ -34,8 +34,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from strategies.lightning import PipelineStrategy
-from strategies.schedules import simulate
+from pipeline_recipes.strategies.lightning import PipelineStrategy
+from pipeline_recipes.strategies.schedules import simulate
 
 from .flops import Utilisation, resolve_utilisation
 from .layout import Layout
@@ -257,7 +257,7 @@ class PipelineMetrics(Callback):
             return
         picture = None
         if rows is not None:
-            from strategies.schedules.render import save_png
+            from pipeline_recipes.strategies.schedules.render import save_png
 
             picture = self.out_dir / "timeline.png"
             save_png(rows, self._engine(trainer).last_executed(self.layout.N), str(picture),

@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     from .job import JobSpec, run_job
 
     if len(argv) != 1:
-        print("usage: python -m recipe.worker <job.yaml>", file=sys.stderr)
+        print("usage: python -m pipeline_recipes.recipe.worker <job.yaml>", file=sys.stderr)
         return 2
     run_job(JobSpec.load(argv[0]))
     return 0

@@ -103,7 +103,7 @@ class PipelineEngine:
         partition: Sequence[range] | None = None,
     ) -> None:
         if not isinstance(model, PipelineModel):
-            raise TypeError(f"{type(model).__name__} must implement strategies.pipeline_model.PipelineModel")
+            raise TypeError(f"{type(model).__name__} must implement pipeline_recipes.strategies.pipeline_model.PipelineModel")
         self.model, self.config, self.device = model, config, device
         self.rank = dist.get_rank()
         self.timeout = timedelta(seconds=config.timeout_s)

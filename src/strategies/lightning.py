@@ -98,7 +98,7 @@ class PipelineStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if not isinstance(module, PipelineModule):
-            raise TypeError(f"{type(module).__name__} must subclass strategies.lightning.PipelineModule")
+            raise TypeError(f"{type(module).__name__} must subclass pipeline_recipes.strategies.lightning.PipelineModule")
         self.precision_plugin.convert_module(module)
         self.model_index = ckpt.ModelIndex.of(module, module.model.pipeline_layers())  # before remote layers go
         self.engine = PipelineEngine(
