@@ -19,15 +19,26 @@ Parts (``--parts``, comma-separated; default all):
 * ``overhead``: D = 1 engine step vs a plain single-process step of the same model and batch.
 * ``grad_sync``: end vs eager vs eager_opt gradient all-reduce (Chimera §3.2) on emulated Chimera.
 * ``recompute``: peak stored activation bytes and step time of none / except_last / always on GPT-2.
+* ``e2e``: ``train.py`` itself (Lightning strategy, data, metrics, logging) against ScheduleGPipe and
+  Schedule1F1B in the job's own processes, and ``train.py strategy=single`` against a plain Lightning
+  loop (``scripts/bench_e2e.py``).
 
 JSON: ``{"schedule_efficiency": [...], "chimera_vs_dapple": [...], "vs_torch": [...],
-"overhead_d1": float, "grad_sync": [...], "recompute": [...]}`` (ratios are plain numbers).
+"overhead_d1": float, "grad_sync": [...], "recompute": [...], "e2e_vs_torch": [...],
+"e2e_overhead_d1": {...}, "details": {...}, "meta": {...}}`` (ratios are plain numbers). ``details``
+holds what the tables print beyond the contract's columns (the efficiency rows' simulated action
+times, medians, every round's times); ``meta`` the machine, its load average before and after each
+part, each part's wall time and the command. ``python scripts/bench_tables.py FILE`` prints
+BENCHMARKS.md's tables from the file.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -39,8 +50,12 @@ import torch
 
 from pipeline_recipes.strategies.spawn import run_world
 
-PARTS = ("efficiency", "vs_torch", "overhead", "grad_sync", "recompute")
-KEYS = ("schedule_efficiency", "chimera_vs_dapple", "vs_torch", "overhead_d1", "grad_sync", "recompute")
+ROOT = Path(__file__).resolve().parents[1]
+
+PARTS = ("efficiency", "vs_torch", "overhead", "grad_sync", "recompute", "e2e")
+KEYS = ("schedule_efficiency", "chimera_vs_dapple", "vs_torch", "overhead_d1", "grad_sync", "recompute",
+        "e2e_vs_torch", "e2e_overhead_d1", "details", "meta")
+EFFICIENCY_ROUNDS = 10  # measured rounds per efficiency row (fewer than before: the whole run fits ~20 min here)
 
 
 # -- helpers (run inside the ranks) --------------------------------------------------------------
@@ -330,7 +345,7 @@ def _recompute_worker(rank: int, world: int, size: dict[str, int], schedule: str
 
 
 def part_efficiency(quick: bool) -> dict[str, list[dict]]:
-    t_f, steps, warmup = (0.005, 3, 1) if quick else (0.02, 15, 2)
+    t_f, steps, warmup = (0.005, 3, 1) if quick else (0.02, EFFICIENCY_ROUNDS, 2)
     depths = (2,) if quick else (2, 4, 8)
     rows = []
     for D in depths:
@@ -346,7 +361,7 @@ def part_efficiency(quick: bool) -> dict[str, list[dict]]:
             versus.append({"D": D, "N": N,
                            "measured_ratio": paired_ratio(times[(name, D, N)], times[("dapple", D, N)]),
                            "theory_ratio": chimera["simulated_s"] / by[("dapple", D, N)]["simulated_s"]})
-    return {"schedule_efficiency": rows, "chimera_vs_dapple": versus}
+    return {"schedule_efficiency": rows, "chimera_vs_dapple": versus, "_efficiency_rounds": steps}
 
 
 GPT2_BENCH = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 4096, "seq": 128}
@@ -398,8 +413,14 @@ def part_recompute(quick: bool) -> dict[str, list[dict]]:
     return {"recompute": rows}
 
 
+def part_e2e(quick: bool) -> dict[str, Any]:
+    from bench_e2e import part_e2e as run_e2e
+
+    return run_e2e(quick, ours=("dapple",) if quick else ("gpipe", "dapple"), without_logger=() if quick else ("dapple",))
+
+
 RUNNERS = {"efficiency": part_efficiency, "vs_torch": part_vs_torch, "overhead": part_overhead,
-           "grad_sync": part_grad_sync, "recompute": part_recompute}
+           "grad_sync": part_grad_sync, "recompute": part_recompute, "e2e": part_e2e}
 
 
 # -- output ---------------------------------------------------------------------------------------
@@ -421,10 +442,29 @@ EFFICIENCY_KEYS = ("schedule", "D", "N", "measured_s", "simulated_s", "ratio")
 
 def _contract(data: dict[str, Any]) -> dict[str, Any]:
     """The JSON file's exact keys; the efficiency rows' extra columns (``simulated_actions_s``,
-    ``ratio_actions``) are printed in the table only."""
+    ``ratio_actions``) go to ``details.schedule_efficiency``."""
     out = {k: data[k] for k in KEYS}
     out["schedule_efficiency"] = [{k: row[k] for k in EFFICIENCY_KEYS} for row in data["schedule_efficiency"]]
+    if any(set(row) - set(EFFICIENCY_KEYS) for row in data["schedule_efficiency"]):
+        out["details"] = {**out["details"], "schedule_efficiency": data["schedule_efficiency"]}
     return out
+
+
+def machine() -> dict[str, Any]:
+    """What ran the benchmark: CPU model, cores, memory, versions, commit."""
+    import subprocess
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem = None
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "python": platform.python_version(),
+            "torch": torch.__version__, "git_commit": commit, "git_dirty": dirty}
 
 
 def report(data: dict[str, Any]) -> str:
@@ -447,6 +487,14 @@ def report(data: dict[str, Any]) -> str:
         out += ["activation recomputation (GPT-2, DAPPLE)",
                 _table(data["recompute"],
                        ["mode", "peak_stored_bytes_by_rank", "memory_ratio", "measured_s", "time_ratio"]), ""]
+    if data.get("e2e_vs_torch"):
+        out += ["train.py end to end vs torch.distributed.pipelining (throughput_ratio > 1: train.py faster)",
+                _table(data["e2e_vs_torch"], ["ours", "theirs", "ours_median_s", "theirs_median_s", "throughput_ratio"]),
+                ""]
+    if data.get("e2e_overhead_d1"):
+        e = data["e2e_overhead_d1"]
+        out += [f"train.py strategy=single / plain Lightning loop: {e['ratio']:.4f} "
+                f"({e['train_py_median_s']:.4f} s vs {e['plain_lightning_median_s']:.4f} s)", ""]
     return "\n".join(out)
 
 
@@ -462,21 +510,30 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
     out = Path(args.out)
     data: dict[str, Any] = {"schedule_efficiency": [], "chimera_vs_dapple": [], "vs_torch": [], "overhead_d1": None,
-                            "grad_sync": [], "recompute": []}
+                            "grad_sync": [], "recompute": [], "e2e_vs_torch": [], "e2e_overhead_d1": None,
+                            "details": {}, "meta": {"parts": {}}}
     if out.exists() and not args.quick:
         data.update({k: v for k, v in json.loads(out.read_text()).items() if k in KEYS})
-    details: dict[str, Any] = {}
+        data["schedule_efficiency"] = data["details"].get("schedule_efficiency", data["schedule_efficiency"])
+    began = time.perf_counter()
+    data["meta"] = {**data["meta"], "machine": machine(), "command": " ".join(["python scripts/bench.py", *(argv or sys.argv[1:])]),
+                    "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    data["meta"].setdefault("parts", {})
     for part in parts:
-        start = time.perf_counter()
+        start, load = time.perf_counter(), os.getloadavg()
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         result = RUNNERS[part](args.quick)
-        details.update({k: v for k, v in result.items() if k.startswith("_")})
+        data["details"] = {**data["details"], **{k[1:]: v for k, v in result.items() if k.startswith("_")}}
         data.update({k: v for k, v in result.items() if not k.startswith("_")})
-        print(f"[{part}: {time.perf_counter() - start:.1f}s]", file=sys.stderr)
+        wall = time.perf_counter() - start
+        data["meta"]["parts"][part] = {"wall_s": round(wall, 1), "load_average_before": list(load),
+                                       "load_average_after": list(os.getloadavg()), "started_utc": started,
+                                       "git_commit": data["meta"]["machine"]["git_commit"]}
+        print(f"[{part}: {wall:.1f}s, load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}]", file=sys.stderr)
+    data["meta"]["wall_s"] = round(time.perf_counter() - began, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(_contract(data), indent=2) + "\n")
     print(report(data))
-    if details:
-        print(json.dumps(details, indent=1))
     return 0
 
 

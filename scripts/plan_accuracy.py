@@ -245,9 +245,12 @@ def merge_repeats(repeats: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def _describe(row: dict[str, Any]) -> str:
-    return (f"  {row['layout']:28s} W={row['W']} D={row['D']} B={row['B']} N={row['N']}: time "
+    repeats = row.get("repeats") or []
+    errors = ", ".join(f"{r['time_error']:.1%}" for r in repeats)
+    per_repeat = f" [repeats: {errors}]" if len(repeats) > 1 else ""
+    return (f"  {row['compute']:8s} {row['layout']:28s} W={row['W']} D={row['D']} B={row['B']} N={row['N']}: time "
             f"{row['predicted_s'] * 1e3:7.2f} ms predicted, {row['measured_s'] * 1e3:7.2f} ms measured "
-            f"({row['time_error']:.1%}{', oversubscribed' if row['oversubscribed'] else ''}); peak/rank "
+            f"({row['time_error']:.1%}{', oversubscribed' if row['oversubscribed'] else ''}){per_repeat}; peak/rank "
             f"{max(row['predicted_peak_bytes']) / 2**20:.2f} vs {max(row['measured_peak_bytes']) / 2**20:.2f} MiB "
             f"({row['memory_error']:.1%})")
 
@@ -348,10 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                     log(_describe(rows[-1]))
         repeats.append(rows)
     rows = merge_repeats(repeats)
-    if args.repeats > 1:
-        log(f"median over {args.repeats} repeats (each re-profiled and re-measured):")
-        for row in rows:
-            log(_describe(row))
+    log(f"every layout, median over {args.repeats} repeat(s) (each re-profiled and re-measured; the per-repeat "
+        "errors in brackets):")
+    for row in rows:
+        log(_describe(row))
     counted = [r for r in rows if not r["oversubscribed"]]
     apart = [r for r in rows if r["oversubscribed"]]
     m_err = [r["memory_error"] for r in rows]
@@ -360,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                "memory_error_median": statistics.median(m_err), "memory_error_max": max(m_err),
                "by_compute": errors_by_compute(counted),
                "recommended_vs_best": picks, "cores": cores, "load_average": list(os.getloadavg())}
+    summary.update(time_error_stats(rows, "all_"))  # every row, the oversubscribed ones included
     if apart:
         summary.update(time_error_stats(apart, "oversubscribed_"))
     for pick in picks:
@@ -373,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind, e in summary["by_compute"].items():
         log(f"  {kind} compute, {e['layouts']} layouts: time error median {e['time_error_median']:.1%}, max "
             f"{e['time_error_max']:.1%}; median signed error {e['signed_error_median']:+.1%}")
+    log(f"all {summary['all_layouts']} layouts, the oversubscribed ones included: time error median "
+        f"{summary['all_time_error_median']:.1%}, max {summary['all_time_error_max']:.1%}")
     if apart:
         log(f"not counted: {len(apart)} real-compute layouts with more ranks than the {cores} cores: time error "
             f"median {summary['oversubscribed_time_error_median']:.1%}, max {summary['oversubscribed_time_error_max']:.1%}")

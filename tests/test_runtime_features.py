@@ -291,7 +291,7 @@ def test_bench_quick_writes_the_json_contract(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert set(data) == {"schedule_efficiency", "chimera_vs_dapple", "vs_torch", "overhead_d1", "grad_sync",
-                         "recompute"}
+                         "recompute", "e2e_vs_torch", "e2e_overhead_d1", "details", "meta"}
     assert data["schedule_efficiency"] and set(data["schedule_efficiency"][0]) == {
         "schedule", "D", "N", "measured_s", "simulated_s", "ratio"}
     assert data["chimera_vs_dapple"] and set(data["chimera_vs_dapple"][0]) == {
@@ -299,6 +299,9 @@ def test_bench_quick_writes_the_json_contract(tmp_path: Path) -> None:
     assert data["vs_torch"] and set(data["vs_torch"][0]) == {"ours", "theirs", "throughput_ratio"}
     assert isinstance(data["overhead_d1"], float)
     assert data["grad_sync"] and data["recompute"]
+    assert {r["theirs"] for r in data["e2e_vs_torch"]} == {"ScheduleGPipe", "Schedule1F1B", "engine:dapple"}
+    assert all(r["throughput_ratio"] > 0 for r in data["e2e_vs_torch"]) and data["e2e_overhead_d1"]["ratio"] > 0
+    assert set(data["meta"]["parts"]) == {"efficiency", "vs_torch", "overhead", "grad_sync", "recompute", "e2e"}
     for row in data["schedule_efficiency"] + data["vs_torch"]:
         assert all(isinstance(v, (int, float, str)) for v in row.values())
 

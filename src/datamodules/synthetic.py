@@ -31,19 +31,19 @@ class _TokenChain:
             raise ValueError(f"vocabulary range [{low}, {high}) is too small")
         self.low, self.high, self.structure, self.noise = low, high, structure, float(noise)
         self.table = low + np.random.default_rng([int(seed), 0x7AB1E]).permutation(high - low)
+        self._table_list = self.table.tolist()
 
     def sample(self, rng: np.random.Generator, length: int, first: int | None = None) -> np.ndarray:
         if self.structure == "uniform":
             return rng.integers(self.low, self.high, size=length)
-        fresh = rng.integers(self.low, self.high, size=length)
-        keep_chain = rng.random(length) >= self.noise
-        out = np.empty(length, dtype=np.int64)
+        fresh = rng.integers(self.low, self.high, size=length).tolist()
+        keep_chain = (rng.random(length) >= self.noise).tolist()
+        table, low = self._table_list, self.low
+        out = [0] * length  # a loop over Python ints: numpy's per-element indexing made this the data loader's cost
         prev = first
         for t in range(length):
-            tok = self.table[prev - self.low] if (prev is not None and keep_chain[t]) else fresh[t]
-            out[t] = tok
-            prev = int(tok)
-        return out
+            prev = out[t] = table[prev - low] if (prev is not None and keep_chain[t]) else fresh[t]
+        return np.asarray(out, dtype=np.int64)
 
 
 class SyntheticGPT2Dataset(Dataset):

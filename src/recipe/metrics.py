@@ -8,7 +8,8 @@
   clock on CPU, CUDA events on GPUs); the theoretical one is the
   simulator's for the schedule that was executed (t_b = 2·t_f).
 * Peak memory per rank: CUDA max allocated on GPU, the process's peak RSS on CPU.
-* The learning rate of every step (logged every step, kept as ``lr_history``) and the model FLOPs
+* The learning rate of every step (a logger row per step, written in bursts on reporting steps; kept
+  as ``lr_history``) and the model FLOPs
   utilisation (:mod:`recipe.flops`: achieved TFLOP/s per device from the median token rate, MFU
   against the device's peak).
 
@@ -115,9 +116,16 @@ class PipelineMetrics(Callback):
         self._lr: float | None = None
         self.bubbles: list[float] = []
         self.peak_memory: list[int] = []
+        # (loss, busy s, span s, async loss step) of the steps since the last gather (:meth:`_collect`)
+        self._pending: list[tuple[torch.Tensor, float, float, int | None]] = []
+        self._device = torch.device("cpu")
+        self._trainer: pl.Trainer | None = None
+        self._rows: list[tuple[int, dict[str, float]]] = []  # rank 0: (step, metrics) not written yet
 
     @override
     def state_dict(self) -> dict[str, Any]:  # kept in checkpoints: a resumed run reports the whole history
+        if self._pending and self._trainer is not None:  # every rank saves (dump_checkpoint runs everywhere)
+            self._collect(self._engine(self._trainer))
         return {"loss_history": list(self.loss_history), "lr_history": list(self.lr_history)}
 
     @override
@@ -129,6 +137,7 @@ class PipelineMetrics(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.utilisation = resolve_utilisation(self.flops_per_token, self.layout.world_size,
                                                trainer.strategy.root_device, trainer.precision, self.peak_tflops)
+        self._device, self._trainer = trainer.strategy.root_device, trainer
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -144,6 +153,8 @@ class PipelineMetrics(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        """Keep this step's loss and timeline figures; gather them over the ranks only on reporting steps
+        (:meth:`_reporting`): a collective every step would line the ranks up once more per step."""
         engine = self._engine(trainer)
         record = engine.last_record if engine is not None else None
         busy = span = 0.0
@@ -152,21 +163,59 @@ class PipelineMetrics(Callback):
             span = record.timeline[-1][2] - record.timeline[0][1]
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.lr_history.append(self._lr)
-        if self._lr is not None and trainer.is_global_zero:  # every step, like ThroughputMonitor's rates
-            for logger in trainer.loggers:
-                logger.log_metrics({"train/lr": self._lr}, step=trainer.global_step - 1)
-        local = torch.tensor([float("nan") if loss is None else float(loss), busy, span, float(peak_memory_bytes(trainer.strategy.root_device))],
-                             dtype=torch.float64)
-        gathered = _all_gather_rows(local.to(trainer.strategy.root_device)).cpu()
-        self._record_loss(float(gathered[:, 0].mean()), engine)  # equal on pipeline ranks; mean over DDP replicas
-        self.peak_memory = [int(m) for m in gathered[:, 3]]
-        if record is not None and float(gathered[:, 2].max()) > 0:
-            ratio = 1.0 - float(gathered[:, 1].sum()) / (len(gathered) * float(gathered[:, 2].max()))
-            self.bubbles.append(ratio)
-            pl_module.log("train/bubble_ratio_measured", ratio, on_step=True, rank_zero_only=True)
-        pl_module.log("memory/peak_bytes_max", float(gathered[:, 3].max()), on_step=True, rank_zero_only=True)
-        for rank, peak in enumerate(self.peak_memory):
-            pl_module.log(f"memory/peak_bytes_rank{rank}", float(peak), on_step=True, rank_zero_only=True)
+        if trainer.is_global_zero:  # the learning rate of every step, written to the loggers on reporting steps
+            self._rows.append((trainer.global_step - 1, {} if self._lr is None else {"train/lr": self._lr}))
+        step = engine.loss_step if engine is not None and engine.config.is_async else None
+        self._pending.append((torch.full((), float("nan")) if loss is None else loss.detach(), busy, span, step))
+        if not self._reporting(trainer):
+            return
+        self._collect(engine)
+        if trainer.is_global_zero and self._rows:  # this step's row also carries the bubble and memory figures
+            figures = self._rows[-1][1]
+            if record is not None and self.bubbles:
+                figures["train/bubble_ratio_measured"] = self.bubbles[-1]
+            figures["memory/peak_bytes_max"] = float(max(self.peak_memory))
+            figures.update({f"memory/peak_bytes_rank{rank}": float(peak) for rank, peak in enumerate(self.peak_memory)})
+        self._write_rows(trainer)
+
+    def _write_rows(self, trainer: pl.Trainer) -> None:
+        """The rows kept since the last reporting step, one logger call per step, in step order (one
+        call per step, but in bursts: a logger call every step cost rank 0 about 1 ms, which the other
+        ranks of a pipeline then wait for)."""
+        rows, self._rows = self._rows, []
+        for step, metrics in rows:
+            if metrics:
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step)
+
+    @staticmethod
+    def _reporting(trainer: pl.Trainer) -> bool:
+        """Steps whose figures someone reads at once: the loggers' steps (every ``log_every_n_steps``,
+        when the progress line prints too) and the last one. The same on every rank."""
+        step, every = trainer.global_step, trainer.log_every_n_steps
+        last = trainer.max_steps is not None and step >= trainer.max_steps > 0
+        return last or (bool(every) and step % every == 0)
+
+    def _collect(self, engine: Any) -> None:
+        """One collective for every step kept since the last call: the loss of each (equal on pipeline
+        ranks; mean over DDP replicas), each step's measured bubble ratio, and the ranks' peak memory.
+        Every rank calls it at the same steps."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        losses = torch.stack([loss.to("cpu", torch.float64).reshape(()) for loss, *_ in pending])
+        times = torch.tensor([[busy, span] for _, busy, span, _ in pending], dtype=torch.float64)
+        local = torch.cat([losses, times.flatten(), torch.tensor([float(peak_memory_bytes(self._device))],
+                                                               dtype=torch.float64)])
+        gathered = _all_gather_rows(local.to(self._device)).cpu()
+        k = len(pending)
+        mean_losses = gathered[:, :k].mean(dim=0)
+        spans = gathered[:, k:3 * k].reshape(len(gathered), k, 2)
+        for i, (_, _, _, step) in enumerate(pending):
+            self._record_loss(float(mean_losses[i]), engine, step)
+            if engine is not None and engine.last_record is not None and float(spans[:, i, 1].max()) > 0:
+                self.bubbles.append(1.0 - float(spans[:, i, 0].sum()) / (len(gathered) * float(spans[:, i, 1].max())))
+        self.peak_memory = [int(m) for m in gathered[:, -1]]
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -199,6 +248,8 @@ class PipelineMetrics(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine(trainer)
+        self._collect(engine)  # steps since the last reporting step (every rank)
+        self._write_rows(trainer)
         for step, loss in engine.flush_losses() if engine is not None else []:  # the last steps' losses, late
             self._record_loss(float(loss), engine, step)
         rows = self._gather_timeline(trainer)
