@@ -53,8 +53,8 @@ from pipeline_recipes.strategies.spawn import run_world
 ROOT = Path(__file__).resolve().parents[1]
 
 PARTS = ("efficiency", "vs_torch", "overhead", "grad_sync", "recompute", "e2e")
-KEYS = ("schedule_efficiency", "chimera_vs_dapple", "vs_torch", "overhead_d1", "grad_sync", "recompute",
-        "e2e_vs_torch", "e2e_overhead_d1", "details", "meta")
+KEYS = ("schedule_efficiency", "chimera_vs_dapple", "vs_torch", "bidirectional", "overhead_d1", "grad_sync",
+        "recompute", "e2e_vs_torch", "e2e_overhead_d1", "details", "meta")
 EFFICIENCY_ROUNDS = 10  # measured rounds per efficiency row (fewer than before: the whole run fits ~20 min here)
 
 
@@ -478,6 +478,9 @@ def report(data: dict[str, Any]) -> str:
     if data.get("vs_torch"):
         out += ["vs torch.distributed.pipelining (throughput_ratio > 1: ours faster)",
                 _table(data["vs_torch"], ["ours", "theirs", "throughput_ratio"]), ""]
+    if data.get("bidirectional"):
+        out += ["Chimera + zero bubble vs the other bidirectional schedules (throughput_ratio > 1: chimera_zb faster)",
+                _table(data["bidirectional"], ["schedule", "versus", "throughput_ratio"]), ""]
     if data.get("overhead_d1") is not None:
         out += [f"D=1 engine step / plain step: {data['overhead_d1']:.4f}", ""]
     if data.get("grad_sync"):
@@ -509,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
     out = Path(args.out)
-    data: dict[str, Any] = {"schedule_efficiency": [], "chimera_vs_dapple": [], "vs_torch": [], "overhead_d1": None,
+    data: dict[str, Any] = {"schedule_efficiency": [], "chimera_vs_dapple": [], "vs_torch": [], "bidirectional": [],
+                            "overhead_d1": None,
                             "grad_sync": [], "recompute": [], "e2e_vs_torch": [], "e2e_overhead_d1": None,
                             "details": {}, "meta": {"parts": {}}}
     if out.exists() and not args.quick:

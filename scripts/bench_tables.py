@@ -65,6 +65,13 @@ def vs_torch(data: dict[str, Any]) -> str:
     return table(["ours", "theirs", "throughput_ratio (paired)", "ours median s", "theirs median s"], rows)
 
 
+def bidirectional(data: dict[str, Any]) -> str:
+    medians = {r["system"]: r["median_s"] for r in (data.get("details") or {}).get("vs_torch_times", [])}
+    rows = [[r["schedule"], r["versus"], round(r["throughput_ratio"], 3), medians.get(f"ours:{r['schedule']}", ""),
+             medians.get(f"ours:{r['versus']}", "")] for r in data.get("bidirectional", [])]
+    return table(["schedule", "versus", "throughput_ratio (paired)", "median s", "versus median s"], rows)
+
+
 def overhead(data: dict[str, Any]) -> str:
     t = (data.get("details") or {}).get("overhead_times") or {}
     return (f"overhead_d1 = **{data['overhead_d1']:.4f}** (median of per-round ratios; medians: plain "
@@ -129,7 +136,8 @@ def plan_accuracy(plan: dict[str, Any]) -> str:
                "time error (medians)", "per repeat (%)", "memory error"], rows)])
 
 
-SECTIONS = {"meta": meta_lines, "efficiency": efficiency, "chimera_vs_dapple": chimera_vs_dapple, "vs_torch": vs_torch, "overhead": overhead,
+SECTIONS = {"meta": meta_lines, "efficiency": efficiency, "chimera_vs_dapple": chimera_vs_dapple, "vs_torch": vs_torch,
+            "bidirectional": bidirectional, "overhead": overhead,
             "grad_sync": grad_sync, "recompute": recompute, "e2e": e2e}
 
 

@@ -290,13 +290,15 @@ def test_bench_quick_writes_the_json_contract(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
-    assert set(data) == {"schedule_efficiency", "chimera_vs_dapple", "vs_torch", "overhead_d1", "grad_sync",
-                         "recompute", "e2e_vs_torch", "e2e_overhead_d1", "details", "meta"}
+    assert set(data) == {"schedule_efficiency", "chimera_vs_dapple", "vs_torch", "bidirectional", "overhead_d1",
+                         "grad_sync", "recompute", "e2e_vs_torch", "e2e_overhead_d1", "details", "meta"}
     assert data["schedule_efficiency"] and set(data["schedule_efficiency"][0]) == {
         "schedule", "D", "N", "measured_s", "simulated_s", "ratio"}
     assert data["chimera_vs_dapple"] and set(data["chimera_vs_dapple"][0]) == {
         "D", "N", "measured_ratio", "theory_ratio"}
     assert data["vs_torch"] and set(data["vs_torch"][0]) == {"ours", "theirs", "throughput_ratio"}
+    # a schedule with two stages per rank (ZBV, V placement) against torch's class of the same name
+    assert {(r["ours"], r["theirs"]) for r in data["vs_torch"]} >= {("zbv", "ScheduleZBVZeroBubble")}
     assert isinstance(data["overhead_d1"], float)
     assert data["grad_sync"] and data["recompute"]
     assert {r["theirs"] for r in data["e2e_vs_torch"]} == {"ScheduleGPipe", "Schedule1F1B", "engine:dapple"}
