@@ -4,7 +4,7 @@
     python scripts/plan_accuracy.py --out plan_accuracy.json        # 24 layouts × 3 repeats, ~16 minutes
     python scripts/plan_accuracy.py --quick --out /tmp/acc.json     # 5 layouts, one repeat (smoke)
 
-Two models, as issue 7 asks (real and emulated compute):
+Two models (real and emulated compute):
 
 * the tiny GPT-2 (``conf/model/gpt2-tiny.yaml``, real compute), profiled as ``scripts/plan.py`` does;
 * an 8-layer :class:`strategies.emulated.EmulatedPipeline` (each layer holds the core-free time of a
@@ -21,7 +21,7 @@ running :class:`strategies.engine.PipelineEngine` directly in spawned gloo proce
 each, :func:`strategies.spawn.run_world`): the wall time of ``train_step`` + ``AdamW.step`` (barrier
 before and after) as the best of ``--rounds`` interleaved rounds' medians (on a shared machine other
 users' load only slows a round down; the profile's medians are likewise taken over samples spread
-in time), and each rank's peak memory = parameters + AdamW state (live tensors) +
+in time), and each rank's peak memory = parameters + AdamW state + the gradient buckets (live tensors) +
 the median over 3 profiled steps of the peak of its CPU allocations in the step (``torch.profiler``
 memory events).
 
@@ -180,6 +180,7 @@ def _measure_worker(rank: int, world: int, spec: str | dict[str, Any], layouts: 
     for k, (engine, params, opt, step) in enumerate(runs):
         held = {id(p): p for p in params}
         held.update({id(t): t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)})
+        held.update({id(t): t for t in engine.synchronizer.buffers()})  # gradient buckets, kept across steps
         base = sum(t.numel() * t.element_size() for t in held.values())
         windows = []
         for _ in range(memory_steps):

@@ -81,7 +81,7 @@ def test_peak_memory_toy_by_hand() -> None:
     """4 layers of 100 fp32 parameters, 1000 B stored per layer and sample, D = 2, GPipe, N = 2, B = 1."""
     costs = toy()
     cand = Candidate("gpipe", 1, 2, 1, 2)
-    mem = predict_memory(costs, cand, [range(0, 2), range(2, 4)], keep_sends=False, prefetch=0)
+    mem = predict_memory(costs, cand, [range(0, 2), range(2, 4)], keep_sends=False, receive_ahead=False)
     # weights 800 + AdamW 2·800 + 2 micro-batches × 2 layers × 1000 bytes in flight, when the first
     # backward allocates its last layer's gradient (400) before freeing that layer's activations
     assert [w.peak for w in mem.workers] == [800 + 1600 + 2 * 2 * 1000 + 400] * 2
@@ -90,13 +90,13 @@ def test_peak_memory_toy_by_hand() -> None:
     # re-materialises one micro-batch of the stage (2000 bytes): the peak is the second backward, with
     # every gradient (800) allocated and, on stage 1, that micro-batch's input still kept
     rec = predict_memory(costs, replace(cand, recompute="always"), [range(0, 2), range(2, 4)],
-                         keep_sends=False, prefetch=0)
+                         keep_sends=False, receive_ahead=False)
     assert [w.peak for w in rec.workers] == [3200 + 2000, 3200 + 100 + 2000]
 
 
 def test_peak_memory_tied_weights_counted_once_per_rank() -> None:
     costs = replace(toy(), tied=((0, 3, 400),))
-    one = predict_memory(costs, Candidate("gpipe", 1, 1, 1, 1), [range(0, 4)], keep_sends=False, prefetch=0)
+    one = predict_memory(costs, Candidate("gpipe", 1, 1, 1, 1), [range(0, 4)], keep_sends=False, receive_ahead=False)
     # 4 layers × 400 bytes, minus the tied copy: 1200 bytes of weights, ×4 with gradients and AdamW
     assert one.workers[0].states == 1200 * 4
 
@@ -112,16 +112,17 @@ def test_activation_peak_matches_in_flight_count(name: str, D: int, N: int, pipe
     part = [range(2 * s, 2 * s + 2) for s in range(D)]
     inflight = peak_activations(schedule)
     for w in range(D):
-        mem = worker_peak(costs, cand, schedule, w, part, keep_sends=False, prefetch=0)
+        mem = worker_peak(costs, cand, schedule, w, part, keep_sends=False, receive_ahead=False)
         assert mem.peak == pytest.approx(inflight[w] * 2 * 1000)
 
 
-def test_eager_sync_flat_buffer_counted_from_its_launch() -> None:
+def test_synced_gradients_are_bucket_views_from_the_start() -> None:
     """Chimera D = 2, worker 0 runs ``0F0 1F1p1 1B1p1 0B0``; layers of 4000 bytes of weights, 1000
-    bytes kept and a 5000-byte backward transient per sample. With ``end`` both flat all-reduce
-    buffers appear after the last backward: 24000 (weights, AdamW) + 8000 (gradients) + 8000 = 40000.
-    With ``eager`` stage 1's flat (4000) is made right after ``1B1p1``, so it is live during ``0B0``:
-    24000 + 8000 + 4000 + 1000 (micro-batch 0 kept) + 5000 (transient) = 42000."""
+    bytes kept and a 5000-byte backward transient per sample. Both stages have a copy on the other
+    worker, so their gradients are views of the all-reduce buckets (strategies.grad_sync), there from
+    the start, and no all-reduce needs a buffer of its own, whatever the sync mode: the peak is in
+    ``1B1p1``, with both micro-batches kept: 24000 (weights, AdamW) + 8000 (gradients) + 2 × 1000 +
+    5000 (transient) = 39000."""
     costs = toy(2, params=1000, transient=5000.0)
     part = [range(0, 1), range(1, 2)]
     peaks = {}
@@ -129,8 +130,8 @@ def test_eager_sync_flat_buffer_counted_from_its_launch() -> None:
         cand = Candidate("chimera", 1, 2, 1, 2, 2, grad_sync=sync)
         schedule = cand.schedule()
         assert [str(a) for a in schedule.workers[0]] == ["0F0", "1F1p1", "1B1p1", "0B0"]
-        peaks[sync] = worker_peak(costs, cand, schedule, 0, part, keep_sends=False, prefetch=0).peak
-    assert peaks == {"end": 40000, "eager": 42000}
+        peaks[sync] = worker_peak(costs, cand, schedule, 0, part, keep_sends=False, receive_ahead=False).peak
+    assert peaks == {"end": 39000, "eager": 39000}
 
 
 def test_budget_cpu_is_shared_and_gpu_per_rank() -> None:
@@ -500,9 +501,9 @@ def test_async_iteration_is_the_steady_window_without_bubbles(D: int, N: int) ->
 def test_async_memory_counts_the_stashed_weight_versions() -> None:
     costs = toy(4, params=100)  # 100 fp32 parameters (400 bytes) per layer, 2 layers per stage
     part = [range(0, 2), range(2, 4)]
-    sync = predict_memory(costs, Candidate("dapple", 1, 2, 1, 2), part, keep_sends=False, prefetch=0)
-    two_bw = predict_memory(costs, Candidate("pipedream_2bw", 1, 2, 1, 2), part, keep_sends=False, prefetch=0)
-    one = predict_memory(costs, Candidate("pipedream", 1, 2, 1, 1), part, keep_sends=False, prefetch=0)
+    sync = predict_memory(costs, Candidate("dapple", 1, 2, 1, 2), part, keep_sends=False, receive_ahead=False)
+    two_bw = predict_memory(costs, Candidate("pipedream_2bw", 1, 2, 1, 2), part, keep_sends=False, receive_ahead=False)
+    one = predict_memory(costs, Candidate("pipedream", 1, 2, 1, 1), part, keep_sends=False, receive_ahead=False)
     stage_bytes = 2 * 100 * 4
     # stage 0 stashes 2 versions under both (PipeDream: D - s = 2), each with its gradient
     assert two_bw.workers[0].states - sync.workers[0].states == 2 * 2 * stage_bytes

@@ -15,9 +15,10 @@ count, :func:`worker_peak` walks the worker's actions in schedule order, as the 
   and frees is :func:`strategies.schedules.effects.graph_effect`, the executor's own rule;
 * on gloo (CPU) a sent tensor stays referenced until the end of the step (:mod:`strategies.p2p`), so
   sent activations and activation gradients stay counted until the end (``keep_sends``);
-* each all-reduce flattens its stage copy's gradients into one more buffer, when it is launched:
-  at the end (``grad_sync=end``) or right after the copy's last backward (eager modes, the same
-  :func:`strategies.grad_sync.launch_plan` the runtime follows); the tied group's at the end.
+* where a stage has copies on other ranks, its gradients are views of its all-reduce bucket's flat
+  buffer (:mod:`strategies.grad_sync`), allocated once and kept across steps, so they count from
+  the start and the all-reduce (at the end or eager) needs no buffer of its own; elsewhere they
+  appear on the stage's first backward.
 
 With equal per-micro-batch bytes the activation part is ``bytes × peak in-flight count`` of
 :func:`strategies.schedules.peak_activations` (a test checks this).
@@ -62,15 +63,39 @@ def _grad_bytes(costs: ModelCosts, layers: set[int]) -> float:
     return sum(costs.layers[i].param_bytes for i in layers) - costs.shared_bytes(layers)
 
 
+def _received_ahead(costs: ModelCosts, schedule: Schedule, worker: int, ranges: Mapping[int, range],
+                    B: int) -> list[float]:
+    """Per action of ``worker``, the bytes of messages its rounds have posted for later actions (the
+    executor's plan, :func:`strategies.schedules.comm.comm_plan`): received, not yet consumed."""
+    from pipeline_recipes.strategies.schedules.comm import comm_plan
+    from pipeline_recipes.strategies.schedules.messages import receiving_stage
+
+    plan = comm_plan(schedule, worker, True)
+    remote = {t.message for rnd in plan.rounds for t in rnd.recvs}
+    received_at: dict[int, list] = {}
+    for i in range(len(plan.actions)):
+        received_at[i] = [m for m in plan.needs(i) if m in remote]  # local hand-overs have no buffer
+
+    def nbytes(m) -> float:
+        size = B / 2 if m.half is not None else B
+        r = ranges[receiving_stage(m)]
+        return costs.stage_in_bytes(r, size) if m.kind == "act" else costs.stage_out_bytes(r, size)
+
+    out, pending = [], 0.0
+    for i in range(len(plan.actions)):
+        pending += sum(nbytes(t.message) for t in plan.rounds[i].recvs)  # posted before action i
+        pending -= sum(nbytes(m) for m in received_at.get(i, ()))  # consumed by action i: its input now
+        out.append(pending)
+    return out
+
+
 def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: int,
                 partition: Mapping[int, range] | Sequence[range], *, keep_sends: bool = True,
-                prefetch: int = 1) -> WorkerMemory:
+                receive_ahead: bool = True) -> WorkerMemory:
     """Peak bytes of one worker (see the module docstring). ``partition`` maps at least this
-    worker's stages to their layers; ``prefetch`` receive buffers are allocated ahead of their
-    action (a round receives the next action's inputs, a few messages come one round earlier:
-    :mod:`strategies.schedules.comm`)."""
-    from pipeline_recipes.strategies.grad_sync import launch_plan
-
+    worker's stages to their layers; with ``receive_ahead`` the receive buffers the executor's
+    rounds post before their action needs them (:func:`strategies.schedules.comm.comm_plan`) count
+    from the round that posts them."""
     D, B, S = cand.D, cand.B, schedule.stages
     stages = schedule.stages_of(worker)
     ranges = {s: partition[s] for s in stages}
@@ -92,19 +117,16 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
         return costs.stage_stored(st, B)
 
     synced = cand.W * len(schedule.placement) > 1  # every stage has copies on other ranks
-
-    def flat(s: int) -> float:
-        return costs.stage_sync_bytes(ranges[s]) if synced else 0.0
-
-    eager = launch_plan(schedule, worker, cand.grad_sync) if cand.grad_sync != "end" else {}
-    launched: set[int] = set()
-    recv_ahead = prefetch * max((max(costs.stage_in_bytes(ranges[s], B), costs.stage_out_bytes(ranges[s], B))
-                                 for s in stages), default=0.0)
+    ahead = _received_ahead(costs, schedule, worker, ranges, B) if receive_ahead else None
     live = states
-    peak = live
     grads_for: set[int] = set()  # layers whose gradients exist
+    if synced:  # gradients are views of the all-reduce buckets' flat buffers, kept across steps
+        grads_for = set(layers)
+        live += _grad_bytes(costs, grads_for)
+    peak = live
     retained = 0.0
-    for action in schedule.workers[worker]:
+    for index, action in enumerate(schedule.workers[worker]):
+        recv_ahead = ahead[index] if ahead is not None else 0.0
         s, st = action.stage, ranges[action.stage]
         out_b = costs.stage_out_bytes(st, B) if s < S - 1 else 0.0
         in_b = costs.stage_in_bytes(st, B)
@@ -138,26 +160,20 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
                 frac * out_b if effect.frees and s not in recompute and action.mb not in halved else 0.0)
             live += sent
             retained += sent
-        for early in eager.get(action, ()):  # an eager all-reduce's flat buffer lives from its launch
-            live += flat(early)
-            launched.add(early)
     live -= retained  # the messenger's flush at the end of the step
-    flats = sum(flat(s) for s in stages if s not in launched)
-    if costs.tied and any(i in layers or j in layers for i, j, _ in costs.tied) and cand.W * max(1, min(D, 2)) > 1:
-        flats += costs.tied_bytes(layers)
-    peak = max(peak, live + flats)
+    peak = max(peak, live)
     held = params * (2 + ADAMW_STATES) + versions
     return WorkerMemory(peak, held, peak - held)
 
 
 def predict_memory(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,
-                   keep_sends: bool | None = None, prefetch: int = 1) -> MemoryPrediction:
+                   keep_sends: bool | None = None, receive_ahead: bool = True) -> MemoryPrediction:
     """Peak bytes of every worker of one replica; ``keep_sends`` defaults to gloo on CPU."""
     partition = list(partition) if partition is not None else runtime_partition(costs, cand.S)
     if keep_sends is None:
         keep_sends = not costs.device.startswith("cuda")
     schedule = cand.schedule()
-    workers = tuple(worker_peak(costs, cand, schedule, w, partition, keep_sends=keep_sends, prefetch=prefetch)
+    workers = tuple(worker_peak(costs, cand, schedule, w, partition, keep_sends=keep_sends, receive_ahead=receive_ahead)
                     for w in range(cand.D))
     return MemoryPrediction(workers, cand.W)
 

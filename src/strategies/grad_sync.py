@@ -175,6 +175,10 @@ class GradientSynchronizer:
         self._started: list[tuple[int | str, ...]] = []
         self.last_buckets: list[tuple[int | str, ...]] = []
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The buckets' flat gradient buffers allocated so far (kept across steps)."""
+        return [b.flat for b in {id(b): b for b in self._bucket_of.values()}.values() if b.flat is not None]
+
     def zero_grad(self, params: Sequence[nn.Parameter]) -> None:
         """Before a step: bucketed gradients become zeroed views of their buffers, the others ``None``."""
         for p in params:
