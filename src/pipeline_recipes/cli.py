@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import runpy
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # src/pipeline_recipes/cli.py -> the checkout
@@ -35,29 +36,20 @@ def run_script(relative: str, root: Path = ROOT) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
-def train() -> None:
-    run_script(COMMANDS["pipeline-train"])
+def _command(name: str) -> Callable[[], None]:
+    """The console entry point ``name``: runs its script of the checkout with this process's arguments."""
+
+    def run() -> None:
+        run_script(COMMANDS[name])
+
+    run.__name__ = run.__qualname__ = name.removeprefix("pipeline-").replace("-", "_")
+    return run
 
 
-def schedule() -> None:
-    run_script(COMMANDS["pipeline-schedule"])
-
-
-def plan() -> None:
-    run_script(COMMANDS["pipeline-plan"])
-
-
-def compare() -> None:
-    run_script(COMMANDS["pipeline-compare"])
-
-
-def consolidate_ckpt() -> None:
-    run_script(COMMANDS["pipeline-consolidate-ckpt"])
-
-
-def export_hf() -> None:
-    run_script(COMMANDS["pipeline-export-hf"])
-
-
-def bench() -> None:
-    run_script(COMMANDS["pipeline-bench"])
+train = _command("pipeline-train")
+schedule = _command("pipeline-schedule")
+plan = _command("pipeline-plan")
+compare = _command("pipeline-compare")
+consolidate_ckpt = _command("pipeline-consolidate-ckpt")
+export_hf = _command("pipeline-export-hf")
+bench = _command("pipeline-bench")
