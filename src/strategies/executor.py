@@ -293,7 +293,10 @@ class StageExecutor:
             part = batch if half is None else half_of(batch, half)
             inp = x if half is None else x.chunk(2)[half]
             out = stage.forward(key, inp, part, self._loss(ctx), ctx.train)
-            (ctx.losses if stage.is_last else outputs[mb]).append(out.detach() if stage.is_last else out)
+            if stage.is_last:
+                ctx.losses.append(out.detach())
+            else:
+                outputs[mb].append(out)
         if not stage.is_last:
             for mb, parts in outputs.items():
                 sent = parts[0] if len(parts) == 1 else torch.cat(parts)
