@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from bench_e2e import TORCH_STAGES  # torch's classes and the stages each rank holds: one table for both parts
 from pipeline_recipes.strategies.spawn import run_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,15 +291,6 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
     return [{"system": k, "median_s": statistics.median(v), "times_s": v} for k, v in times.items()]
 
 
-TORCH_STAGES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
-    # torch.distributed.pipelining's class → the stage indices rank r of P holds (the same placement as ours)
-    "ScheduleGPipe": lambda r, P: (r,),
-    "Schedule1F1B": lambda r, P: (r,),
-    "ScheduleInterleaved1F1B": lambda r, P: (r, r + P),  # loop placement, v = 2
-    "ScheduleInterleavedZeroBubble": lambda r, P: (r,),  # ZB-H1 with one stage per rank
-    "ScheduleZBVZeroBubble": lambda r, P: (r, 2 * P - 1 - r),  # V placement
-    "ScheduleDualPipeV": lambda r, P: (r, 2 * P - 1 - r),
-}
 
 
 def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, steps: int, warmup: int) -> dict:
@@ -413,10 +405,15 @@ def part_recompute(quick: bool) -> dict[str, list[dict]]:
     return {"recompute": rows}
 
 
+E2E_SCHEDULES = ("gpipe", "dapple", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "chimera", "chimera_zb")
+
+
 def part_e2e(quick: bool) -> dict[str, Any]:
     from bench_e2e import part_e2e as run_e2e
 
-    return run_e2e(quick, ours=("dapple",) if quick else ("gpipe", "dapple"), without_logger=() if quick else ("dapple",))
+    if quick:
+        return run_e2e(quick, ours=("dapple",), theirs=("Schedule1F1B",))
+    return run_e2e(quick, ours=E2E_SCHEDULES, without_logger=("dapple",))
 
 
 RUNNERS = {"efficiency": part_efficiency, "vs_torch": part_vs_torch, "overhead": part_overhead,

@@ -11,14 +11,20 @@ within a fraction of a second (paired ratios, as the rest of ``bench.py``).
 * The job's iteration time is measured from the end of this hook to its next call: everything
   Lightning does for one step (fetching the batch, the hooks, the training step, the optimizer,
   logging, the other callbacks). The largest time over the ranks counts.
-* ``torch``: ``ScheduleGPipe`` and ``Schedule1F1B`` on the same model, stage split (the engine's
-  ``even_partition``), micro-batches, gloo processes and optimizer (AdamW); each step starts after a
-  barrier and lasts until the slowest rank returns.
-* ``engine:<schedule>``: this repository's engine stepped directly with AdamW (no Lightning), the
-  same schedule as the job: job ÷ engine is what the Lightning path adds.
-* ``plain``: a plain Lightning loop (a LightningModule computing the model's loss, AdamW, no
+* ``torch``: each of torch's classes in :data:`TORCH_STAGES` (``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+  ``ScheduleDualPipeV``) on the same model, stage split (the engine's ``even_partition`` over the
+  class's number of stages, each rank holding the stages ours would), micro-batches and gloo
+  processes; each step starts after a barrier and lasts until the slowest rank returns.
+* ``engine:<schedule>``: this repository's engine stepped directly (no Lightning), the same schedule
+  as the job: job ÷ engine is what the Lightning path adds.
+* ``plain``: a plain Lightning loop (a LightningModule computing the model's loss, no
   logger/callbacks) on the same model and batch size, in a thread of the same process that runs
   one step whenever the job has run one (only one of the two runs at a time).
+
+Every system steps the job's own optimizer (:func:`same_optimizer`: its class and settings, the
+implementation included), so optimizers differ in nothing but the job's parameter groups and
+learning-rate schedule.
 
 The callback writes ``{"job": [...], "<system>": [...]}`` (seconds per counted round) as JSON.
 """
@@ -58,32 +64,58 @@ def _max_over_ranks(value: float) -> float:
     return float(t)
 
 
-class _TorchSchedule:
-    """One ``torch.distributed.pipelining`` schedule over this rank's stage, with AdamW."""
+TORCH_STAGES: dict[str, Any] = {
+    # torch.distributed.pipelining's class -> the stage indices rank r of P holds (the placement of ours)
+    "ScheduleGPipe": lambda r, P: (r,),
+    "Schedule1F1B": lambda r, P: (r,),
+    "ScheduleInterleaved1F1B": lambda r, P: (r, r + P),  # loop placement, v = 2
+    "ScheduleInterleavedZeroBubble": lambda r, P: (r,),  # ZB-H1 with one stage per rank
+    "ScheduleZBVZeroBubble": lambda r, P: (r, 2 * P - 1 - r),  # V placement
+    "ScheduleDualPipeV": lambda r, P: (r, 2 * P - 1 - r),
+}
 
-    def __init__(self, label: str, size: dict[str, int], samples: int, micro_batches: int, lr: float) -> None:
+
+def same_optimizer(job_optimizer: torch.optim.Optimizer) -> Any:
+    """``params -> optimizer`` of the job's class and settings (AdamW, its learning rate, betas, weight
+    decay and implementation: ``fused``/``foreach``), so every system steps the same optimizer."""
+    import inspect
+
+    cls = type(job_optimizer)
+    accepted = inspect.signature(cls).parameters  # defaults may hold more (AdamW: decoupled_weight_decay)
+    settings = {k: v for k, v in job_optimizer.defaults.items() if k in accepted}
+    return lambda params: cls(params, **settings)
+
+
+class _TorchSchedule:
+    """One ``torch.distributed.pipelining`` schedule class over this rank's stages (the same
+    placement and ``even_partition`` split as this repository's schedule of that name), with AdamW."""
+
+    def __init__(self, label: str, size: dict[str, int], samples: int, micro_batches: int, optimizer: Any) -> None:
         from torch import nn
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
 
         from pipeline_recipes.models.gpt2 import causal_lm_loss
         from pipeline_recipes.strategies.engine import even_partition
 
         self.rank, world = dist.get_rank(), dist.get_world_size()
         layers = build_gpt2(size).pipeline_layers()
-        module = nn.Sequential(*[layers[i] for i in even_partition(len(layers), world)[self.rank]])
-        stage = PipelineStage(module, self.rank, world, torch.device("cpu"))
-        cls = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}[label]
-        self.schedule = cls(stage, micro_batches, loss_fn=causal_lm_loss)
-        self.optimizer = torch.optim.AdamW(module.parameters(), lr=lr)
+        held = TORCH_STAGES[label](self.rank, world)
+        S = world * len(held)
+        part = even_partition(len(layers), S)
+        modules = [nn.Sequential(*[layers[i] for i in part[s]]) for s in held]
+        stages = [pipelining.PipelineStage(m, s, S, torch.device("cpu")) for m, s in zip(modules, held)]
+        cls = getattr(pipelining, label)
+        multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)  # takes the list of stages
+        self.schedule = cls(stages if multi else stages[0], micro_batches, loss_fn=causal_lm_loss)
+        self.optimizer = optimizer([p for m in modules for p in m.parameters()])
+        self.first, self.last = 0 in held, S - 1 in held
         g = torch.Generator().manual_seed(1)
         self.ids = torch.randint(0, size["vocab"], (samples, size["seq"]), generator=g)
 
     def __call__(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        if self.rank == 0:
-            self.schedule.step(self.ids, return_outputs=False)
-        else:
-            self.schedule.step(target=self.ids, return_outputs=False)
+        args = (self.ids,) if self.first else ()
+        self.schedule.step(*args, target=self.ids if self.last else None, return_outputs=False)
         self.optimizer.step()
 
 
@@ -91,13 +123,13 @@ class _BareEngine:
     """This repository's engine stepped directly (no Lightning), with AdamW: what ``bench.py``'s
     ``vs_torch`` part times, here in the job's processes."""
 
-    def __init__(self, schedule: str, size: dict[str, int], samples: int, micro_batches: int, lr: float) -> None:
+    def __init__(self, schedule: str, size: dict[str, int], samples: int, micro_batches: int, optimizer: Any) -> None:
         from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
         self.engine = PipelineEngine(build_gpt2(size), PipelineConfig(schedule, dist.get_world_size(),
                                                                       samples // micro_batches),
                                      1, torch.device("cpu"))
-        self.optimizer = torch.optim.AdamW(self.engine.local_parameters(), lr=lr)
+        self.optimizer = optimizer(self.engine.local_parameters())
         g = torch.Generator().manual_seed(1)
         self.batch = {"input_ids": torch.randint(0, size["vocab"], (samples, size["seq"]), generator=g)}
 
@@ -107,9 +139,9 @@ class _BareEngine:
 
 
 class _PlainModule(pl.LightningModule):
-    def __init__(self, model: torch.nn.Module, lr: float) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
         super().__init__()
-        self.model, self.lr = model, lr
+        self.model, self.optimizer_factory = model, optimizer
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         from pipeline_recipes.strategies.pipeline_model import sequential_loss
@@ -117,7 +149,7 @@ class _PlainModule(pl.LightningModule):
         return sequential_loss(self.model, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return self.optimizer_factory(self.parameters())
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -139,12 +171,12 @@ class _PlainLightning:
     hooks, step, optimizer); the caller's clock would also count the thread switch.
     """
 
-    def __init__(self, size: dict[str, int], samples: int, steps: int, lr: float) -> None:
+    def __init__(self, size: dict[str, int], samples: int, steps: int, optimizer: Any) -> None:
         self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
         self.last_s = 0.0
         self.steps = steps
         self._started = 0.0
-        module = _PlainModule(build_gpt2(size), lr)
+        module = _PlainModule(build_gpt2(size), optimizer)
         loader = torch.utils.data.DataLoader(_Tokens(size, samples * 8), batch_size=samples, shuffle=True)
         handoff = self
 
@@ -179,12 +211,12 @@ class InterleavedRounds(Callback):
     docstring); ``warmup`` rounds are not counted. Must be the job's last callback."""
 
     def __init__(self, out: str, kind: str, warmup: int = 3, micro_batches: int = 4, samples: int = 16,
-                 lr: float = 1e-3, quick: bool = False, systems: list[str] | None = None) -> None:
+                 quick: bool = False, systems: list[str] | None = None) -> None:
         if kind not in ("torch", "plain"):
             raise ValueError(f"kind must be 'torch' or 'plain', got {kind!r}")
         self.out, self.kind, self.warmup = Path(out), kind, warmup
         self.size = SIZE_QUICK if quick else SIZE
-        self.micro_batches, self.samples, self.lr = micro_batches, samples, lr
+        self.micro_batches, self.samples = micro_batches, samples
         self.labels = list(systems or (["ScheduleGPipe", "Schedule1F1B"] if kind == "torch" else ["plain_lightning"]))
         self.systems: dict[str, Any] = {}
         self.times: dict[str, list[float]] = {"job": [], **{label: [] for label in self.labels}}
@@ -192,13 +224,14 @@ class InterleavedRounds(Callback):
         self._round = 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizer = same_optimizer(trainer.optimizers[0])
         if self.kind == "torch":
             self.systems = {label: _BareEngine(label.split(":", 1)[1], self.size, self.samples, self.micro_batches,
-                                               self.lr) if label.startswith("engine:")
-                            else _TorchSchedule(label, self.size, self.samples, self.micro_batches, self.lr)
+                                               optimizer) if label.startswith("engine:")
+                            else _TorchSchedule(label, self.size, self.samples, self.micro_batches, optimizer)
                             for label in self.labels}
         else:
-            self.systems = {self.labels[0]: _PlainLightning(self.size, self.samples, trainer.max_steps, self.lr)}
+            self.systems = {self.labels[0]: _PlainLightning(self.size, self.samples, trainer.max_steps, optimizer)}
         self._resume()
 
     def _resume(self) -> None:
@@ -274,10 +307,22 @@ def common_overrides(quick: bool, steps: int) -> list[str]:
             f"trainer.max_steps={steps}", "trainer.gradient_clip_val=null", "preflight=false", "checkpoint.every_n_steps=null"]
 
 
+SAME_SCHEDULE = {"gpipe": "ScheduleGPipe", "dapple": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                 "zb_h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+TORCH_BEST = "torch best"  # per round, the fastest of torch's classes
+
+
+def fastest_per_round(times: dict[str, list[float]], labels: tuple[str, ...]) -> list[float]:
+    """Round by round, the time of the fastest of ``labels`` (torch's best schedule in that round)."""
+    return [min(column) for column in zip(*(times[label] for label in labels))]
+
+
 def part_e2e(quick: bool, rounds: int | None = None, ours: tuple[str, ...] = ("gpipe", "dapple"),
-             extra: list[str] | None = None, without_logger: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``e2e_vs_torch``: each of ``ours`` through ``train.py`` (D = 2, 4 micro-batches) against
-    ScheduleGPipe, Schedule1F1B and the bare engine (``engine:<name>``); ``e2e_overhead_d1``: ``train.py strategy=single`` against a plain
+             extra: list[str] | None = None, without_logger: tuple[str, ...] = (),
+             theirs: tuple[str, ...] = tuple(TORCH_STAGES)) -> dict[str, Any]:
+    """``e2e_vs_torch``: each of ``ours`` through ``train.py`` (D = 2, 4 micro-batches) against each of
+    ``theirs`` (torch's classes), against the fastest of them in each round (``torch best``) and against
+    the bare engine (``engine:<name>``); ``e2e_overhead_d1``: ``train.py strategy=single`` against a plain
     Lightning loop; ``without_logger``: those schedules once more with ``logger=none`` (what the default
     W&B logger costs). ``throughput_ratio`` = their step time ÷ ours, median of the rounds (> 1: ours faster)."""
     import tempfile
@@ -295,10 +340,11 @@ def part_e2e(quick: bool, rounds: int | None = None, ours: tuple[str, ...] = ("g
                          [*common_overrides(quick, steps), *(extra or []), f"strategy={name}", "strategy.D=2",
                           "trainer.devices=2", "strategy.micro_batch_size=4", *job_overrides],
                          {"kind": "torch", "warmup": warmup, "quick": quick,
-                          "systems": f"[ScheduleGPipe,Schedule1F1B,{engine}]"}, timeout=900)
+                          "systems": f"[{','.join([*theirs, engine])}]"}, timeout=900)
+        times[TORCH_BEST] = fastest_per_round(times, theirs)
         raw[label_ours] = times
-        for label in ("ScheduleGPipe", "Schedule1F1B", engine):
-            rows.append({"ours": label_ours, "theirs": label,
+        for label in (*theirs, TORCH_BEST, engine):
+            rows.append({"ours": label_ours, "theirs": label, "same_schedule": SAME_SCHEDULE.get(name) == label,
                          "ours_median_s": statistics.median(times["job"]),
                          "theirs_median_s": statistics.median(times[label]),
                          "throughput_ratio": paired_ratio(times[label], times["job"]), "rounds": len(times["job"])})

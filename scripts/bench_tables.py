@@ -91,9 +91,31 @@ def recompute(data: dict[str, Any]) -> str:
 
 
 def e2e(data: dict[str, Any]) -> str:
-    rows = [[r["ours"], r["theirs"], r["ours_median_s"], r["theirs_median_s"], round(r["throughput_ratio"], 3),
-             r["rounds"]] for r in data.get("e2e_vs_torch") or []]
-    out = [table(["ours", "theirs", "ours median s", "theirs median s", "throughput_ratio (paired)", "rounds"], rows)]
+    """Per job: the same-named torch class, torch's best per round and the bare engine; then every
+    job against every torch class (throughput ratios, > 1: ``train.py`` faster)."""
+    by_job: dict[str, dict[str, dict]] = {}
+    for r in data.get("e2e_vs_torch") or []:
+        by_job.setdefault(r["ours"], {})[r["theirs"]] = r
+    summary, classes = [], []
+    for job, rows in by_job.items():
+        same = next((r for r in rows.values() if r.get("same_schedule")), None)
+        engine = next((r for k, r in rows.items() if k.startswith("engine:")), None)
+        best = rows.get("torch best")
+        classes += [k for k in rows if k not in classes and k != "torch best" and not k.startswith("engine:")]
+        any_row = next(iter(rows.values()))
+        summary.append([job, any_row["ours_median_s"],
+                        f"{same['theirs']} {same['throughput_ratio']:.3f}" if same else "-",
+                        round(best["throughput_ratio"], 3) if best else "-",
+                        round(engine["throughput_ratio"], 3) if engine else "-", any_row["rounds"]])
+    out = [table(["ours", "ours median s", "vs torch's class of the same schedule", "vs torch best (per round)",
+                  "vs bare engine", "rounds"], summary)]
+    if classes:
+        matrix = [[job, *(round(rows[c]["throughput_ratio"], 3) if c in rows else "-" for c in classes)]
+                  for job, rows in by_job.items()]
+        matrix.append(["(torch median s in the first job's rounds)",
+                       *(next(iter(by_job.values()))[c]["theirs_median_s"] if c in next(iter(by_job.values())) else "-"
+                         for c in classes)])
+        out.append(table(["ours \\ theirs", *classes], matrix))
     e = data.get("e2e_overhead_d1")
     if e:
         out.append(table(["train.py strategy=single median s", "plain Lightning median s", "ratio (paired)", "rounds"],

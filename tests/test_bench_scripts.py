@@ -1,0 +1,54 @@
+"""The benchmark scripts' pure parts: the end-to-end table and the comparison systems' optimizer."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import bench_e2e  # noqa: E402
+import bench_tables  # noqa: E402
+
+
+def _row(ours: str, theirs: str, ratio: float, same: bool = False) -> dict:
+    return {"ours": ours, "theirs": theirs, "same_schedule": same, "ours_median_s": 0.07,
+            "theirs_median_s": 0.07 * ratio, "throughput_ratio": ratio, "rounds": 60}
+
+
+def test_e2e_table_names_the_same_schedule_torch_best_and_the_engine() -> None:
+    job = "train.py strategy=dapple"
+    data = {"e2e_vs_torch": [_row(job, "ScheduleGPipe", 1.07), _row(job, "Schedule1F1B", 0.93, same=True),
+                             _row(job, "torch best", 0.92), _row(job, "engine:dapple", 0.94)]}
+    summary, matrix = bench_tables.e2e(data).split("\n\n")
+    assert f"| {job} | 0.07 | Schedule1F1B 0.930 | 0.92 | 0.94 | 60 |" in summary
+    assert "| ours \\ theirs | ScheduleGPipe | Schedule1F1B |" in matrix  # engine and best are not classes
+    assert f"| {job} | 1.07 | 0.93 |" in matrix
+
+
+def test_torch_best_is_the_fastest_class_of_each_round() -> None:
+    times = {"job": [1.0, 1.0, 1.0], "A": [0.9, 1.2, 0.5], "B": [1.1, 0.8, 0.7], "C": [2.0, 2.0, 2.0]}
+    assert bench_e2e.fastest_per_round(times, ("A", "B")) == [0.9, 0.8, 0.5]
+    assert bench_e2e.fastest_per_round(times, ("C",)) == [2.0, 2.0, 2.0]
+
+
+def test_comparison_systems_step_the_jobs_optimizer() -> None:
+    weight = torch.nn.Parameter(torch.ones(3))
+    job = torch.optim.AdamW([weight], lr=3e-4, betas=(0.8, 0.9), weight_decay=0.05, fused=True)
+    other = bench_e2e.same_optimizer(job)([torch.nn.Parameter(torch.ones(2))])
+    assert type(other) is torch.optim.AdamW
+    assert other.defaults == job.defaults and other.defaults["fused"] is True
+    assert {k: other.defaults[k] for k in ("lr", "betas", "weight_decay")} == {"lr": 3e-4, "betas": (0.8, 0.9),
+                                                                             "weight_decay": 0.05}
+
+
+def test_every_torch_class_has_the_placement_of_ours() -> None:
+    from pipeline_recipes.strategies.schedules import build_schedule
+
+    for name, cls in bench_e2e.SAME_SCHEDULE.items():
+        schedule = build_schedule(name, 2, 4, chunks=2 if len(bench_e2e.TORCH_STAGES[cls](0, 2)) == 2 else None)
+        for rank in range(2):
+            held = tuple(s for s in range(len(schedule.placement[0])) if schedule.placement[0][s] == rank)
+            assert sorted(held) == sorted(bench_e2e.TORCH_STAGES[cls](rank, 2)), (name, rank)
