@@ -323,6 +323,22 @@ def test_best_concat_is_the_fastest_simulated_method() -> None:
     assert resolve_concat("chimera", 4, 8, None, 2, "forward_doubling") == "forward_doubling"
 
 
+def test_concat_auto_simulates_the_schedule_it_builds() -> None:
+    """Chimera + zero bubble picks its method from its own simulated schedules, not plain Chimera's: its
+    deferred weight gradients fill other bubbles (D = 8, N = 16: direct 51 against halving's 52, where
+    plain Chimera's halving takes 59 against direct's 65)."""
+    from pipeline_recipes.strategies.schedules import build_schedule
+
+    for d, n, b in [(4, 8, 2), (8, 16, 2), (4, 16, 2), (4, 12, 1)]:
+        sims = {m: simulate(build_schedule("chimera_zb", d, n, concat=m), 1, 2) for m in concat_choices(d, n, b)}
+        fastest = min(sim.makespan for sim in sims.values())
+        tied = [m for m in CONCAT_METHODS if m in sims and sims[m].makespan == fastest]
+        expected = min(tied, key=lambda m: max(sims[m].peak_activations))
+        assert resolve_concat("chimera_zb", d, n, None, b, "auto") == expected, (d, n, b)
+    assert resolve_concat("chimera", 8, 16, None, 2, "auto") == "backward_halving"
+    assert resolve_concat("chimera_zb", 8, 16, None, 2, "auto") == "direct"
+
+
 @pytest.mark.parametrize("d", [4, 6, 8])
 def test_n_equals_2d_methods_at_practical_costs(d: int) -> None:
     n = 2 * d

@@ -87,7 +87,7 @@ class Candidate:
             return replace(self, concat=resolve_concat(self.strategy, self.D, self.N, self.pipelines, self.B,
                                                        self.concat))
         part = list(partition) if partition is not None else runtime_partition(costs, self.S)
-        method = best_concat(self.D, self.N, self.pipelines, self.B,
+        method = best_concat(self.D, self.N, self.pipelines, self.B, generator=get_spec(self.strategy).generator,
                              costs=lambda m: stage_costs(costs, replace(self, concat=m), part))
         return replace(self, concat=method)
 

@@ -379,6 +379,7 @@ def best_concat(
     t_comm: float = 0.0,
     *,
     costs: CostsOf | None = None,
+    generator: Callable[..., Schedule] | None = None,
 ) -> str:
     """``strategy.concat=auto``: the concatenation method whose Chimera schedule simulates fastest.
 
@@ -386,6 +387,8 @@ def best_concat(
     :func:`concat_choices` is built and simulated at ``t_f``/``t_b``/``t_comm`` (per micro-batch,
     one number or one per stage; by default t_b = 2 t_f), or at ``costs(method)`` where a caller
     knows each method's own costs (the planner's measured ones: halving runs half-size backwards).
+    ``generator(stages, micro_batches, pipelines, method)`` builds each candidate (default
+    :func:`chimera`; Chimera + zero bubble passes its own, whose split backwards fill other bubbles).
     Ties go to the method that holds fewer activations, then to the earlier of direct, forward
     doubling, backward halving. The one rule behind ``strategy.concat=auto`` everywhere: the
     layout check, the engine, the viewer and the planner.
@@ -393,7 +396,7 @@ def best_concat(
     _check_chimera(stages, micro_batches, pipelines, "direct")
     ranked = []
     for order, method in enumerate(concat_choices(stages, micro_batches, micro_batch_size)):
-        schedule = chimera(stages, micro_batches, pipelines, method)
+        schedule = (generator or chimera)(stages, micro_batches, pipelines, method)
         f, b, comm = costs(method) if costs is not None else (t_f, t_b, t_comm)
         sim = simulate(schedule, f, b, t_comm=comm)
         ranked.append((sim.makespan, max(sim.peak_activations), order, method))

@@ -205,7 +205,7 @@ def resolve_concat(
     if not spec.concat or micro_batches is None:
         return "direct"
     return best_concat(stages, micro_batches, spec.pipelines.default if pipelines is None else pipelines,
-                       micro_batch_size)
+                       micro_batch_size, generator=spec.generator)
 
 
 register(ScheduleSpec("gpipe", gpipe, "GPipe: all forwards, then all backwards, a flush per step"))
