@@ -412,7 +412,7 @@ def part_e2e(quick: bool) -> dict[str, Any]:
     from bench_e2e import part_e2e as run_e2e
 
     if quick:
-        return run_e2e(quick, ours=("dapple",), theirs=("Schedule1F1B",))
+        return run_e2e(quick, ours=("dapple",), theirs=("ScheduleGPipe", "Schedule1F1B"))
     return run_e2e(quick, ours=E2E_SCHEDULES, without_logger=("dapple",))
 
 

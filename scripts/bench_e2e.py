@@ -327,7 +327,7 @@ def part_e2e(quick: bool, rounds: int | None = None, ours: tuple[str, ...] = ("g
     W&B logger costs). ``throughput_ratio`` = their step time ÷ ours, median of the rounds (> 1: ours faster)."""
     import tempfile
 
-    rounds = rounds or (4 if quick else 60)
+    rounds = rounds or (4 if quick else 40)
     warmup = 1 if quick else 5
     steps = rounds + warmup
     root = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
