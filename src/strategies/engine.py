@@ -156,6 +156,8 @@ class PipelineEngine:
         )
         self.windows = AsyncWindows(self.executor) if config.is_async else None
         self.last_record: StepRecord | None = None
+        # collected on first use, after materialisation (which replaces the meta parameters)
+        self._local_parameters: tuple[nn.Parameter, ...] | None = None
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -216,7 +218,10 @@ class PipelineEngine:
         return unique_parameters(layers)
 
     def local_parameters(self) -> list[nn.Parameter]:
-        return self._params([layer for ls in self.stage_layers.values() for layer in ls])
+        """This rank's parameters (its stages'), each once (collected on the first call)."""
+        if self._local_parameters is None:
+            self._local_parameters = tuple(self._params([layer for ls in self.stage_layers.values() for layer in ls]))
+        return list(self._local_parameters)
 
     def _tied_delays(self, tied: Sequence[nn.Parameter]) -> dict[int, int]:
         """Asynchronous schedules: a tied parameter updates with the largest delay of the stages holding it."""
@@ -287,12 +292,13 @@ class PipelineEngine:
             )
         return split_batch(batch, size // self.config.micro_batch_size)
 
-    def _totals(self, micro_batches: Sequence[Batch]) -> dict[str, Tensor]:
+    def _totals(self, batch: Batch) -> dict[str, Tensor]:
         """Loss normalisers over the global mini-batch (all replicas), as device scalars: reading
-        them on the host would synchronise with the device before the schedule starts."""
-        counts = [loss_counts(self.model, mb) for mb in micro_batches]
-        names = sorted(counts[0])
-        local = torch.stack([sum(c[n] for c in counts) for n in names]).to(self.device)
+        them on the host would synchronise with the device before the schedule starts. Counts add
+        up over samples, so the replica's mini-batch is counted at once, not per micro-batch."""
+        counts = loss_counts(self.model, batch)
+        names = sorted(counts)
+        local = torch.stack([counts[n] for n in names]).to(self.device)
         if self.peer_group is not None:  # one rank per replica: no line-up of a replica's stages
             dist.all_reduce(local, group=self.peer_group)
         local = local.to(torch.float32)  # counts are exact in float32; losses are float32
@@ -321,7 +327,7 @@ class PipelineEngine:
         if self.versions is not None:
             for p in self.local_parameters():
                 p.grad = None  # the step's due version hands its gradient over at the end
-            return self._async_step(micro_batches)
+            return self._async_step(micro_batches, self._totals(batch))
         self.synchronizer.zero_grad(self.local_parameters())
         plan = self.launch_plan(len(micro_batches))
         sync = self.synchronizer
@@ -331,14 +337,14 @@ class PipelineEngine:
                 sync.launch(stage)
 
         self.last_record = self.executor.run(
-            self.schedule_for(len(micro_batches)), micro_batches, self._totals(micro_batches),
+            self.schedule_for(len(micro_batches)), micro_batches, self._totals(batch),
             after_backward=after_backward if plan else None,
         )
         self.loss_step = self.steps_taken
         self.steps_taken += 1
         return self._world_sum_overlapping(self.last_record.loss_sum, sync.finish)
 
-    def _async_step(self, micro_batches: Sequence[Batch]) -> Tensor:
+    def _async_step(self, micro_batches: Sequence[Batch], totals: dict[str, Tensor]) -> Tensor:
         """One window of PipeDream / PipeDream-2BW: forwards on this step's weight version, the
         backwards due now (some of earlier steps), then the gradient of the version due (if any)
         is all-reduced into ``.grad`` for the optimizer; otherwise ``.grad`` stays unset (no update)."""
@@ -347,7 +353,7 @@ class PipelineEngine:
         self.versions.begin_step(step)
         first = current.meta["first_mb"]
         self.last_record = self.windows.run(
-            current, {first + i: mb for i, mb in enumerate(micro_batches)}, self._totals(micro_batches),
+            current, {first + i: mb for i, mb in enumerate(micro_batches)}, totals,
         )
         stage_due, tied_due = self.versions.end_step(step)  # alike on every copy of a stage: the schedule decides
         loss = self.last_record.loss_sum.to(self.device, torch.float32)
@@ -389,7 +395,7 @@ class PipelineEngine:
         micro_batches = self.split(batch)
         N = len(micro_batches)
         schedule = self._eval_schedule(N) if self.config.is_async else self.schedule_for(N)
-        record = self.executor.run(schedule, micro_batches, self._totals(micro_batches), train=False)
+        record = self.executor.run(schedule, micro_batches, self._totals(batch), train=False)
         return self._world_sum(record.loss_sum)
 
     def clip_grad_norm_(self, max_norm: float) -> None:
