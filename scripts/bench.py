@@ -173,21 +173,35 @@ class _Stream(_Step):
         return float(value)
 
 
+MODERN = ("interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "chimera_zb")  # after Chimera: split backwards, chunks
+MODERN_DEPTHS = (2, 4)  # the efficiency part runs them at these D (8 ranks on 2 cores would double its time)
+
+
 def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: int, warmup: int,
                        act: int, params: int) -> list[dict]:
     from pipeline_recipes.strategies.emulated import EmulatedPipeline
     from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.schedules import ScheduleError
 
     rows = []
     for N in [*Ns, 1]:  # N = 1: PipeDream (one micro-batch per update)
-        names = ("pipedream",) if N == 1 else ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw")
-        runners, simulated = {}, {}
+        names = ("pipedream",) if N == 1 else ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw",
+                                                *(MODERN if world in MODERN_DEPTHS else ()))
+        runners, simulated, stage_t_f = {}, {}, {}
         for name in names:
-            model = EmulatedPipeline(world, t_f=t_f, activation_numel=act, param_numel=params)
-            engine = PipelineEngine(model, PipelineConfig(name, world, 1), 1, torch.device("cpu"))
+            config = PipelineConfig(name, world, 1)
+            try:
+                split = any(a.kind in "IW" for row in config.build(N).workers for a in row)
+            except ScheduleError:  # N outside the schedule's rules (DualPipeV: N >= 2D)
+                continue
+            chunks = config.num_stages // world  # a worker's compute is t_f + t_b per micro-batch whatever its chunks
+            stage_t_f[name] = t_f / chunks
+            model = EmulatedPipeline(config.num_stages, t_f=stage_t_f[name], activation_numel=act, param_numel=params,
+                                     split_backward=split)
+            engine = PipelineEngine(model, config, 1, torch.device("cpu"))
+            simulated[name] = _step_makespan(engine, N, stage_t_f[name], 2 * stage_t_f[name])
             runners[name] = (_Stream if engine.config.is_async else _Step)(engine, model.batch(N))
-            simulated[name] = _step_makespan(engine, N, t_f, 2 * t_f)
-        durations: dict[str, dict[str, list[float]]] = {name: {"F": [], "B": []} for name in runners}
+        durations: dict[str, dict[str, list[float]]] = {name: {k: [] for k in "FBIW"} for name in runners}
         engines = {name: getattr(runner, "engine", None) for name, runner in runners.items()}
         times = _rounds(runners, steps, warmup, on_step=lambda name: _collect(durations[name], engines[name]))
         for name, runner in runners.items():
@@ -198,7 +212,7 @@ def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: 
     return rows
 
 
-def _step_makespan(engine: Any, N: int, t_f: float, t_b: float) -> float:
+def _step_makespan(engine: Any, N: int, t_f: float, t_b: float, t_w: float | None = None) -> float:
     """Simulated time of one step: the schedule's makespan, or an asynchronous schedule's steady step."""
     from pipeline_recipes.strategies.schedules import simulate
     from pipeline_recipes.strategies.schedules.asynchronous import steady_step_makespan
@@ -206,25 +220,32 @@ def _step_makespan(engine: Any, N: int, t_f: float, t_b: float) -> float:
     config = engine.config
     if config.is_async:
         return steady_step_makespan(config.schedule, config.stages, N, t_f, t_b)
-    return simulate(engine.schedule_for(N), t_f, t_b).makespan
+    return simulate(engine.schedule_for(N), t_f, t_b, t_w=t_w).makespan
 
 
 def _collect(into: dict[str, list[float]], engine: Any) -> None:
-    """This rank's per-micro-batch forward and backward durations of the step just run."""
+    """This rank's per-micro-batch durations of each kind of action (F, B, I, W) of the step just run."""
     for action, start, end in engine.last_record.timeline:
         into[action.kind].append((end - start) / (len(action.mbs) if action.kind == "F" else 1.0))
 
 
 def _simulate_measured(engine: Any, N: int, durations: dict[str, list[float]]) -> float:
-    """The simulator's step time with the mean forward/backward durations every rank measured, so
-    measured / this = what scheduling and communication add beyond the actions' own times."""
+    """The simulator's step time with the mean durations every rank measured per kind of action (a
+    split backward: t_b = mean I + mean W, t_w = mean W), so measured / this = what scheduling and
+    communication add beyond the actions' own times."""
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, durations)
-    t_f = statistics.mean(d for g in gathered for d in g["F"])
-    t_b = statistics.mean(d for g in gathered for d in g["B"])
-    return _step_makespan(engine, N, t_f, t_b)
+
+    def mean(kind: str) -> float | None:
+        values = [d for g in gathered for d in g[kind]]
+        return statistics.mean(values) if values else None
+
+    t_f, t_b, t_i, t_w = mean("F"), mean("B"), mean("I"), mean("W")
+    if t_b is None:  # every backward split
+        t_b = (t_i or 0.0) + (t_w or 0.0)
+    return _step_makespan(engine, N, t_f, t_b, t_w if t_w is not None and t_w <= t_b else None)
 
 
 def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, steps: int, warmup: int,

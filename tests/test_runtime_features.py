@@ -350,3 +350,47 @@ def _rank_one_dies(rank: int, world: int) -> None:
 def test_run_world_reports_a_rank_that_died_without_waiting_for_the_timeout() -> None:
     with pytest.raises(WorldError, match=r"ranks \[1\] exited with codes \[3\] without a result"):
         run_world(2, _rank_one_dies, timeout=300)  # waiting for the timeout would say "no answer within 300s"
+
+
+def test_emulated_stage_charges_a_split_backward_as_the_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An emulated stage's forward holds t_f, a whole backward t_b (also on the first stage, whose input
+    needs no gradient), the input-gradient pass I only t_b - t_w and the weight-gradient pass W t_w
+    (Zero Bubble Pipeline Parallelism §2, as strategies.schedules.simulate charges them)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    import pipeline_recipes.strategies.emulated as emulated
+
+    held: list[float] = []
+    monkeypatch.setattr(emulated, "hold", held.append)
+    stage = emulated.EmulatedStage(t_f=1.0, t_b=2.0, param_numel=8, micro_batch_size=2, t_w=0.5, split_backward=True)
+
+    def charged(run) -> list[float]:
+        held.clear()
+        run()
+        return sorted(held)
+
+    x = torch.ones(2, 4)  # the first stage: its input needs no gradient
+    out = None
+
+    def forward() -> None:
+        nonlocal out
+        out = stage(x)
+
+    assert charged(forward) == [1.0]
+    assert charged(lambda: out.sum().backward()) == [0.5, 1.5]  # B: t_b in all
+    assert stage.weight.grad is not None
+    inp = torch.ones(4, 4, requires_grad=True)  # a later stage, a micro-batch twice the size
+    out = stage(inp).sum()
+    kept = {}
+
+    def input_gradient() -> None:
+        kept["grads"], kept["weights"] = stage_backward_input([out], None, [inp], iter([stage.weight]))
+
+    assert charged(input_gradient) == [3.0]  # I: (t_b - t_w) × 2
+    assert kept["grads"][0].shape == inp.shape
+    assert charged(lambda: stage_backward_weight(iter([stage.weight]), kept["weights"])) == [1.0]  # W: t_w × 2
+    whole = emulated.EmulatedStage(t_f=1.0, t_b=2.0, param_numel=8, micro_batch_size=2)  # one node: one hold
+    out = whole(torch.ones(2, 4, requires_grad=True)).sum()
+    assert charged(lambda: out.backward()) == [2.0]
+    with pytest.raises(ValueError, match="t_w <= t_b"):
+        emulated.EmulatedStage(t_f=1.0, t_b=1.0, param_numel=8, micro_batch_size=1, t_w=2.0)

@@ -63,19 +63,63 @@ class _Timed(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-class EmulatedStage(nn.Module):
-    """One pipeline stage of emulated cost (seconds per micro-batch of ``micro_batch_size``)."""
+class _InputPath(torch.autograd.Function):
+    """Identity (a copy) whose forward sleeps ``t_f`` and whose backward, the input gradient, sleeps ``t_i``."""
 
-    def __init__(self, t_f: float, t_b: float, param_numel: int, micro_batch_size: int) -> None:
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, t_f: float, t_i: float) -> Tensor:
+        ctx.t_i = t_i
+        hold(t_f)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        hold(ctx.t_i)
+        return grad.clone(), None, None
+
+
+class _WeightPath(torch.autograd.Function):
+    """Zeros of the activation's shape from the weight, whose backward (the weight gradient) sleeps ``t_w``."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, like: Tensor, t_w: float) -> Tensor:
+        ctx.t_w, ctx.weight = t_w, weight
+        return torch.zeros_like(like)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        hold(ctx.t_w)
+        return torch.zeros_like(ctx.weight), None, None  # real gradient memory
+
+
+class EmulatedStage(nn.Module):
+    """One pipeline stage of emulated cost (seconds per micro-batch of ``micro_batch_size``).
+
+    One autograd node, whose backward holds ``t_b``; with ``split_backward`` the output is an input
+    path plus a weight path, two nodes, so that a split backward costs what the simulator charges:
+    the input gradient (``I``) runs the input path only, ``t_b - t_w``, and the weight gradient
+    (``W``) the weight path, ``t_w`` (Zero Bubble Pipeline Parallelism §2; ``t_w`` defaults to
+    ``t_b / 2`` as in :func:`strategies.schedules.simulate`); a whole backward (``B``) runs both.
+    Schedules without split backwards keep the one node (one wake-up per backward, not two)."""
+
+    def __init__(self, t_f: float, t_b: float, param_numel: int, micro_batch_size: int,
+                 t_w: float | None = None, split_backward: bool = False) -> None:
         super().__init__()
-        if t_f < 0 or t_b < 0:
-            raise ValueError(f"stage times must be non-negative, got t_f={t_f}, t_b={t_b}")
-        self.t_f, self.t_b, self.micro_batch_size = t_f, t_b, micro_batch_size
+        t_w = t_b / 2 if t_w is None else t_w
+        if t_f < 0 or t_b < 0 or not 0 <= t_w <= t_b:
+            raise ValueError(f"stage times must be non-negative and t_w <= t_b, got t_f={t_f}, t_b={t_b}, t_w={t_w}")
+        self.t_f, self.t_b, self.t_w, self.micro_batch_size = t_f, t_b, t_w, micro_batch_size
+        self.split_backward = split_backward
         self.weight = nn.Parameter(torch.zeros(max(int(param_numel), 1)))
 
     def forward(self, x: Tensor) -> Tensor:
         scale = x.shape[0] / self.micro_batch_size
-        return _Timed.apply(x, self.weight, self.t_f * scale, self.t_b * scale)
+        if not self.split_backward:
+            return _Timed.apply(x, self.weight, self.t_f * scale, self.t_b * scale)
+        if torch.is_grad_enabled() and not x.requires_grad:  # the first stage: its backward costs t_b too
+            x = x.detach().requires_grad_(True)
+        out = _InputPath.apply(x, self.t_f * scale, (self.t_b - self.t_w) * scale)
+        return out + _WeightPath.apply(self.weight, out.detach(), self.t_w * scale)
 
 
 class EmulatedPipeline(nn.Module, PipelineModel):
@@ -89,6 +133,7 @@ class EmulatedPipeline(nn.Module, PipelineModel):
         activation_numel: int = 16384,
         param_numel: int = 65536,
         micro_batch_size: int = 1,
+        split_backward: bool = False,
     ) -> None:
         super().__init__()
         if stages < 1 or micro_batch_size < 1 or activation_numel < 1:
@@ -96,7 +141,8 @@ class EmulatedPipeline(nn.Module, PipelineModel):
         t_b = 2.0 * t_f if t_b is None else t_b
         self.activation_numel = int(activation_numel)
         self.layers = nn.ModuleList(
-            EmulatedStage(t_f, t_b, param_numel, micro_batch_size) for _ in range(stages)
+            EmulatedStage(t_f, t_b, param_numel, micro_batch_size, split_backward=split_backward)
+            for _ in range(stages)
         )
 
     def pipeline_layers(self) -> nn.ModuleList:
