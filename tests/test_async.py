@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from distributed import run_world
+from pipeline_recipes.strategies.executor import WindowPlans
 from pipeline_recipes.strategies.schedules import dapple, simulate, validate
 from pipeline_recipes.strategies.schedules.comm import comm_plan, unconsumed_messages
 from pipeline_recipes.strategies.schedules.messages import Message
 from pipeline_recipes.strategies.schedules.asynchronous import (
-    run, stashed_versions, version_of, weight_delay, window,
+    run, stashed_versions, steady_step, version_of, weight_delay, window,
 )
 from toy_model import ToyMLP, toy_batches
 
@@ -69,6 +70,22 @@ def test_the_gradients_that_cross_a_step_boundary_arrive_in_the_window_that_send
     for w in range(4):  # the window's last round receives them
         plan = comm_plan(now, w, carried_in=unconsumed_messages(before, w))
         assert {t.message for t in plan.rounds[-1].recvs} == set(unconsumed_messages(now, w))
+
+
+@pytest.mark.parametrize("name, d, n", [("pipedream_2bw", d, n) for d in (2, 3, 5) for n in (d, d + 1)]
+                         + [("pipedream_2bw", 8, 8)] + [("pipedream", d, 1) for d in (2, 3, 8)])
+def test_window_plans_derived_once_equal_the_plans_derived_every_step(name: str, d: int, n: int) -> None:
+    """A window's rounds come from the cache (the steady window's plan renumbered) exactly as
+    :func:`comm_plan` derives them for that window afresh, and only the windows up to the steady one
+    derive their own."""
+    steps = steady_step(name, d, n) + 4
+    for w in range(d):
+        plans, carried = WindowPlans(w), frozenset()
+        for t in range(steps):
+            now = window(name, d, n, t)
+            assert plans(now, carried) == comm_plan(now, w, carried_in=carried), (w, t)
+            carried = unconsumed_messages(now, w)
+        assert len(plans) <= steady_step(name, d, n) + 1
 
 
 @pytest.mark.parametrize("call, fragment", [
