@@ -15,6 +15,7 @@ import torch
 
 from distributed import run_world
 from pipeline_recipes.strategies.executor import WindowPlans
+from pipeline_recipes.strategies.late_loss import LateLosses
 from pipeline_recipes.strategies.schedules import dapple, simulate, validate
 from pipeline_recipes.strategies.schedules.comm import comm_plan, unconsumed_messages
 from pipeline_recipes.strategies.schedules.messages import Message
@@ -86,6 +87,44 @@ def test_window_plans_derived_once_equal_the_plans_derived_every_step(name: str,
             assert plans(now, carried) == comm_plan(now, w, carried_in=carried), (w, t)
             carried = unconsumed_messages(now, w)
         assert len(plans) <= steady_step(name, d, n) + 1
+
+
+class _Work:
+    """A started all-reduce of one rank: records the step it started in and the step it was waited in."""
+
+    def __init__(self, started: int, clock: list[int]) -> None:
+        self.started, self.clock, self.waited = started, clock, None
+
+    def wait(self) -> None:
+        assert self.waited is None, "an all-reduce waited twice"
+        self.waited = self.clock[0]
+
+
+@pytest.mark.parametrize("d, n", [(2, 2), (4, 4), (4, 1), (5, 1), (8, 1), (8, 8), (8, 16)])
+def test_late_losses_come_lag_steps_late_from_all_reduces_started_half_the_lag_before(d: int, n: int) -> None:
+    """Step t returns step t - lag's loss (the first step its own, lag = ceil((D - 1) / N)); the
+    losses of a few consecutive steps share one all-reduce, started at least lag - lag // 2 steps
+    before it is waited (the last stage trails the first by at most half the lag), and flush gives
+    the rest."""
+    lag, steps, clock, works = max(1, -(-(d - 1) // n)), 40, [0], []
+
+    def all_reduce(losses: torch.Tensor) -> _Work:
+        works.append(_Work(clock[0], clock))
+        return works[-1]
+
+    late = LateLosses(d, all_reduce)
+    for t in range(steps):
+        clock[0] = t
+        late.add(t, torch.tensor(float(t)), n)
+        loss, at = late.report(t, n)
+        assert at == max(0, t - lag) and loss.item() == at
+    clock[0] = steps
+    rest = late.flush()
+    assert [at for at, _ in rest] == list(range(steps - lag, steps)) and [x.item() for _, x in rest] == [float(a) for a, _ in rest]
+    per = max(1, lag // 2)
+    assert late.reductions == len(works) == 1 + -(-(steps - 1) // per)
+    assert all(w.waited is not None for w in works)
+    assert all(w.waited - w.started >= lag - per for w in works[1:] if w.waited < steps)
 
 
 @pytest.mark.parametrize("call, fragment", [
