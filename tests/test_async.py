@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from distributed import run_world
+from pipeline_recipes.strategies.executor import WindowPlans
+from pipeline_recipes.strategies.late_loss import LateLosses
 from pipeline_recipes.strategies.schedules import dapple, simulate, validate
 from pipeline_recipes.strategies.schedules.comm import comm_plan, unconsumed_messages
 from pipeline_recipes.strategies.schedules.messages import Message
 from pipeline_recipes.strategies.schedules.asynchronous import (
-    run, stashed_versions, version_of, weight_delay, window,
+    run, stashed_versions, steady_step, version_of, weight_delay, window,
 )
 from toy_model import ToyMLP, toy_batches
 
@@ -69,6 +71,60 @@ def test_the_gradients_that_cross_a_step_boundary_arrive_in_the_window_that_send
     for w in range(4):  # the window's last round receives them
         plan = comm_plan(now, w, carried_in=unconsumed_messages(before, w))
         assert {t.message for t in plan.rounds[-1].recvs} == set(unconsumed_messages(now, w))
+
+
+@pytest.mark.parametrize("name, d, n", [("pipedream_2bw", d, n) for d in (2, 3, 5) for n in (d, d + 1)]
+                         + [("pipedream_2bw", 8, 8)] + [("pipedream", d, 1) for d in (2, 3, 8)])
+def test_window_plans_derived_once_equal_the_plans_derived_every_step(name: str, d: int, n: int) -> None:
+    """A window's rounds come from the cache (the steady window's plan renumbered) exactly as
+    :func:`comm_plan` derives them for that window afresh, and only the windows up to the steady one
+    derive their own."""
+    steps = steady_step(name, d, n) + 4
+    for w in range(d):
+        plans, carried = WindowPlans(w), frozenset()
+        for t in range(steps):
+            now = window(name, d, n, t)
+            assert plans(now, carried) == comm_plan(now, w, carried_in=carried), (w, t)
+            carried = unconsumed_messages(now, w)
+        assert len(plans) <= steady_step(name, d, n) + 1
+
+
+class _Work:
+    """A started all-reduce of one rank: records the step it started in and the step it was waited in."""
+
+    def __init__(self, started: int, clock: list[int]) -> None:
+        self.started, self.clock, self.waited = started, clock, None
+
+    def wait(self) -> None:
+        assert self.waited is None, "an all-reduce waited twice"
+        self.waited = self.clock[0]
+
+
+@pytest.mark.parametrize("d, n", [(2, 2), (4, 4), (4, 1), (5, 1), (8, 1), (8, 8), (8, 16)])
+def test_late_losses_come_lag_steps_late_from_all_reduces_started_half_the_lag_before(d: int, n: int) -> None:
+    """Step t returns step t - lag's loss (the first step its own, lag = ceil((D - 1) / N)); the
+    losses of a few consecutive steps share one all-reduce, started at least lag - lag // 2 steps
+    before it is waited (the last stage trails the first by at most half the lag), and flush gives
+    the rest."""
+    lag, steps, clock, works = max(1, -(-(d - 1) // n)), 40, [0], []
+
+    def all_reduce(losses: torch.Tensor) -> _Work:
+        works.append(_Work(clock[0], clock))
+        return works[-1]
+
+    late = LateLosses(d, all_reduce)
+    for t in range(steps):
+        clock[0] = t
+        late.add(t, torch.tensor(float(t)), n)
+        loss, at = late.report(t, n)
+        assert at == max(0, t - lag) and loss.item() == at
+    clock[0] = steps
+    rest = late.flush()
+    assert [at for at, _ in rest] == list(range(steps - lag, steps)) and [x.item() for _, x in rest] == [float(a) for a, _ in rest]
+    per = max(1, lag // 2)
+    assert late.reductions == len(works) == 1 + -(-(steps - 1) // per)
+    assert all(w.waited is not None for w in works)
+    assert all(w.waited - w.started >= lag - per for w in works[1:] if w.waited < steps)
 
 
 @pytest.mark.parametrize("call, fragment", [

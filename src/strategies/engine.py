@@ -11,7 +11,6 @@ forwards may be recomputed in backward to save activation memory (GPipe re-mater
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +22,7 @@ from torch import Tensor, nn
 
 from .executor import AsyncWindows, StageExecutor, StepRecord, loss_counts
 from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
+from .late_loss import LateLosses
 from .p2p import PipeComm, replica_groups
 from .pipeline_model import Batch, PipelineModel, materialize_local, split_batch
 from .recompute import RECOMPUTE_MODES, recompute_stages
@@ -140,9 +140,8 @@ class PipelineEngine:
         self.versions = (WeightVersions(config.schedule, config.stages, self.stage_layers, self._tied_delays(tied))
                          if config.is_async else None)
         self.steps_taken = 0  # optimizer steps run (asynchronous schedules: which window comes next)
-        # asynchronous schedules report the loss late: (all-reduce, loss, step) not yet reported
-        self._pending_losses: deque[tuple[dist.Work, Tensor, int]] = deque()
-        self._reported: tuple[Tensor, int] | None = None  # the last loss returned, and its step
+        # asynchronous schedules report the loss late, its all-reduces started a few steps at a time
+        self.late_losses = LateLosses(config.stages, lambda losses: dist.all_reduce(losses, async_op=True))
         self.loss_step = 0  # the step whose loss train_step returned last
         self.synchronizer = GradientSynchronizer(
             {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout,
@@ -321,7 +320,7 @@ class PipelineEngine:
         """Forward and backward of the replica's mini-batch, gradients summed; returns the mini-batch
         loss (every rank the same). An asynchronous schedule returns an earlier step's loss (one
         step late, or ceil((D - 1) / N) when the pipeline is deeper than a step: its all-reduce
-        overlaps the following steps, so the stages never line up), the first step its own;
+        overlaps the following steps, so the stages never line up; :mod:`.late_loss`), the first step its own;
         :attr:`loss_step` says which step, :meth:`flush_losses` gives those not reported yet."""
         micro_batches = self.split(batch)
         if self.versions is not None:
@@ -356,33 +355,20 @@ class PipelineEngine:
             current, {first + i: mb for i, mb in enumerate(micro_batches)}, totals,
         )
         stage_due, tied_due = self.versions.end_step(step)  # alike on every copy of a stage: the schedule decides
-        loss = self.last_record.loss_sum.to(self.device, torch.float32)
-        self._pending_losses.append((dist.all_reduce(loss, async_op=True), loss, step))
+        # the loss all-reduce (every few steps, :mod:`.late_loss`) starts before the gradients' are waited for
+        self.late_losses.add(step, self.last_record.loss_sum.to(self.device, torch.float32), N)
         if stage_due or tied_due:
             self.synchronizer.finish(tied=tied_due)
         self.steps_taken += 1
-        if self._reported is None:  # the first step reports its own loss (the fill lines up once)
-            self.flush_losses()
-        # the last stage runs about D - 1 forwards behind the first: wait for an all-reduce only once
-        # every rank has certainly started it, ceil((D - 1) / N) steps later (at least one)
-        lag = max(1, -(-(self.config.stages - 1) // N))
-        while len(self._pending_losses) > lag:
-            work, reported, at = self._pending_losses.popleft()
-            work.wait()
-            self._reported = (reported, at)
-        loss, self.loss_step = self._reported  # until the lag is filled, the first step's loss again
+        loss, self.loss_step = self.late_losses.report(step, N)  # until the lag is filled, the first step's
         return loss
 
     def flush_losses(self) -> list[tuple[int, Tensor]]:
-        """(step, loss) of every asynchronous step not reported yet, oldest first; waits for their
-        all-reduces, which every rank started at the end of those steps."""
-        out = []
-        while self._pending_losses:
-            work, loss, step = self._pending_losses.popleft()
-            work.wait()
-            out.append((step, loss))
-            self._reported = (loss, step)
-            self.loss_step = step
+        """(step, loss) of every asynchronous step not reported yet, oldest first. Every rank calls it
+        at the same step: it starts the all-reduce of the last steps' losses and waits for them all."""
+        out = self.late_losses.flush()
+        if out:
+            self.loss_step = out[-1][0]
         return out
 
     @cache  # noqa: B019 - one engine per process

@@ -26,7 +26,7 @@ window arrive in that window (its last round), kept for the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +36,8 @@ from .p2p import Incoming, Outgoing, PipeComm
 from .pipeline_model import Batch, PipelineModel, run_layers
 from .recompute import parameter_storages
 from .schedules import Action, Schedule, format_grid
-from .schedules.comm import CommPlan, Round, comm_plan
+from .schedules.asynchronous import steady_step
+from .schedules.comm import CommPlan, Round, comm_plan, shifted_message
 from .schedules.effects import graph_effect
 from .schedules.messages import Message, is_local
 from .stage import PipelineStage, StoredBytes, forget_autocast_casts, unique_parameters
@@ -318,6 +319,35 @@ class StageExecutor:
             self._produce(ctx, Message("grad", action.pipe, action.stage, action.mb, action.half), grad)
 
 
+class WindowPlans:
+    """One worker's plans of an asynchronous schedule's windows, each derived once.
+
+    From the steady step on (:func:`~strategies.schedules.asynchronous.steady_step`) a window is
+    the steady window with its micro-batches renumbered, and so is its plan, given the same
+    messages carried in (renumbered alike): the plan is derived for the first such window and
+    renumbered for the next ones, instead of replaying the window's timeline every step."""
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self._plans: dict[tuple, CommPlan] = {}  # (window shape, carried in): the plan at offset 0
+
+    def __len__(self) -> int:
+        """How many plans were derived (one per window shape)."""
+        return len(self._plans)
+
+    def __call__(self, window: Schedule, carried_in: Collection[Message]) -> CommPlan:
+        step, N = window.meta["step"], window.micro_batches
+        phase = min(step, steady_step(window.name, window.stages, N))
+        offset = (step - phase) * N  # micro-batches between this window and the one its shape is keyed by
+        carried = frozenset(shifted_message(m, -offset) for m in carried_in)
+        key = (window.name, window.stages, N, phase, carried)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = comm_plan(window, self.worker, True, carried_in=carried_in).shifted(-offset)
+            self._plans[key] = plan
+        return plan.shifted(offset)
+
+
 class AsyncWindows:
     """Runs an asynchronous schedule's windows (PipeDream, PipeDream-2BW) on a :class:`StageExecutor`.
 
@@ -328,12 +358,13 @@ class AsyncWindows:
 
     def __init__(self, executor: StageExecutor) -> None:
         self.executor = executor
+        self.plans = WindowPlans(executor.worker)
         self._carried: dict[Message, Incoming] = {}
         self._in_flight: dict[int, Batch] = {}  # micro-batch → its batch, until its last backward here
 
     def run(self, window: Schedule, micro_batches: Mapping[int, Batch], totals: Mapping[str, float | Tensor]) -> StepRecord:
         ex = self.executor
-        plan = comm_plan(window, ex.worker, True, carried_in=self._carried.keys())
+        plan = self.plans(window, self._carried.keys())
         self._in_flight.update(micro_batches)
         ctx = StepContext(window, plan, dict(self._in_flight), totals, True, inbox=self._carried)
         record = ex.execute(ctx)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .actions import Action, Schedule
 from .graph import dependencies, index_actions
@@ -59,6 +59,11 @@ class Round:
     def __bool__(self) -> bool:
         return bool(self.sends or self.recvs)
 
+    def shifted(self, offset: int) -> Round:
+        """The same round with every micro-batch index moved by ``offset``."""
+        return Round(tuple(Transfer(t.peer, shifted_message(t.message, offset)) for t in self.sends),
+                     tuple(Transfer(t.peer, shifted_message(t.message, offset)) for t in self.recvs))
+
 
 @dataclass(frozen=True)
 class CommPlan:
@@ -72,6 +77,19 @@ class CommPlan:
     def needs(self, i: int) -> tuple[Message, ...]:
         """The messages action ``i`` consumes (local ones included), in the order it uses them."""
         return tuple(m for _, m in received_messages(self.actions[i], self.stages))
+
+    def shifted(self, offset: int) -> CommPlan:
+        """The same plan with every micro-batch index moved by ``offset``: an asynchronous schedule's
+        later windows are its steady window renumbered, and so are their plans."""
+        if offset == 0:
+            return self
+        actions = tuple(replace(a, mbs=tuple(m + offset for m in a.mbs)) for a in self.actions)
+        return CommPlan(self.worker, self.stages, actions, tuple(r.shifted(offset) for r in self.rounds))
+
+
+def shifted_message(message: Message, offset: int) -> Message:
+    """``message`` of the micro-batch ``offset`` later."""
+    return message._replace(mb=message.mb + offset)
 
 
 def _routes(schedule: Schedule, action: Action, produced: bool) -> list[Transfer]:
