@@ -312,8 +312,6 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
     return [{"system": k, "median_s": statistics.median(v), "times_s": v} for k, v in times.items()]
 
 
-
-
 def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, steps: int, warmup: int) -> dict:
     from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
     from pipeline_recipes.strategies.pipeline_model import sequential_loss

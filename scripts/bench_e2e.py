@@ -31,10 +31,12 @@ The callback writes ``{"job": [...], "<system>": [...]}`` (seconds per counted r
 
 from __future__ import annotations
 
+import inspect
 import json
 import statistics
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +66,7 @@ def _max_over_ranks(value: float) -> float:
     return float(t)
 
 
-TORCH_STAGES: dict[str, Any] = {
+TORCH_STAGES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     # torch.distributed.pipelining's class -> the stage indices rank r of P holds (the placement of ours)
     "ScheduleGPipe": lambda r, P: (r,),
     "Schedule1F1B": lambda r, P: (r,),
@@ -75,11 +77,12 @@ TORCH_STAGES: dict[str, Any] = {
 }
 
 
-def same_optimizer(job_optimizer: torch.optim.Optimizer) -> Any:
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def same_optimizer(job_optimizer: torch.optim.Optimizer) -> OptimizerFactory:
     """``params -> optimizer`` of the job's class and settings (AdamW, its learning rate, betas, weight
     decay and implementation: ``fused``/``foreach``), so every system steps the same optimizer."""
-    import inspect
-
     cls = type(job_optimizer)
     accepted = inspect.signature(cls).parameters  # defaults may hold more (AdamW: decoupled_weight_decay)
     settings = {k: v for k, v in job_optimizer.defaults.items() if k in accepted}
@@ -88,9 +91,10 @@ def same_optimizer(job_optimizer: torch.optim.Optimizer) -> Any:
 
 class _TorchSchedule:
     """One ``torch.distributed.pipelining`` schedule class over this rank's stages (the same
-    placement and ``even_partition`` split as this repository's schedule of that name), with AdamW."""
+    placement and ``even_partition`` split as this repository's schedule of that name), stepping the
+    job's optimizer."""
 
-    def __init__(self, label: str, size: dict[str, int], samples: int, micro_batches: int, optimizer: Any) -> None:
+    def __init__(self, label: str, size: dict[str, int], samples: int, micro_batches: int, optimizer: OptimizerFactory) -> None:
         from torch import nn
         from torch.distributed import pipelining
 
@@ -120,10 +124,10 @@ class _TorchSchedule:
 
 
 class _BareEngine:
-    """This repository's engine stepped directly (no Lightning), with AdamW: what ``bench.py``'s
+    """This repository's engine stepped directly (no Lightning), with the job's optimizer: what ``bench.py``'s
     ``vs_torch`` part times, here in the job's processes."""
 
-    def __init__(self, schedule: str, size: dict[str, int], samples: int, micro_batches: int, optimizer: Any) -> None:
+    def __init__(self, schedule: str, size: dict[str, int], samples: int, micro_batches: int, optimizer: OptimizerFactory) -> None:
         from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
 
         self.engine = PipelineEngine(build_gpt2(size), PipelineConfig(schedule, dist.get_world_size(),
@@ -139,7 +143,7 @@ class _BareEngine:
 
 
 class _PlainModule(pl.LightningModule):
-    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerFactory) -> None:
         super().__init__()
         self.model, self.optimizer_factory = model, optimizer
 
@@ -171,7 +175,7 @@ class _PlainLightning:
     hooks, step, optimizer); the caller's clock would also count the thread switch.
     """
 
-    def __init__(self, size: dict[str, int], samples: int, steps: int, optimizer: Any) -> None:
+    def __init__(self, size: dict[str, int], samples: int, steps: int, optimizer: OptimizerFactory) -> None:
         self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
         self.last_s = 0.0
         self.steps = steps
@@ -270,7 +274,7 @@ class InterleavedRounds(Callback):
 
 
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
 
 
 def _run_job(root: Path, name: str, overrides: list[str], callback: dict[str, Any], timeout: float,
@@ -309,12 +313,29 @@ def common_overrides(quick: bool, steps: int) -> list[str]:
 
 SAME_SCHEDULE = {"gpipe": "ScheduleGPipe", "dapple": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                  "zb_h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
-TORCH_BEST = "torch best"  # per round, the fastest of torch's classes
+TORCH_BEST = "torch best"  # the class with the lowest median step in the job's rounds
 
 
-def fastest_per_round(times: dict[str, list[float]], labels: tuple[str, ...]) -> list[float]:
-    """Round by round, the time of the fastest of ``labels`` (torch's best schedule in that round)."""
-    return [min(column) for column in zip(*(times[label] for label in labels))]
+def fastest(times: dict[str, list[float]], labels: tuple[str, ...]) -> str:
+    """The label of ``labels`` with the lowest median time: torch's best schedule on this work. (The
+    per-round minimum over several classes would sit below every class's own times by noise alone.)"""
+    return min(labels, key=lambda label: statistics.median(times[label]))
+
+
+def e2e_rows(label_ours: str, name: str, times: dict[str, list[float]], theirs: tuple[str, ...]) -> list[dict]:
+    """One job's rows: against each of ``theirs``, against the fastest of them (``torch best``, which
+    names it) and against the bare engine; ``throughput_ratio`` = their step time ÷ the job's, the
+    median of the per-round ratios."""
+    best = fastest(times, theirs)
+    rows = []
+    for label in (*theirs, TORCH_BEST, f"engine:{name}"):
+        measured = times[best if label == TORCH_BEST else label]
+        rows.append({"ours": label_ours, "theirs": label, "same_schedule": SAME_SCHEDULE.get(name) == label,
+                     **({"best_class": best} if label == TORCH_BEST else {}),
+                     "ours_median_s": statistics.median(times["job"]),
+                     "theirs_median_s": statistics.median(measured),
+                     "throughput_ratio": paired_ratio(measured, times["job"]), "rounds": len(times["job"])})
+    return rows
 
 
 def part_e2e(quick: bool, rounds: int | None = None, ours: tuple[str, ...] = ("gpipe", "dapple"),
@@ -341,13 +362,8 @@ def part_e2e(quick: bool, rounds: int | None = None, ours: tuple[str, ...] = ("g
                           "trainer.devices=2", "strategy.micro_batch_size=4", *job_overrides],
                          {"kind": "torch", "warmup": warmup, "quick": quick,
                           "systems": f"[{','.join([*theirs, engine])}]"}, timeout=900)
-        times[TORCH_BEST] = fastest_per_round(times, theirs)
         raw[label_ours] = times
-        for label in (*theirs, TORCH_BEST, engine):
-            rows.append({"ours": label_ours, "theirs": label, "same_schedule": SAME_SCHEDULE.get(name) == label,
-                         "ours_median_s": statistics.median(times["job"]),
-                         "theirs_median_s": statistics.median(times[label]),
-                         "throughput_ratio": paired_ratio(times[label], times["job"]), "rounds": len(times["job"])})
+        rows += e2e_rows(label_ours, name, times, theirs)
     times = _run_job(root, "single", [*common_overrides(quick, steps), *(extra or []), "strategy=single",
                                       "trainer.devices=1"],
                      {"kind": "plain", "warmup": warmup, "quick": quick}, timeout=900)

@@ -102,6 +102,17 @@ def test_fp16_with_loss_scaling_is_refused_for_pipelines_only() -> None:
     check_precision("gpipe", {"precision": "bf16-mixed"})
 
 
+def test_fp16_scaler_with_a_fused_optimizer_and_clipping_is_refused() -> None:
+    """Lightning refuses to clip a fused optimizer's gradients under a GradScaler at the first step:
+    the launcher says so before any process starts, naming the three settings."""
+    fused = {"_target_": "torch.optim.AdamW", "fused": True}
+    with pytest.raises(ConfigError, match="16-mixed with optim.fused = true and trainer.gradient_clip_val = 1.0"):
+        check_precision("ddp", {"precision": "16-mixed", "gradient_clip_val": 1.0}, fused)
+    check_precision("ddp", {"precision": "16-mixed", "gradient_clip_val": None}, fused)
+    check_precision("ddp", {"precision": "16-mixed", "gradient_clip_val": 1.0}, {**fused, "fused": None})
+    check_precision("ddp", {"precision": "bf16-mixed", "gradient_clip_val": 1.0}, fused)
+
+
 def test_the_paper_command_on_a_cpu_machine_is_refused_by_the_preflight(tmp_path: Path) -> None:
     """``python train.py model=gpt2 trainer.devices=8 strategy=chimera`` as a new user types it: here
     auto picks 8 CPU processes, which cannot hold the 1.39 B-parameter model; nothing is started."""

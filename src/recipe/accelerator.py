@@ -137,10 +137,16 @@ def choose_accelerator(trainer: Mapping[str, Any]) -> AcceleratorChoice:
     return resolve_accelerator(trainer, probe_node(cuda=accelerator == AUTO or accelerator in GPU_NAMES))
 
 
-def check_precision(strategy: str, trainer: Mapping[str, Any]) -> None:
+def check_precision(strategy: str, trainer: Mapping[str, Any], optim: Mapping[str, Any] | None = None) -> None:
     """fp16 autocast with a GradScaler (``16-mixed``) cannot run under the pipeline schedules (see
-    the module docstring); bf16 needs no scaler."""
+    the module docstring); bf16 needs no scaler. Under a baseline, Lightning cannot clip the gradients
+    of a fused optimizer with a GradScaler (the fused step unscales them itself)."""
     precision = str(trainer.get("precision"))
+    if precision in FP16_MIXED and (optim or {}).get("fused") and trainer.get("gradient_clip_val"):
+        raise ConfigError(f"trainer.precision = {precision} with optim.fused = true and trainer.gradient_clip_val = "
+                          f"{trainer.get('gradient_clip_val')}: Lightning cannot clip gradients that a fused optimizer "
+                          "unscales inside its step; set optim.fused=null (torch's default AdamW), "
+                          "trainer.gradient_clip_val=null, or trainer.precision=bf16-mixed")
     if strategy not in BASELINES and precision in FP16_MIXED:
         raise ConfigError(f"trainer.precision = {precision} (fp16 with loss scaling) is not supported by "
                           f"strategy={strategy}: the pipeline runs every backward itself, so Lightning's loss "

@@ -196,7 +196,8 @@ def run(cfg: DictConfig) -> float | None:
 
             check_tokenizer_config(OmegaConf.to_container(cfg.data, resolve=True))
         check_devices(trainer_cfg, _gpus(choice))
-        check_precision(layout.strategy, trainer_cfg)
+        check_precision(layout.strategy, trainer_cfg, OmegaConf.to_container(cfg.optim, resolve=True)
+                        if cfg.get("optim") is not None else None)
         launch = detect_launch(os.environ, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
         if cfg.get("preflight", True):
             from pipeline_recipes.planner.preflight import preflight  # estimates on fake tensors: no memory is allocated

@@ -56,7 +56,7 @@ class _Reduction:
 
     def loss(self, step: int) -> Tensor:
         if not self.waited:
-            self.work.wait()
+            self.work.wait()  # the process group's timeout guards it (as every collective's here)
             self.waited = True
         return self.losses[step - self.first]
 
