@@ -83,13 +83,14 @@ class _WeightPath(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, weight: Tensor, like: Tensor, t_w: float) -> Tensor:
-        ctx.t_w, ctx.weight = t_w, weight
+        ctx.t_w, ctx.weight_like = t_w, (weight.shape, weight.dtype, weight.device)
         return torch.zeros_like(like)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         hold(ctx.t_w)
-        return torch.zeros_like(ctx.weight), None, None  # real gradient memory
+        shape, dtype, device = ctx.weight_like
+        return torch.zeros(shape, dtype=dtype, device=device), None, None  # real gradient memory
 
 
 class EmulatedStage(nn.Module):
