@@ -61,7 +61,7 @@ class _Saved:
     output_grad: Tensor | None = None
 
 
-def _forward_shapes(inp: Tensor, batch: Batch, loss: LossFn | None, layers: Sequence[nn.Module],
+def _forward_shapes(inp: Tensor, batch: Batch, loss: LossFn | None, modules: Sequence[nn.Module],
                     parameters: Sequence[nn.Parameter]) -> tuple:
     """The key of a forward's saved-bytes count: the shapes and dtypes of its input and batch,
     whether it computes the loss, the autocast state, the layers' train/eval modes and which
@@ -70,7 +70,7 @@ def _forward_shapes(inp: Tensor, batch: Batch, loss: LossFn | None, layers: Sequ
     device = inp.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     batch_shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()) if isinstance(v, Tensor))
-    modes = tuple(m.training for layer in layers for m in layer.modules())
+    modes = tuple(m.training for m in modules)
     trained = tuple(p.requires_grad for p in parameters)
     return tuple(inp.shape), inp.dtype, batch_shapes, loss is not None, autocast, modes, trained
 
@@ -88,6 +88,8 @@ class PipelineStage:
         self.stored = stored if stored is not None else StoredBytes()
         self.parameter_storages = parameter_storages
         self.parameters = unique_parameters(self.layers)
+        # what the saved-bytes key reads on every forward, listed once (no module tree walk per forward)
+        self._all_modules = [m for layer in self.layers for m in layer.modules()]
         self._all_parameters = [p for layer in self.layers for p in layer.parameters()]
         self._graphs: dict[GraphKey, _Saved] = {}
         self._saved_bytes: dict[tuple, int] = {}  # activation bytes a forward keeps, per input/batch shapes
@@ -119,7 +121,7 @@ class PipelineStage:
             return out
         if not self.is_first:
             inp = inp.detach().requires_grad_(True)
-        shapes = None if self.versions is not None else _forward_shapes(inp, batch, loss, self.layers,
+        shapes = None if self.versions is not None else _forward_shapes(inp, batch, loss, self._all_modules,
                                                                         self._all_parameters)
         nbytes = self._saved_bytes.get(shapes) if shapes is not None else None
         if nbytes is None:
