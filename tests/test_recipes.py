@@ -203,6 +203,8 @@ def test_multirun_sweep_runs_every_job_once_and_logs_offline(tmp_path: Path) -> 
         assert run.summary["samples_per_s"] > 0 and run.summary["tokens_per_s"] > 0
         assert "bubble_ratio_measured" in run.summary and "iteration_s" in run.summary
         assert run.config["derived"]["N"] == 8 and run.config["strategy"]["name"] == run.job_type
+        lr_rows = [row for row in run.history if "train/lr" in row]  # the background writer's rows, in order
+        assert [row["trainer/global_step"] for row in lr_rows] == [0, 1, 2, 3]
 
     compare = _run([str(ROOT / "scripts" / "compare.py"), str(sweep), "--json", str(tmp_path / "rows.json")],
                    cwd=tmp_path)

@@ -8,6 +8,7 @@ derived layout and the W&B group, so a worker needs no Hydra context.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,9 +145,11 @@ def run_job(spec: JobSpec) -> float | None:
     import lightning.pytorch as pl
     import torch
     from hydra.utils import instantiate
+    from lightning.pytorch.loggers import WandbLogger
 
     from pipeline_recipes.strategies.lightning import PipelineModule, PipelineStrategy
 
+    from .background_logger import BackgroundWandbLogger
     from .flops import model_flops_per_token
     from .metrics import PipelineMetrics, ReplicaThroughputMonitor
     from .progress import ProgressLine
@@ -191,8 +194,12 @@ def run_job(spec: JobSpec) -> float | None:
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     finally:
-        if trainer.is_global_zero and any(type(lg).__name__ == "WandbLogger" for lg in loggers):
+        if trainer.is_global_zero and any(isinstance(lg, WandbLogger) for lg in loggers):
             import wandb
 
+            for logger in loggers:  # rows still queued (a failed step: Lightning finalises no logger)
+                if isinstance(logger, BackgroundWandbLogger):
+                    with contextlib.suppress(Exception):  # never hide the error that ended the run
+                        logger.stop()
             wandb.finish()  # one W&B run per job
     return metrics.loss_history[-1] if metrics.loss_history else None

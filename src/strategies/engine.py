@@ -143,6 +143,9 @@ class PipelineEngine:
         # asynchronous schedules report the loss late, its all-reduces started a few steps at a time
         self.late_losses = LateLosses(config.stages, lambda losses: dist.all_reduce(losses, async_op=True))
         self.loss_step = 0  # the step whose loss train_step returned last
+        # gloo's waits block the host: the loss all-reduce is posted as soon as this rank's share is final,
+        # so the step's last rank finds it done (NCCL's waits are stream-ordered: posted at the step's end)
+        self._host_waits = dist.get_backend() == "gloo"
         self.synchronizer = GradientSynchronizer(
             {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout,
             shared=shared,
@@ -335,13 +338,24 @@ class PipelineEngine:
             for stage in plan.get(action, ()):
                 sync.launch(stage)
 
+        posted: list[tuple[Tensor, dist.Work]] = []
+
+        def post_loss(loss_sum: Tensor) -> None:  # this rank's share is final: sum it while the step goes on
+            value = loss_sum.to(self.device, torch.float32)
+            posted.append((value, dist.all_reduce(value, async_op=True)))
+
         self.last_record = self.executor.run(
             self.schedule_for(len(micro_batches)), micro_batches, self._totals(batch),
-            after_backward=after_backward if plan else None,
+            after_backward=after_backward if plan else None, loss_final=post_loss if self._host_waits else None,
         )
         self.loss_step = self.steps_taken
         self.steps_taken += 1
-        return self._world_sum_overlapping(self.last_record.loss_sum, sync.finish)
+        if not posted:
+            return self._world_sum_overlapping(self.last_record.loss_sum, sync.finish)
+        (value, work), = posted
+        sync.finish()
+        work.wait()  # the group's timeout guards it
+        return value
 
     def _async_step(self, micro_batches: Sequence[Batch], totals: dict[str, Tensor]) -> Tensor:
         """One window of PipeDream / PipeDream-2BW: forwards on this step's weight version, the

@@ -152,28 +152,36 @@ class StageExecutor:
         totals: Mapping[str, float | Tensor],
         train: bool = True,
         after_backward: Callable[[Action], None] | None = None,
+        loss_final: Callable[[Tensor], None] | None = None,
     ) -> StepRecord:
         """One synchronous step (or evaluation: forwards only); ``after_backward(action)`` runs after
-        each backward. Every graph is consumed by the end of a training step."""
+        each backward; ``loss_final(loss_sum)`` as soon as this rank's share of the loss is known (after
+        its last loss-computing forward; before the first action on ranks without the last stage).
+        Every graph is consumed by the end of a training step."""
         if (plan := self._plans.get((schedule, train))) is None:
             plan = self._plans[(schedule, train)] = comm_plan(schedule, self.worker, train)
         batches = dict(micro_batches) if isinstance(micro_batches, Mapping) else dict(enumerate(micro_batches))
         if train:
             self.stored.now = 0
         ctx = StepContext(schedule, plan, batches, totals, train)
-        record = self.execute(ctx, after_backward)
+        record = self.execute(ctx, after_backward, loss_final)
         self.comm.finish()
         left = [(s, k) for s, stage in self.stages.items() for k in stage.pending]
         if train and (left or self._local):
             raise RuntimeError(f"rank {self.rank}: activations left after the step: {left or sorted(self._local)}")
         return record
 
-    def execute(self, ctx: StepContext, after_backward: Callable[[Action], None] | None = None) -> StepRecord:
+    def execute(self, ctx: StepContext, after_backward: Callable[[Action], None] | None = None,
+                loss_final: Callable[[Tensor], None] | None = None) -> StepRecord:
         """The action loop: before each action one round of messages, then the action on its stage."""
         self.stored.peak = self.stored.now
         self._learn_shapes(ctx)
         record = StepRecord(torch.zeros((), dtype=torch.float64), ActionClock(self.comm.device))
         plan = ctx.plan
+        last_loss = max((i for i, a in enumerate(plan.actions) if a.kind == "F" and self.stages[a.stage].is_last),
+                        default=-1)
+        if loss_final is not None and last_loss < 0:
+            loss_final(record.loss_sum)
         with torch.set_grad_enabled(ctx.train):
             for i, action in enumerate(plan.actions):
                 self._post(ctx, plan.rounds[i])
@@ -190,10 +198,12 @@ class StageExecutor:
                 except Exception as err:
                     raise StepError(self._failure(ctx.schedule, action, err)) from err
                 record.clock.box(action, start)
+                if i == last_loss:
+                    dtype = torch.float32 if ctx.losses[0].device.type == "mps" else torch.float64
+                    record.loss_sum = torch.stack([x.to(dtype) for x in ctx.losses]).sum()
+                    if loss_final is not None:
+                        loss_final(record.loss_sum)
             self._post(ctx, plan.rounds[-1])
-        if ctx.losses:
-            dtype = torch.float32 if ctx.losses[0].device.type == "mps" else torch.float64
-            record.loss_sum = torch.stack([x.to(dtype) for x in ctx.losses]).sum()
         record.peak_stored_bytes = self.stored.peak
         return record
 

@@ -7,7 +7,8 @@ process groups come up in ``setup_environment`` (inherited from DDP: launcher, c
 environments, torchrun and SLURM), the model is split in ``setup`` before the optimizers see
 its parameters, and :class:`PipelineModule.training_step` runs the whole schedule. Lightning's
 own backward becomes a no-op (the schedule already ran every backward), the sampler is sharded
-by replica (W), not by rank, and teardown ends the process group cleanly (gloo aborts some
+by replica (W), not by rank, Lightning's per-step SIGTERM broadcast is read a step late
+(:mod:`strategies.sigterm`), and teardown ends the process group cleanly (gloo aborts some
 plain exits otherwise).
 
 Checkpoints are sharded (:mod:`strategies.checkpoint`): ``Trainer.save_checkpoint`` and
@@ -39,6 +40,7 @@ from .optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_gr
 from .process_group import end_process_group
 from .pipeline_model import Batch, run_layers, sequential_loss
 from .schedules import specs
+from .sigterm import LateSigtermAgreement, install_late_sigterm
 
 
 class PipelineStrategy(DDPStrategy):
@@ -72,6 +74,7 @@ class PipelineStrategy(DDPStrategy):
         self.engine: PipelineEngine | None = None
         self.model_index: ckpt.ModelIndex | None = None
         self._rng_to_restore: dict[str, Any] | None = None
+        self._sigterm: LateSigtermAgreement | None = None
 
     @property
     def D(self) -> int:
@@ -226,6 +229,14 @@ class PipelineStrategy(DDPStrategy):
         if self._rng_to_restore is not None:  # after the data loader started: it may draw from the RNG
             ckpt.set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
+        self._sigterm = install_late_sigterm(self.lightning_module.trainer)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._sigterm is not None:
+            self._sigterm.finish()  # training is over either way
+            self._sigterm = None
 
     @override
     def teardown(self) -> None:
