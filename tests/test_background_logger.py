@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from lightning.pytorch.loggers import WandbLogger
@@ -43,6 +44,7 @@ def test_a_failed_write_is_raised_on_the_training_thread(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(WandbLogger, "log_metrics", write)
     logger = BackgroundWandbLogger(project="test", save_dir=str(tmp_path), offline=True)
+    logger._experiment = SimpleNamespace()  # no W&B run: the writes are faked
     for step in range(4):
         logger.log_metrics({"x": 1.0}, step=step)
     with pytest.raises(RuntimeError, match="writing metrics to the W&B run failed: OSError"):
@@ -57,6 +59,7 @@ def test_a_stalled_writer_times_out(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     release = threading.Event()
     monkeypatch.setattr(WandbLogger, "log_metrics", lambda self, metrics, step=None: release.wait(30))
     logger = BackgroundWandbLogger(project="test", save_dir=str(tmp_path), offline=True, drain_timeout_s=0.2)
+    logger._experiment = SimpleNamespace()
     logger.log_metrics({"x": 1.0}, step=0)
     with pytest.raises(TimeoutError, match=r"logger.drain_timeout_s"):
         logger.drain()

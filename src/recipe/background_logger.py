@@ -50,6 +50,8 @@ class BackgroundWandbLogger(WandbLogger):
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         self._raise_write_error()
+        if self._experiment is None:
+            _ = self.experiment  # the run starts on the training thread (wandb.init installs signal handlers)
         if self._writer is None or not self._writer.is_alive():
             self._writer = threading.Thread(target=self._write_rows, name="wandb-writer", daemon=True)
             self._writer.start()

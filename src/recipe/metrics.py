@@ -58,6 +58,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def busy_and_span(record: Any) -> tuple[float, float]:
+    """Seconds a step record's actions ran, and from its first action's start to its last one's end."""
+    timeline = record.timeline if record is not None else []
+    if not timeline:
+        return 0.0, 0.0
+    return sum(end - start for _, start, end in timeline), timeline[-1][2] - timeline[0][1]
+
+
 def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:
     """One row per rank (a collective: every rank takes part); a single process gives one row."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -116,8 +124,9 @@ class PipelineMetrics(Callback):
         self._lr: float | None = None
         self.bubbles: list[float] = []
         self.peak_memory: list[int] = []
-        # (loss, busy s, span s, async loss step) of the steps since the last gather (:meth:`_collect`)
-        self._pending: list[tuple[torch.Tensor, float, float, int | None]] = []
+        # (loss, step record, async loss step) of the steps since the last gather (:meth:`_collect`); the
+        # records' timelines are read there, not every step (on a GPU reading one waits for the device)
+        self._pending: list[tuple[torch.Tensor, Any, int | None]] = []
         self._device = torch.device("cpu")
         self._trainer: pl.Trainer | None = None
         self._rows: list[tuple[int, dict[str, float]]] = []  # rank 0: (step, metrics) not written yet
@@ -156,17 +165,13 @@ class PipelineMetrics(Callback):
         """Keep this step's loss and timeline figures; gather them over the ranks only on reporting steps
         (:meth:`_reporting`): a collective every step would line the ranks up once more per step."""
         engine = self._engine(trainer)
-        record = engine.last_record if engine is not None else None
-        busy = span = 0.0
-        if record is not None and record.timeline:
-            busy = sum(end - start for _, start, end in record.timeline)
-            span = record.timeline[-1][2] - record.timeline[0][1]
+        record = engine.last_record if engine is not None else None  # its timeline is read when gathered
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.lr_history.append(self._lr)
         if trainer.is_global_zero:  # the learning rate of every step, written to the loggers on reporting steps
             self._rows.append((trainer.global_step - 1, {} if self._lr is None else {"train/lr": self._lr}))
         step = engine.loss_step if engine is not None and engine.config.is_async else None
-        self._pending.append((torch.full((), float("nan")) if loss is None else loss.detach(), busy, span, step))
+        self._pending.append((torch.full((), float("nan")) if loss is None else loss.detach(), record, step))
         if not self._reporting(trainer):
             return
         self._collect(engine)
@@ -204,14 +209,14 @@ class PipelineMetrics(Callback):
             return
         pending, self._pending = self._pending, []
         losses = torch.stack([loss.to("cpu", torch.float64).reshape(()) for loss, *_ in pending])
-        times = torch.tensor([[busy, span] for _, busy, span, _ in pending], dtype=torch.float64)
+        times = torch.tensor([busy_and_span(record) for _, record, _ in pending], dtype=torch.float64)
         local = torch.cat([losses, times.flatten(), torch.tensor([float(peak_memory_bytes(self._device))],
                                                                dtype=torch.float64)])
         gathered = _all_gather_rows(local.to(self._device)).cpu()
         k = len(pending)
         mean_losses = gathered[:, :k].mean(dim=0)
         spans = gathered[:, k:3 * k].reshape(len(gathered), k, 2)
-        for i, (_, _, _, step) in enumerate(pending):
+        for i, (_, _, step) in enumerate(pending):
             self._record_loss(float(mean_losses[i]), engine, step)
             if engine is not None and engine.last_record is not None and float(spans[:, i, 1].max()) > 0:
                 self.bubbles.append(1.0 - float(spans[:, i, 0].sum()) / (len(gathered) * float(spans[:, i, 1].max())))

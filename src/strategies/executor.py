@@ -144,6 +144,7 @@ class StageExecutor:
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # (pipe, sending stage, batch shapes)
         self._probed: set[tuple] = set()  # micro-batch shapes whose message shapes are known
         self._plans: dict[tuple[Schedule, bool], CommPlan] = {}  # the synchronous steps' plans, derived once
+        self._clock_reference: tuple | None = None  # CUDA: the timelines' reference event, waited for once
 
     def run(
         self,
@@ -176,7 +177,9 @@ class StageExecutor:
         """The action loop: before each action one round of messages, then the action on its stage."""
         self.stored.peak = self.stored.now
         self._learn_shapes(ctx)
-        record = StepRecord(torch.zeros((), dtype=torch.float64), ActionClock(self.comm.device))
+        if self._clock_reference is None:
+            self._clock_reference = ActionClock.reference_of(self.comm.device)
+        record = StepRecord(torch.zeros((), dtype=torch.float64), ActionClock(self.comm.device, self._clock_reference))
         plan = ctx.plan
         last_loss = max((i for i, a in enumerate(plan.actions) if a.kind == "F" and self.stages[a.stage].is_last),
                         default=-1)

@@ -4,8 +4,8 @@ A box starts once the action's inputs have arrived (waiting for a peer is a bubb
 ends after its last operation. On CPU the boxes are host wall-clock times. On a GPU the host only
 enqueues kernels, so host times would measure launches: there each box is a pair of CUDA events on
 the current stream (the start recorded after the stream waited for the receives), converted to
-host-clock seconds when read, through a reference event the host waited for at the step's start:
-one host synchronisation per step, none per action.
+host-clock seconds when read, through one reference event the host waited for once (the first
+step's): no host synchronisation per step or per action, only when a timeline is read.
 """
 
 from __future__ import annotations
@@ -21,15 +21,24 @@ from .schedules import Action
 class ActionClock:
     """Records (action, start, end) boxes of one step on one rank."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, reference: tuple[Any, float] | None = None) -> None:
+        """``reference``: (a completed CUDA event, the host time it completed), from :meth:`reference_of`;
+        shared by the steps of a run, so a step starts without waiting for the device."""
         self.cuda = device.type == "cuda"
         self._boxes: list[tuple[Action, Any, Any]] = []
         self._resolved: list[tuple[Action, float, float]] | None = None
         if self.cuda:
-            self._reference = torch.cuda.Event(enable_timing=True)
-            self._reference.record()
-            self._reference.synchronize()
-            self._host = time.perf_counter()
+            self._reference, self._host = reference if reference is not None else self.reference_of(device)
+
+    @staticmethod
+    def reference_of(device: torch.device) -> tuple[Any, float] | None:
+        """A CUDA event the host waited for, and the host time it did (``None`` off CUDA)."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        event.synchronize()
+        return event, time.perf_counter()
 
     def now(self) -> Any:
         """A start or end mark: a host time, or a CUDA event recorded on the current stream."""
