@@ -127,13 +127,49 @@ def reference(clip: float | None) -> dict[str, Any]:
             "grad_norms": module.grad_norms, "params": local_parameters(module)}
 
 
+def stop_by_sigterm(out: Path, schedule: str, signalled_rank: int) -> None:
+    """Train for up to 6 steps; rank ``signalled_rank`` sends itself SIGTERM after the first step. Each rank
+    writes the steps it finished and how fit ended."""
+    import signal
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    finished: list[int] = []
+
+    class SignalAfterFirstStep(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            finished.append(trainer.global_step)
+            if trainer.global_rank == signalled_rank and trainer.global_step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    torch.set_num_threads(1)
+    strategy = PipelineStrategy(schedule=schedule, D=2, micro_batch_size=1, timeout_s=60)
+    trainer = pl.Trainer(**{**trainer_kwargs(None, "32-true"), "max_steps": 6, "max_epochs": 3}, strategy=strategy,
+                         devices=2, callbacks=[SignalAfterFirstStep()])
+    train, val = loaders()
+    stopped_by = None
+    try:
+        trainer.fit(UserModule(), train_dataloaders=train, val_dataloaders=val)
+    except SIGTERMException as stop:
+        stopped_by = type(stop).__name__
+    result = {"global_rank": trainer.global_rank, "world_size": trainer.world_size, "finished_steps": finished,
+              "stopped_by": stopped_by, "received_sigterm": trainer.received_sigterm,
+              "process_group_alive": torch.distributed.is_initialized()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--strategy", default="gpipe", choices=["gpipe", "dapple", "chimera"])
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--sigterm-rank", type=int, default=None, help="run stop_by_sigterm instead")
     args = parser.parse_args()
+    if args.sigterm_rank is not None:
+        stop_by_sigterm(args.out, args.strategy, args.sigterm_rank)
+        return
 
     strategy = PipelineStrategy(schedule=args.strategy, D=2, micro_batch_size=1, timeout_s=60)
     trainer, module, recorder = fit(strategy, 2, args.clip, args.precision)

@@ -65,3 +65,14 @@ def test_a_stalled_writer_times_out(monkeypatch: pytest.MonkeyPatch, tmp_path: P
         logger.drain()
     release.set()
     logger.stop()
+
+
+def test_the_drain_timeout_must_be_positive(tmp_path: Path) -> None:
+    from pipeline_recipes.recipe.layout import ConfigError, check_drain_timeout
+
+    assert check_drain_timeout(5) == 5.0
+    for bad in (0, -1.0, "300", None, True):
+        with pytest.raises(ConfigError, match="logger.drain_timeout_s"):
+            check_drain_timeout(bad)
+    with pytest.raises(ConfigError, match="positive number of seconds"):
+        BackgroundWandbLogger(project="test", save_dir=str(tmp_path), offline=True, drain_timeout_s=0)

@@ -38,7 +38,9 @@ LAUNCHES = {
     "torchrun": (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(JOB),
                   "--strategy", "chimera"], False),
     "bf16": ([str(JOB), "--strategy", "gpipe", "--precision", "bf16-mixed"], True),
+    "sigterm": ([str(JOB), "--strategy", "dapple", "--sigterm-rank", "1"], True),  # lightning_job.stop_by_sigterm
 }
+TRAINING = [name for name in LAUNCHES if name != "sigterm"]
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
                "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")
 
@@ -108,7 +110,7 @@ def _ranks(runs: dict, name: str) -> list[dict]:
 
 
 def test_every_launch_trains_and_exits_cleanly(runs: dict) -> None:
-    for name in LAUNCHES:
+    for name in TRAINING:
         ranks = _ranks(runs, name)
         assert [r["global_rank"] for r in ranks] == [0, 1]
         for r in ranks:
@@ -134,7 +136,7 @@ def test_train_loss_is_the_same_on_every_rank_and_equals_single_process(runs: di
 
 def test_sync_dist_reduces_over_pipeline_ranks(runs: dict) -> None:
     """(b) self.log(..., sync_dist=True) in a PipelineModule subclass reduces across all ranks, as under DDP."""
-    for name in LAUNCHES:
+    for name in TRAINING:
         for r in _ranks(runs, name):
             assert r["callback_metrics"]["rank_local"] == r["global_rank"], "the logged value differs per rank"
             for step in r["steps"]:
@@ -197,3 +199,13 @@ def test_global_norm_clipping_matches_single_process(runs: dict) -> None:
                 err = (held[key] - expected[key]).abs().max().item()
                 assert err < 1e-5, f"{name} rank {r['global_rank']}: {key} differs by {err:.2e}"
         assert held.keys() == expected.keys(), f"{name}: the stages together must hold every parameter"
+
+
+def test_a_sigterm_on_one_rank_stops_every_rank_after_the_same_step(runs: dict) -> None:
+    """Rank 1 alone is signalled after step 1: the ranks agree on it a step late (one all-reduce started
+    before each step, read before the next) and both leave before step 3, marked as signalled, as
+    Lightning would (SIGTERMException), with the process group ended; no rank waits for a peer that left."""
+    ranks = _ranks(runs, "sigterm")
+    for r in ranks:
+        assert r["finished_steps"] == [1, 2] and r["stopped_by"] == "SIGTERMException" and r["received_sigterm"]
+        assert not r["process_group_alive"]

@@ -6,11 +6,13 @@ rank 0 logs, and under a pipeline schedule rank 0 holds the first stage, whose l
 every step (GPipe §2, and 1F1B in Chimera §2): each call there delays every rank's next step.
 
 :class:`BackgroundWandbLogger` is Lightning's ``WandbLogger`` whose ``log_metrics`` calls go to one
-writer thread, in call order (W&B's steps stay monotonic). Every other use of the run goes through
-``experiment`` (hyper-parameters, the summary, images, ``wandb.finish``), which first waits until
-the writer has written everything queued, so the run sees the same records in the same order as
-with the plain logger. A failed write is raised on the training thread by the next logger call or
-by ``finalize``; no wait is unbounded (``drain_timeout_s``).
+writer thread, in call order (W&B's steps stay monotonic). Every other use of the run through the
+logger's ``experiment`` (hyper-parameters, the summary) first waits until the writer has written
+everything queued, so the run sees the same records in the same order as with the plain logger
+(images go through ``log_metrics``: queued in order too). Code that calls ``wandb`` directly
+(``wandb.finish()``) calls :meth:`BackgroundWandbLogger.stop` first. A failed write is raised on the
+training thread by the next logger call or by ``finalize`` after a successful run; no wait is
+unbounded (``drain_timeout_s``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import Any
 
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
+
+from .layout import check_drain_timeout
 
 _STOP = object()
 
@@ -32,10 +36,10 @@ class BackgroundWandbLogger(WandbLogger):
     """``WandbLogger`` (same arguments) writing metrics from a background thread; see the module docstring."""
 
     def __init__(self, *args: Any, drain_timeout_s: float = 300.0, **kwargs: Any) -> None:
+        self.drain_timeout_s = check_drain_timeout(drain_timeout_s)
         self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
-        self.drain_timeout_s = float(drain_timeout_s)
         super().__init__(*args, **kwargs)
 
     @property
@@ -52,19 +56,26 @@ class BackgroundWandbLogger(WandbLogger):
         self._raise_write_error()
         if self._experiment is None:
             _ = self.experiment  # the run starts on the training thread (wandb.init installs signal handlers)
-        if self._writer is None or not self._writer.is_alive():
+        if self._writer is None:  # one writer at a time (stop() keeps a writer that did not end)
             self._writer = threading.Thread(target=self._write_rows, name="wandb-writer", daemon=True)
             self._writer.start()
         self._queue.put((convert_tensors_to_scalars(dict(metrics)), step))
 
     def drain(self) -> None:
-        """Wait until the writer has written every queued row; raise what a write raised."""
+        """Wait until the writer has written every queued row (at most ``drain_timeout_s``); raise what a
+        write raised."""
         pending = self._queue
-        with pending.all_tasks_done:
+        # bounded even where the waiting thread interrupted its own put() (a signal handler finalising)
+        if not pending.mutex.acquire(timeout=self.drain_timeout_s):
+            raise TimeoutError(f"the W&B row queue stayed locked for {self.drain_timeout_s:.0f} s "
+                               "(logger.drain_timeout_s)")
+        try:
             if not pending.all_tasks_done.wait_for(lambda: pending.unfinished_tasks == 0,
                                                    timeout=self.drain_timeout_s):
-                raise TimeoutError(f"the W&B writer thread wrote nothing for {self.drain_timeout_s:.0f} s with "
-                                   f"{pending.unfinished_tasks} rows queued (logger.drain_timeout_s)")
+                raise TimeoutError(f"{pending.unfinished_tasks} W&B rows were still queued after waiting "
+                                   f"{self.drain_timeout_s:.0f} s for the writer thread (logger.drain_timeout_s)")
+        finally:
+            pending.mutex.release()
         self._raise_write_error()
 
     def stop(self) -> None:
@@ -77,13 +88,24 @@ class BackgroundWandbLogger(WandbLogger):
         finally:
             self._queue.put(_STOP)
             writer.join(timeout=self.drain_timeout_s)
-            self._writer = None
+            if not writer.is_alive():
+                self._writer = None
 
     @override
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        self.stop()
-        super().finalize(status)
+        """After training the queued rows are written (a failed write raises); after a failure Lightning
+        finalises with another status while the error propagates: a logger error must not replace it."""
+        try:
+            if status == "success":
+                self.stop()
+            else:
+                try:
+                    self.stop()
+                except Exception as error:  # noqa: BLE001 - reported, not raised over the run's own error
+                    rank_zero_warn(f"W&B rows may be missing: {error}")
+        finally:
+            super().finalize(status)
 
     @override
     def __getstate__(self) -> dict[str, Any]:

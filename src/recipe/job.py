@@ -197,7 +197,7 @@ def run_job(spec: JobSpec) -> float | None:
         if trainer.is_global_zero and any(isinstance(lg, WandbLogger) for lg in loggers):
             import wandb
 
-            for logger in loggers:  # rows still queued (a failed step: Lightning finalises no logger)
+            for logger in loggers:  # rows still queued, whether or not Lightning finalised the logger
                 if isinstance(logger, BackgroundWandbLogger):
                     with contextlib.suppress(Exception):  # never hide the error that ended the run
                         logger.stop()

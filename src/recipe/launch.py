@@ -36,7 +36,7 @@ from .accelerator import GPU_NAMES, AcceleratorChoice, check_precision, choose_a
 from .cluster import Launch, detect_launch, is_global_zero, worker_env
 from .heartbeat import HEARTBEAT_ENV, SILENT_S, heartbeat_age
 from .job import JobSpec
-from .layout import ConfigError, Layout, check_devices, check_model, resolve_layout
+from .layout import ConfigError, Layout, check_devices, check_drain_timeout, check_model, resolve_layout
 from .results import read_results, summary_table, write_results
 
 GRACE_S = 10.0  # how long the other ranks get to exit on their own after one died
@@ -198,6 +198,8 @@ def run(cfg: DictConfig) -> float | None:
         check_devices(trainer_cfg, _gpus(choice))
         check_precision(layout.strategy, trainer_cfg, OmegaConf.to_container(cfg.optim, resolve=True)
                         if cfg.get("optim") is not None else None)
+        if cfg.get("logger") is not None and cfg.logger.get("drain_timeout_s") is not None:
+            check_drain_timeout(cfg.logger.drain_timeout_s)
         launch = detect_launch(os.environ, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
         if cfg.get("preflight", True):
             from pipeline_recipes.planner.preflight import preflight  # estimates on fake tensors: no memory is allocated

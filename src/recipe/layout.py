@@ -230,3 +230,12 @@ def check_devices(trainer: dict[str, Any], available_gpus: int | None) -> None:
             raise ConfigError(f"trainer.devices = {devices} GPUs per node but this node has {available_gpus}; "
                               f"set trainer.devices ≤ {available_gpus} (and trainer.num_nodes for more nodes), "
                               "or trainer=cpu")
+
+
+def check_drain_timeout(drain_timeout_s: Any) -> float:
+    """``logger.drain_timeout_s`` (:class:`recipe.background_logger.BackgroundWandbLogger`): a positive
+    number of seconds."""
+    if isinstance(drain_timeout_s, bool) or not isinstance(drain_timeout_s, (int, float)) or not drain_timeout_s > 0:
+        raise ConfigError(f"logger.drain_timeout_s = {drain_timeout_s!r}: the longest wait for queued W&B rows must be "
+                          "a positive number of seconds (default 300)")
+    return float(drain_timeout_s)

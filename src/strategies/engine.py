@@ -143,8 +143,9 @@ class PipelineEngine:
         # asynchronous schedules report the loss late, its all-reduces started a few steps at a time
         self.late_losses = LateLosses(config.stages, lambda losses: dist.all_reduce(losses, async_op=True))
         self.loss_step = 0  # the step whose loss train_step returned last
-        # gloo's waits block the host: the loss all-reduce is posted as soon as this rank's share is final,
-        # so the step's last rank finds it done (NCCL's waits are stream-ordered: posted at the step's end)
+        # gloo's waits block the host: each rank posts the loss all-reduce before its last action (once its
+        # share is final), so the step's last rank finds it done (NCCL's waits are stream-ordered: posted at
+        # the step's end)
         self._host_waits = dist.get_backend() == "gloo"
         self.synchronizer = GradientSynchronizer(
             {s: self._params(ls) for s, ls in self.stage_layers.items()}, stage_groups, tied, tied_group, self.timeout,
@@ -340,7 +341,7 @@ class PipelineEngine:
 
         posted: list[tuple[Tensor, dist.Work]] = []
 
-        def post_loss(loss_sum: Tensor) -> None:  # this rank's share is final: sum it while the step goes on
+        def post_loss(loss_sum: Tensor) -> None:  # this rank's share is final: sum it during the last action
             value = loss_sum.to(self.device, torch.float32)
             posted.append((value, dist.all_reduce(value, async_op=True)))
 

@@ -144,7 +144,7 @@ class StageExecutor:
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # (pipe, sending stage, batch shapes)
         self._probed: set[tuple] = set()  # micro-batch shapes whose message shapes are known
         self._plans: dict[tuple[Schedule, bool], CommPlan] = {}  # the synchronous steps' plans, derived once
-        self._clock_reference: tuple | None = None  # CUDA: the timelines' reference event, waited for once
+        self._clock_reference: tuple[torch.cuda.Event, float] | None = None  # CUDA: timelines' reference event
 
     def run(
         self,
@@ -156,9 +156,10 @@ class StageExecutor:
         loss_final: Callable[[Tensor], None] | None = None,
     ) -> StepRecord:
         """One synchronous step (or evaluation: forwards only); ``after_backward(action)`` runs after
-        each backward; ``loss_final(loss_sum)`` as soon as this rank's share of the loss is known (after
-        its last loss-computing forward; before the first action on ranks without the last stage).
-        Every graph is consumed by the end of a training step."""
+        each backward; ``loss_final(loss_sum)`` once this rank's share of the loss is known, before its
+        last action (or after its last loss-computing forward, if that comes later): a collective posted
+        there completes while the step's last actions run. Every graph is consumed by the end of a
+        training step."""
         if (plan := self._plans.get((schedule, train))) is None:
             plan = self._plans[(schedule, train)] = comm_plan(schedule, self.worker, train)
         batches = dict(micro_batches) if isinstance(micro_batches, Mapping) else dict(enumerate(micro_batches))
@@ -177,16 +178,16 @@ class StageExecutor:
         """The action loop: before each action one round of messages, then the action on its stage."""
         self.stored.peak = self.stored.now
         self._learn_shapes(ctx)
-        if self._clock_reference is None:
-            self._clock_reference = ActionClock.reference_of(self.comm.device)
+        self._clock_reference = ActionClock.reference_of(self.comm.device, self._clock_reference)
         record = StepRecord(torch.zeros((), dtype=torch.float64), ActionClock(self.comm.device, self._clock_reference))
         plan = ctx.plan
         last_loss = max((i for i, a in enumerate(plan.actions) if a.kind == "F" and self.stages[a.stage].is_last),
                         default=-1)
-        if loss_final is not None and last_loss < 0:
-            loss_final(record.loss_sum)
+        final_at = max(last_loss + 1, len(plan.actions) - 1)  # the action before which the share is handed over
         with torch.set_grad_enabled(ctx.train):
             for i, action in enumerate(plan.actions):
+                if i == final_at:
+                    self._hand_over_loss(ctx, record, loss_final)
                 self._post(ctx, plan.rounds[i])
                 try:
                     inputs = [self._local.pop(m) if m in self._local else self.comm.wait(ctx.inbox.pop(m))
@@ -201,14 +202,20 @@ class StageExecutor:
                 except Exception as err:
                     raise StepError(self._failure(ctx.schedule, action, err)) from err
                 record.clock.box(action, start)
-                if i == last_loss:
-                    dtype = torch.float32 if ctx.losses[0].device.type == "mps" else torch.float64
-                    record.loss_sum = torch.stack([x.to(dtype) for x in ctx.losses]).sum()
-                    if loss_final is not None:
-                        loss_final(record.loss_sum)
             self._post(ctx, plan.rounds[-1])
+        if final_at >= len(plan.actions):
+            self._hand_over_loss(ctx, record, loss_final)
         record.peak_stored_bytes = self.stored.peak
         return record
+
+    @staticmethod
+    def _hand_over_loss(ctx: StepContext, record: StepRecord, loss_final: Callable[[Tensor], None] | None) -> None:
+        """``record.loss_sum`` from the step's losses (every one is computed by now), to ``loss_final``."""
+        if ctx.losses:
+            dtype = torch.float32 if ctx.losses[0].device.type == "mps" else torch.float64
+            record.loss_sum = torch.stack([x.to(dtype) for x in ctx.losses]).sum()
+        if loss_final is not None:
+            loss_final(record.loss_sum)
 
     def _failure(self, schedule: Schedule, action: Action, err: BaseException) -> str:
         index = schedule.workers[self.worker].index(action)

@@ -7,7 +7,7 @@ process groups come up in ``setup_environment`` (inherited from DDP: launcher, c
 environments, torchrun and SLURM), the model is split in ``setup`` before the optimizers see
 its parameters, and :class:`PipelineModule.training_step` runs the whole schedule. Lightning's
 own backward becomes a no-op (the schedule already ran every backward), the sampler is sharded
-by replica (W), not by rank, Lightning's per-step SIGTERM broadcast is read a step late
+by replica (W), not by rank, a SIGTERM is agreed on a step late instead of before every step
 (:mod:`strategies.sigterm`), and teardown ends the process group cleanly (gloo aborts some
 plain exits otherwise).
 
@@ -229,7 +229,8 @@ class PipelineStrategy(DDPStrategy):
         if self._rng_to_restore is not None:  # after the data loader started: it may draw from the RNG
             ckpt.set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
-        self._sigterm = install_late_sigterm(self.lightning_module.trainer)
+        timeout = timedelta(seconds=self.pipeline_config.timeout_s)
+        self._sigterm = install_late_sigterm(self.lightning_module.trainer, timeout)
 
     @override
     def on_train_end(self) -> None:
@@ -237,6 +238,8 @@ class PipelineStrategy(DDPStrategy):
         if self._sigterm is not None:
             self._sigterm.finish()  # training is over either way
             self._sigterm = None
+        if self.engine is not None:  # asynchronous schedules: no loss all-reduce left in flight (the metrics
+            self.engine.flush_losses()  # callback, which runs first, has taken the losses it reports)
 
     @override
     def teardown(self) -> None:

@@ -4,8 +4,9 @@ A box starts once the action's inputs have arrived (waiting for a peer is a bubb
 ends after its last operation. On CPU the boxes are host wall-clock times. On a GPU the host only
 enqueues kernels, so host times would measure launches: there each box is a pair of CUDA events on
 the current stream (the start recorded after the stream waited for the receives), converted to
-host-clock seconds when read, through one reference event the host waited for once (the first
-step's): no host synchronisation per step or per action, only when a timeline is read.
+host-clock seconds when read, through a reference event the host waited for: taken again once
+a minute (CUDA reports elapsed times as float32 milliseconds, which would blur over hours), so there
+is no host synchronisation per step or per action, only when a timeline is read.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from typing import Any
 import torch
 
 from .schedules import Action
+
+
+REFERENCE_MAX_AGE_S = 60.0  # float32 milliseconds resolve about 4 µs at a minute
 
 
 class ActionClock:
@@ -31,10 +35,14 @@ class ActionClock:
             self._reference, self._host = reference if reference is not None else self.reference_of(device)
 
     @staticmethod
-    def reference_of(device: torch.device) -> tuple[Any, float] | None:
-        """A CUDA event the host waited for, and the host time it did (``None`` off CUDA)."""
+    def reference_of(device: torch.device, current: tuple[Any, float] | None = None,
+                     max_age_s: float = REFERENCE_MAX_AGE_S) -> tuple[Any, float] | None:
+        """``current`` while younger than ``max_age_s``, else a new CUDA event the host waited for, and
+        the host time it did (``None`` off CUDA)."""
         if device.type != "cuda":
             return None
+        if current is not None and time.perf_counter() - current[1] < max_age_s:
+            return current
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         event.synchronize()
