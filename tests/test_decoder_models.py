@@ -146,6 +146,7 @@ def test_loss_terms_over_micro_batches_equal_the_batch_loss() -> None:
     whole = hf_loss(model, batch)
     parts = split_batch(batch, 4)
     totals = {"tokens": sum(float(model.loss_counts(mb)["tokens"]) for mb in parts)}
+    assert float(model.loss_counts(batch)["tokens"]) == totals["tokens"]  # counts add up (the engine counts at once)
     layers = model.pipeline_layers()
     mixed = sum(model.loss_terms(run_layers(layers, mb["input_ids"], mb), mb)["tokens"] / totals["tokens"]
                 for mb in parts)

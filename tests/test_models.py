@@ -194,6 +194,8 @@ def test_loss_terms_over_micro_batches_equal_the_batch_loss(name: str) -> None:
     for mb in parts:
         for k, v in model.loss_counts(mb).items():
             totals[k] = totals.get(k, 0.0) + float(v)
+    # counts add up over samples: the engine counts the replica's mini-batch at once (PipelineModel contract)
+    assert {k: float(v) for k, v in model.loss_counts(batch).items()} == totals
     layers = model.pipeline_layers()
     mixed = sum(v / totals[k] for mb in parts
                 for k, v in model.loss_terms(run_layers(layers, model.pipeline_input(mb), mb), mb).items())

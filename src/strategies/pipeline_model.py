@@ -19,7 +19,9 @@ Exact mini-batch losses: a model whose loss is a mean over items that differ per
 (tokens, masked tokens) may define ``loss_counts(batch) -> {term: count}`` and
 ``loss_terms(output, batch) -> {term: sum}``; the runtime divides each term's sum by its count
 over the whole mini-batch, so micro-batch losses add up exactly to the unsplit loss (GPT-2:
-``tokens``; BERT: ``mlm`` and ``nsp``). Without them, losses are weighted by sample count.
+``tokens``; BERT: ``mlm`` and ``nsp``). Counts must add up over samples (a batch's count is the sum
+of its parts'): the runtime counts a replica's whole mini-batch at once. Without them, losses are
+weighted by sample count.
 
 Example, a user's own model in ten lines::
 
