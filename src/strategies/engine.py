@@ -11,7 +11,7 @@ forwards may be recomputed in backward to save activation memory (GPipe re-mater
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
@@ -312,14 +312,6 @@ class PipelineEngine:
         dist.all_reduce(value)
         return value
 
-    def _world_sum_overlapping(self, value: Tensor, finish_gradients: Callable[[], None]) -> Tensor:
-        """The mini-batch loss summed over the world, its all-reduce overlapping ``finish_gradients``."""
-        value = value.to(self.device, torch.float32)
-        work = dist.all_reduce(value, async_op=True)
-        finish_gradients()
-        work.wait()  # stream-ordered on NCCL; the process group's timeout guards it
-        return value
-
     def train_step(self, batch: Batch) -> Tensor:
         """Forward and backward of the replica's mini-batch, gradients summed; returns the mini-batch
         loss (every rank the same). An asynchronous schedule returns an earlier step's loss (one
@@ -351,11 +343,11 @@ class PipelineEngine:
         )
         self.loss_step = self.steps_taken
         self.steps_taken += 1
-        if not posted:
-            return self._world_sum_overlapping(self.last_record.loss_sum, sync.finish)
+        if not posted:  # NCCL: posted at the step's end
+            post_loss(self.last_record.loss_sum)
         (value, work), = posted
-        sync.finish()
-        work.wait()  # the group's timeout guards it
+        sync.finish()  # the gradients' all-reduces overlap the loss's
+        work.wait()  # stream-ordered on NCCL; the process group's timeout guards it
         return value
 
     def _async_step(self, micro_batches: Sequence[Batch], totals: dict[str, Tensor]) -> Tensor:
