@@ -64,3 +64,25 @@ def test_a_checkpoint_between_reporting_steps_keeps_every_loss(tmp_path: Path) -
     assert metrics.state_dict()["loss_history"] == [1.0]  # saved state includes the step not yet reported
     _step(metrics, trainer, 2)
     assert metrics.loss_history == [1.0, 2.0]
+
+
+def test_train_loss_is_logged_on_the_steps_that_read_it() -> None:
+    """``PipelineModule`` logs ``train/loss`` on the loggers' steps and the last one (Lightning's
+    rule: step s, counted from 1, when s % log_every_n_steps == 0), its first step, and every step
+    while a progress bar shows."""
+    from pipeline_recipes.strategies.lightning import PipelineModule, reporting_step
+
+    trainer = SimpleNamespace(log_every_n_steps=4, max_steps=10, global_step=0, progress_bar_callback=None,
+                              callback_metrics={})
+    assert [s for s in range(1, 11) if reporting_step(trainer, s)] == [4, 8, 10]
+    module = PipelineModule(torch.nn.Linear(2, 2))
+    module._trainer = trainer
+    logged = []
+    for step in range(10):  # global_step counts the optimizer steps done before this training step
+        trainer.global_step = step
+        if module._loss_read_now():
+            logged.append(step + 1)
+            trainer.callback_metrics["train/loss"] = 0.0
+    assert logged == [1, 4, 8, 10]
+    trainer.progress_bar_callback = object()
+    assert module._loss_read_now()

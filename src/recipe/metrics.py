@@ -34,7 +34,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from pipeline_recipes.strategies.lightning import PipelineStrategy
+from pipeline_recipes.strategies.lightning import PipelineStrategy, reporting_step
 from pipeline_recipes.strategies.schedules import simulate
 
 from .flops import Utilisation, resolve_utilisation
@@ -163,7 +163,7 @@ class PipelineMetrics(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         """Keep this step's loss and timeline figures; gather them over the ranks only on reporting steps
-        (:meth:`_reporting`): a collective every step would line the ranks up once more per step."""
+        (:func:`strategies.lightning.reporting_step`): a collective every step would line the ranks up once more per step."""
         engine = self._engine(trainer)
         record = engine.last_record if engine is not None else None  # its timeline is read when gathered
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -172,7 +172,7 @@ class PipelineMetrics(Callback):
             self._rows.append((trainer.global_step - 1, {} if self._lr is None else {"train/lr": self._lr}))
         step = engine.loss_step if engine is not None and engine.config.is_async else None
         self._pending.append((torch.full((), float("nan")) if loss is None else loss.detach(), record, step))
-        if not self._reporting(trainer):
+        if not reporting_step(trainer, trainer.global_step):
             return
         self._collect(engine)
         if trainer.is_global_zero and self._rows:  # this step's row also carries the bubble and memory figures
@@ -192,14 +192,6 @@ class PipelineMetrics(Callback):
             if metrics:
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=step)
-
-    @staticmethod
-    def _reporting(trainer: pl.Trainer) -> bool:
-        """Steps whose figures someone reads at once: the loggers' steps (every ``log_every_n_steps``,
-        when the progress line prints too) and the last one. The same on every rank."""
-        step, every = trainer.global_step, trainer.log_every_n_steps
-        last = trainer.max_steps is not None and step >= trainer.max_steps > 0
-        return last or (bool(every) and step % every == 0)
 
     def _collect(self, engine: Any) -> None:
         """One collective for every step kept since the last call: the loss of each (equal on pipeline

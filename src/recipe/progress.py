@@ -18,6 +18,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from pipeline_recipes.strategies.lightning import reporting_step
+
 from .metrics import PipelineMetrics, tokens_in
 
 _MIB = 1024 * 1024
@@ -54,9 +56,8 @@ class ProgressLine(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step, every = trainer.global_step, trainer.log_every_n_steps
-        last = trainer.max_steps is not None and step >= trainer.max_steps > 0
-        if not trainer.is_global_zero or not every or (step % every and not last) or self._since is None:
+        step = trainer.global_step
+        if not trainer.is_global_zero or not reporting_step(trainer, step) or self._since is None:
             return
         now = time.perf_counter()
         then, before = self._since
