@@ -361,7 +361,7 @@ def part_efficiency(quick: bool) -> dict[str, list[dict]]:
     rows = []
     for D in depths:
         rows += run_world(D, _efficiency_worker, [D] if quick else [D, 2 * D], t_f, steps, warmup, 16384, 65536)[0]
-    times = {(r["schedule"], r["D"], r["N"]): r.pop("times_s") for r in rows}
+    times = {(r["schedule"], r["D"], r["N"]): r.pop("times_s") for r in rows}  # per round: details.efficiency_times
     for row in rows:
         row["ratio"] = row["measured_s"] / row["simulated_s"]
         row["ratio_actions"] = row["measured_s"] / row["simulated_actions_s"]
@@ -372,7 +372,8 @@ def part_efficiency(quick: bool) -> dict[str, list[dict]]:
             versus.append({"D": D, "N": N,
                            "measured_ratio": paired_ratio(times[(name, D, N)], times[("dapple", D, N)]),
                            "theory_ratio": chimera["simulated_s"] / by[("dapple", D, N)]["simulated_s"]})
-    return {"schedule_efficiency": rows, "chimera_vs_dapple": versus, "_efficiency_rounds": steps}
+    return {"schedule_efficiency": rows, "chimera_vs_dapple": versus, "_efficiency_rounds": steps,
+            "_efficiency_times": [{"schedule": n, "D": D, "N": N, "times_s": t} for (n, D, N), t in times.items()]}
 
 
 GPT2_BENCH = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 4096, "seq": 128}
@@ -391,7 +392,7 @@ def part_vs_torch(quick: bool) -> dict[str, list[dict]]:
     ours = tuple(dict.fromkeys(p[0] for p in pairs))
     theirs = tuple(dict.fromkeys(p[1] for p in pairs))
     rows = run_world(2, _vs_torch_worker, size, samples, mbs, steps, warmup, ours, theirs)[0]
-    t = {r["system"]: r.pop("times_s") for r in rows}
+    t = {r["system"]: r["times_s"] for r in rows}  # kept in details.vs_torch_times: the ratios can be re-derived
     out = [{"ours": o, "theirs": th, "throughput_ratio": paired_ratio(t[f"theirs:{th}"], t[f"ours:{o}"])}
            for o, th in pairs]
     # Chimera + zero bubble against the other bidirectional / V-shaped schedules, measured in the same rounds

@@ -26,7 +26,9 @@ the median over 3 profiled steps of the peak of its CPU allocations in the step 
 memory events).
 
 JSON: ``{"profile": {compute: [per repeat]}, "rows": [{layout..., "predicted_s", "measured_s", "time_error",
-"predicted_peak_bytes", "measured_peak_bytes", "memory_error", "repeats"}], "summary": {...}}`` where errors are
+"predicted_peak_bytes", "measured_peak_bytes", "memory_error", "repeats"}], "summary": {...}, "meta": {...}}``
+(``meta``: the machine and commit, the command, when it started, its wall time and the load average
+before and after, as ``scripts/bench.py`` records them) where errors are
 ``|pred − meas| / meas`` (memory: the largest over the ranks). Real-compute layouts with more
 ranks than cores (``oversubscribed``) are measured and reported, but kept out of the accuracy
 summary: the planner models one device per rank, which they do not have (their errors are
@@ -37,6 +39,7 @@ by compute kind, with the median signed error (below zero: under-predicted).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -314,8 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="real,emulated", help="comma-separated: real (tiny GPT-2), emulated")
     args = p.parse_args(argv)
 
+    from bench import machine  # scripts/bench.py: CPU, cores, memory, versions, commit
+
     from pipeline_recipes.strategies.spawn import run_world
 
+    began, load_before = time.perf_counter(), list(os.getloadavg())
+    meta = {"machine": machine(), "command": " ".join(["python scripts/plan_accuracy.py", *(argv or sys.argv[1:])]),
+            "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_average_before": load_before}
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     kinds = [k.strip() for k in args.models.split(",") if k.strip()]
     unknown = sorted(set(kinds) - {"real", "emulated"})
@@ -370,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     for pick in picks:
         log(f"{pick['compute']} compute, {pick['devices']} processes, B̂ = {pick['global_batch_size']}: the planner's pick {pick['recommended']} measures "
             f"{pick['ratio']:.3f}× the best measured ({pick['best_measured']}) of {pick['layouts']} layouts")
-    Path(args.out).write_text(json.dumps({"profile": profiles, "rows": rows, "summary": summary}, indent=1))
+    meta.update(load_average_after=list(os.getloadavg()), wall_s=round(time.perf_counter() - began, 1))
+    Path(args.out).write_text(json.dumps({"profile": profiles, "rows": rows, "summary": summary, "meta": meta},
+                                         indent=1))
     log(f"time error over {len(counted)} layouts: median {summary['time_error_median']:.1%}, "
         f"max {summary['time_error_max']:.1%}; memory error: median {summary['memory_error_median']:.1%}, "
         f"max {summary['memory_error_max']:.1%} (load average {os.getloadavg()[0]:.1f} on {cores} cores); "
