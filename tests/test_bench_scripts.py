@@ -56,3 +56,28 @@ def test_every_torch_class_has_the_placement_of_ours() -> None:
         for rank in range(2):
             held = tuple(s for s in range(len(schedule.placement[0])) if schedule.placement[0][s] == rank)
             assert sorted(held) == sorted(bench_e2e.TORCH_STAGES[cls](rank, 2)), (name, rank)
+
+
+def test_the_committed_record_re_derives_from_its_per_round_times() -> None:
+    """``benchmarks/bench.json`` can be checked: every paired ratio of §0, §1 (Chimera vs DAPPLE) and
+    §2 equals the median of per-round ratios recomputed from the times stored beside it."""
+    import json
+    import statistics
+
+    data = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "bench.json").read_text())
+    details = data["details"]
+
+    def paired(theirs: list[float], ours: list[float]) -> float:  # their time ÷ ours, per round
+        return statistics.median(t / o for t, o in zip(theirs, ours, strict=True))
+
+    times = {r["system"]: r["times_s"] for r in details["vs_torch_times"]}
+    for row in data["vs_torch"]:
+        assert row["throughput_ratio"] == paired(times[f"theirs:{row['theirs']}"], times[f"ours:{row['ours']}"])
+    rounds = {(r["schedule"], r["D"], r["N"]): r["times_s"] for r in details["efficiency_times"]}
+    for row in data["chimera_vs_dapple"]:
+        key = (row["D"], row["N"])
+        assert row["measured_ratio"] == paired(rounds[("chimera", *key)], rounds[("dapple", *key)])
+    for row in data["e2e_vs_torch"]:
+        job = details["e2e_times"][row["ours"]]
+        theirs = row["best_class"] if row["theirs"] == "torch best" else row["theirs"]
+        assert row["throughput_ratio"] == paired(job[theirs], job["job"]), (row["ours"], row["theirs"])
