@@ -163,7 +163,8 @@ class PipelineMetrics(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         """Keep this step's loss and timeline figures; gather them over the ranks only on reporting steps
-        (:func:`strategies.lightning.reporting_step`): a collective every step would line the ranks up once more per step."""
+        (:func:`strategies.lightning.reporting_step`): a collective every step would line the ranks up
+        once more per step."""
         engine = self._engine(trainer)
         record = engine.last_record if engine is not None else None  # its timeline is read when gathered
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
