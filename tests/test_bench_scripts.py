@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -60,10 +62,8 @@ def test_every_torch_class_has_the_placement_of_ours() -> None:
 
 def test_the_committed_record_re_derives_from_its_per_round_times() -> None:
     """``benchmarks/bench.json`` can be checked: every paired ratio of §0, §1 (Chimera vs DAPPLE) and
-    §2 equals the median of per-round ratios recomputed from the times stored beside it."""
-    import json
-    import statistics
-
+    §2 (against torch, and Chimera + zero bubble against ours) equals the median of per-round ratios
+    recomputed from the times stored beside it."""
     data = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "bench.json").read_text())
     details = data["details"]
 
@@ -73,6 +73,8 @@ def test_the_committed_record_re_derives_from_its_per_round_times() -> None:
     times = {r["system"]: r["times_s"] for r in details["vs_torch_times"]}
     for row in data["vs_torch"]:
         assert row["throughput_ratio"] == paired(times[f"theirs:{row['theirs']}"], times[f"ours:{row['ours']}"])
+    for row in data["bidirectional"]:
+        assert row["throughput_ratio"] == paired(times[f"ours:{row['versus']}"], times[f"ours:{row['schedule']}"])
     rounds = {(r["schedule"], r["D"], r["N"]): r["times_s"] for r in details["efficiency_times"]}
     for row in data["chimera_vs_dapple"]:
         key = (row["D"], row["N"])

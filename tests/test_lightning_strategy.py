@@ -127,7 +127,7 @@ def test_train_loss_is_the_same_on_every_rank_and_equals_single_process(runs: di
     for name in ("lightning", "torchrun"):
         ranks = _ranks(runs, name)
         for r in ranks:
-            for step in r["steps"]:
+            for step in r["steps"]:  # both steps log train/loss: the first and the last (test_metrics.py: the rule)
                 assert step["train/loss"] == step["pbar/train/loss"] == step["step_output"]
             assert r["callback_metrics"]["train/loss"] == r["steps"][-1]["train/loss"]
         assert ranks[0]["steps"] == [{**s, "rank_local": 0.0} for s in ranks[1]["steps"]], "ranks see different values"

@@ -1,7 +1,9 @@
-"""The metrics callback gathers over the ranks only on reporting steps, yet reports every step.
+"""The metrics callback gathers over the ranks only on reporting steps, yet reports every step; the
+module logs ``train/loss`` on the steps that read it.
 
-Pure Python (one process, no process group): a stand-in trainer drives
-:class:`recipe.metrics.PipelineMetrics` through five steps with ``log_every_n_steps = 2``.
+One process, no process group: a stand-in trainer drives :class:`recipe.metrics.PipelineMetrics`
+through five steps with ``log_every_n_steps = 2``; a real Trainer (the toy module of
+``lightning_job.py``, single device) shows which rows Lightning writes and what callbacks read.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 
 import torch
 
@@ -66,23 +71,81 @@ def test_a_checkpoint_between_reporting_steps_keeps_every_loss(tmp_path: Path) -
     assert metrics.loss_history == [1.0, 2.0]
 
 
-def test_train_loss_is_logged_on_the_steps_that_read_it() -> None:
-    """``PipelineModule`` logs ``train/loss`` on the loggers' steps and the last one (Lightning's
-    rule: step s, counted from 1, when s % log_every_n_steps == 0), its first step, and every step
-    while a progress bar shows."""
-    from pipeline_recipes.strategies.lightning import PipelineModule, reporting_step
 
-    trainer = SimpleNamespace(log_every_n_steps=4, max_steps=10, global_step=0, progress_bar_callback=None,
-                              callback_metrics={})
-    assert [s for s in range(1, 11) if reporting_step(trainer, s)] == [4, 8, 10]
-    module = PipelineModule(torch.nn.Linear(2, 2))
-    module._trainer = trainer
-    logged = []
-    for step in range(10):  # global_step counts the optimizer steps done before this training step
-        trainer.global_step = step
-        if module._loss_read_now():
-            logged.append(step + 1)
-            trainer.callback_metrics["train/loss"] = 0.0
-    assert logged == [1, 4, 8, 10]
-    trainer.progress_bar_callback = object()
-    assert module._loss_read_now()
+def test_reporting_steps_are_the_loggers_steps_and_the_last() -> None:
+    from pipeline_recipes.strategies.lightning import reporting_step
+
+    trainer = SimpleNamespace(log_every_n_steps=4, max_steps=10)
+    assert [s for s in range(1, 11) if reporting_step(trainer, s)] == [4, 8, 10]  # s % 4 == 0, and the last
+    trainer.max_steps = -1  # bounded by epochs: no last step known
+    assert [s for s in range(1, 11) if reporting_step(trainer, s)] == [4, 8]
+
+
+class _Rows(Logger):
+    """A Lightning logger that keeps every row it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "rows"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows[int(step)] = {k: float(v) for k, v in metrics.items()}
+
+
+class _Seen(Callback):
+    """Each step's own loss and what callbacks read; optionally sets ``should_stop`` from a step on."""
+
+    def __init__(self, stop_from: int | None = None) -> None:
+        self.losses: list[float] = []
+        self.read: list[float] = []
+        self.stop_from = stop_from
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.read.append(float(trainer.callback_metrics["train/loss"]))  # no KeyError on any step
+        if self.stop_from is not None and trainer.global_step >= self.stop_from:
+            trainer.should_stop = True
+
+
+def _fit(max_steps: int, min_steps: int | None = None,
+         stop_from: int | None = None) -> tuple[dict[int, dict[str, float]], _Seen]:
+    from lightning_job import UserModule, loaders
+
+    import lightning.pytorch as pl
+
+    torch.manual_seed(0)
+    rows, seen = _Rows(), _Seen(stop_from)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, min_steps=min_steps,
+                         log_every_n_steps=3, logger=rows, callbacks=[seen], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(UserModule(), train_dataloaders=loaders(single_process=True)[0])
+    return rows.rows, seen
+
+
+def test_train_loss_is_logged_on_the_steps_that_read_it() -> None:
+    """A real Trainer over 4 epochs of 2 steps: every row Lightning writes carries that step's own loss
+    (Lightning writes step s when s % log_every_n_steps == 0, and every step while ``should_stop`` is
+    set), and ``callback_metrics["train/loss"]`` exists on every step: the last logged value."""
+    rows, seen = _fit(max_steps=8)
+    assert sorted(rows) == [2, 5]  # 0-based steps of the loggers: the 3rd and 6th optimizer steps
+    for step, row in rows.items():
+        assert row["train/loss"] == seen.losses[step], step
+    logged = [1, 2, 3, 4, 6, 8]  # the first; each epoch's last (2, 4, 6, 8); the loggers' 3 and 6
+    expected = [seen.losses[max(s for s in logged if s <= step) - 1] for step in range(1, 9)]
+    assert seen.read == expected
+    # EarlyStopping under min_steps keeps training with should_stop set: Lightning writes every step
+    rows, seen = _fit(max_steps=8, min_steps=7, stop_from=3)
+    assert sorted(rows) == [2, 3, 4, 5, 6]
+    for step, row in rows.items():
+        assert row["train/loss"] == seen.losses[step], step

@@ -254,8 +254,9 @@ class PipelineModule(pl.LightningModule):
     device, DDP) it runs the layers in order, so baselines train the very same module.
 
     ``train/loss`` is logged (``self.log``) on the steps where it is read: the loggers' steps
-    (:func:`reporting_step`), the first one (so that ``callback_metrics`` has it from then on), and
-    every step while Lightning's progress bar shows. In between, ``callback_metrics["train/loss"]``
+    (:func:`reporting_step`, and every step while ``trainer.should_stop`` is set, as Lightning writes
+    them), each epoch's last step, the first one (so that ``callback_metrics`` has it from then on),
+    and every step while Lightning's progress bar shows. In between, ``callback_metrics["train/loss"]``
     keeps the last logged value; ``trainer.log_every_n_steps=1`` logs every step. (Lightning's
     ``self.log`` costs the process that ends every pipeline step about half a millisecond per call.)
     """
@@ -312,16 +313,19 @@ class PipelineModule(pl.LightningModule):
             for p in engine.local_parameters():
                 p.grad = None  # the optimizer leaves parameters without gradients (and their state) alone
             return loss.detach()
-        if self._loss_read_now():
+        if self._loss_read_now(batch_idx):
             self.log("train/loss", loss.detach(), prog_bar=True, batch_size=_batch_size(batch))
         return loss
 
-    def _loss_read_now(self) -> bool:
+    def _loss_read_now(self, batch_idx: int) -> bool:
         """Whether this training step's ``train/loss`` is read (see the class docstring)."""
         trainer = self._trainer
-        if trainer is None or trainer.progress_bar_callback is not None or "train/loss" not in trainer.callback_metrics:
+        if trainer is None or trainer.should_stop or trainer.progress_bar_callback is not None:
             return True
-        return reporting_step(trainer, trainer.global_step + 1)  # the optimizer step this one completes
+        if batch_idx + 1 >= trainer.num_training_batches:  # the epoch's last step (inf: a loader without length)
+            return True
+        # the optimizer step this one completes; global_step counts those done
+        return reporting_step(trainer, trainer.global_step + 1) or "train/loss" not in trainer.callback_metrics
 
     def _replica_loss(self, batch: Batch) -> Tensor:
         """Without a pipeline: one process takes the whole mini-batch; under DDP each of the W replicas
