@@ -76,3 +76,17 @@ def test_the_drain_timeout_must_be_positive(tmp_path: Path) -> None:
             check_drain_timeout(bad)
     with pytest.raises(ConfigError, match="positive number of seconds"):
         BackgroundWandbLogger(project="test", save_dir=str(tmp_path), offline=True, drain_timeout_s=0)
+
+
+def test_lightnings_own_wandb_logger_is_a_drop_in_target() -> None:
+    """``logger._target_=lightning.pytorch.loggers.WandbLogger`` works without also removing the
+    background writer's ``drain_timeout_s`` (which ``wandb.init`` would reject)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    from pipeline_recipes.recipe.job import without_writer_keys
+
+    ours = {"_target_": "pipeline_recipes.recipe.background_logger.BackgroundWandbLogger", "drain_timeout_s": 9}
+    assert without_writer_keys(ours) == ours
+    theirs = without_writer_keys({**ours, "_target_": "lightning.pytorch.loggers.WandbLogger", "offline": True})
+    assert theirs == {"_target_": "lightning.pytorch.loggers.WandbLogger", "offline": True}
+    assert "drain_timeout_s" not in WandbLogger.__init__.__code__.co_varnames  # it would reach wandb.init

@@ -74,10 +74,28 @@ def build_loggers(spec: JobSpec) -> list[Any]:
         logger = instantiate({"save_dir": spec.out_dir, "name": "", "version": "", **cfg})
     else:
         tags = run_tags(spec) + list(cfg.pop("tags", None) or [])
+        cfg = without_writer_keys(cfg)
         logger = instantiate({"name": f"{layout.run_name}-{model_name(spec)}", "group": spec.group,
                               "job_type": layout.label, "save_dir": spec.out_dir, **cfg, "tags": tags})
     logger.log_hyperparams({**spec.config, "derived": layout.as_dict()})
     return [logger]
+
+
+def without_writer_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The W&B logger config without ``drain_timeout_s`` when its ``_target_`` is not the background
+    writer (:class:`recipe.background_logger.BackgroundWandbLogger`): Lightning's own ``WandbLogger``
+    would hand the key on to ``wandb.init``, which rejects it."""
+    from hydra.utils import get_class
+
+    from .background_logger import BackgroundWandbLogger
+
+    target = cfg.get("_target_")
+    if "drain_timeout_s" not in cfg or target is None:
+        return cfg
+    cls = get_class(target)
+    if isinstance(cls, type) and issubclass(cls, BackgroundWandbLogger):
+        return cfg
+    return {k: v for k, v in cfg.items() if k != "drain_timeout_s"}
 
 
 CHECKPOINT_DIR = "checkpoints"
