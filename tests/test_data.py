@@ -101,6 +101,31 @@ def test_synthetic_bert_format_and_determinism() -> None:
     assert len(val) == 8 and not torch.equal(val[0]["input_ids"], items[0]["input_ids"])
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_a_small_synthetic_set_is_generated_once_with_the_same_items(family: str, monkeypatch) -> None:
+    """A set within ``MATERIALISED_BYTES`` is generated whole when built; its items equal those of the
+    same set generated item by item (the cap at 0), and changing a read item leaves the set unchanged."""
+    from pipeline_recipes.datamodules import synthetic
+
+    kwargs = dict(family=family, seq_len=24, vocab_size=300, seed=7, num_samples=40, val_samples=6)
+    whole, whole_val = build_datasets("synthetic", **kwargs)
+    assert whole._items is not None and whole_val._items is not None
+    monkeypatch.setattr(synthetic, "MATERIALISED_BYTES", 0)
+    lazy, lazy_val = build_datasets("synthetic", **kwargs)
+    assert lazy._items is None
+    for a, b in ((whole, lazy), (whole_val, lazy_val)):
+        assert len(a) == len(b)
+        for i in range(len(a)):
+            assert a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) for k in a[i])
+    item = whole[3]
+    item["input_ids"].fill_(0)
+    assert torch.equal(whole[3]["input_ids"], lazy[3]["input_ids"])
+    with pytest.raises(IndexError):
+        whole[40]
+    with pytest.raises(IndexError):
+        whole[-1]
+
+
 def test_dataloader_batches_shuffle_and_drop_last() -> None:
     train, _ = build_dataloaders("synthetic", family="bert", seq_len=16, vocab_size=200, global_batch_size=8,
                                  batch_size=4, seed=0, num_samples=10)
