@@ -110,3 +110,29 @@ def test_progress_line_has_every_field() -> None:
     assert line == ("step 10/40 | loss 6.1423 | lr 8.66e-04 | 512.3 samples/s | 16,394 tokens/s | "
                     "0.0312 TFLOP/s/device | MFU n/a | peak mem 612 MiB")
     assert "MFU 41.3%" in format_progress(1, 2, 1.0, 1e-3, 1.0, 1.0, 128.9, 0.413, 1)
+
+
+def test_progress_lines_are_at_most_one_per_interval_and_the_last_always(monkeypatch, capsys) -> None:
+    """Logging every step, 0.4 s per step, at most a line a second: lines at steps 1, 4 (1.2 s after 1),
+    7 and 10 (the last); the loggers get TFLOP/s on every step."""
+    from types import SimpleNamespace
+
+    from pipeline_recipes.recipe import progress
+
+    clock = iter([0.4 * k for k in range(11)])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    logged = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(step))
+    metrics = SimpleNamespace(layout=SimpleNamespace(global_batch_size=4), utilisation=Utilisation(1000, 2),
+                              loss_history=[2.0], lr_history=[1e-3], peak_memory=[1])
+    trainer = SimpleNamespace(is_global_zero=True, log_every_n_steps=1, max_steps=10, global_step=0, loggers=[logger],
+                              progress_bar_callback=None, should_stop=False)
+    line = progress.ProgressLine(metrics, replicas=1, min_interval_s=1.0)
+    line.on_train_start(trainer, None)
+    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long)}
+    for step in range(1, 11):
+        trainer.global_step = step
+        line.on_train_batch_end(trainer, None, None, batch, step - 1)
+    printed = [int(row.split(" | ")[0].split()[1].split("/")[0]) for row in capsys.readouterr().out.splitlines()]
+    assert printed == [1, 4, 7, 10]
+    assert logged == list(range(10))

@@ -122,7 +122,8 @@ def test_every_strategy_sees_the_same_batches(tmp_path: Path) -> None:
     carry strategy, model, W, D and B."""
     from pipeline_recipes.recipe.wandb_offline import find_offline_runs
 
-    common = ["trainer.max_steps=3", "trainer.log_every_n_steps=1", "data.global_batch_size=8", "preflight=false"]
+    common = ["trainer.max_steps=3", "trainer.log_every_n_steps=1", "metrics.progress_interval_s=0",
+              "data.global_batch_size=8", "preflight=false"]
     jobs = {"single": ["strategy=single", "trainer.devices=1", "+trainer.enable_progress_bar=true"],
             "ddp": ["strategy=ddp", "strategy.D=1", "trainer.devices=2"],
             "gpipe": ["strategy=gpipe", "strategy.D=2", "trainer.devices=2"],

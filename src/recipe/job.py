@@ -206,7 +206,8 @@ def run_job(spec: JobSpec) -> float | None:
     loggers = build_loggers(spec)
     trainer = pl.Trainer(**trainer_kwargs(trainer_cfg, {
         "strategy": strategy, "logger": loggers or False, "default_root_dir": spec.out_dir,
-        "callbacks": [throughput, metrics, ProgressLine(metrics, layout.W), *checkpointing],
+        "callbacks": [throughput, metrics, ProgressLine(metrics, layout.W, float(metrics_cfg.get("progress_interval_s", 1.0))),
+                      *checkpointing],
         "enable_progress_bar": False,
     }))
     try:
