@@ -103,8 +103,9 @@ def test_synthetic_bert_format_and_determinism() -> None:
 
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 def test_a_small_synthetic_set_is_generated_once_with_the_same_items(family: str, monkeypatch) -> None:
-    """A set within ``MATERIALISED_BYTES`` is generated whole when built; its items equal those of the
-    same set generated item by item (the cap at 0), and changing a read item leaves the set unchanged."""
+    """A set within ``MATERIALISED_BYTES`` is generated whole when built; its items, read one by one or a
+    batch at once, equal those of the same set generated item by item (the cap at 0), and changing a read
+    item leaves the set unchanged."""
     from pipeline_recipes.datamodules import synthetic
 
     kwargs = dict(family=family, seq_len=24, vocab_size=300, seed=7, num_samples=40, val_samples=6)
@@ -117,9 +118,15 @@ def test_a_small_synthetic_set_is_generated_once_with_the_same_items(family: str
         assert len(a) == len(b)
         for i in range(len(a)):
             assert a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) for k in a[i])
-    item = whole[3]
+    for batch in (whole.__getitems__([5, 0, 39, 5]), lazy.__getitems__([5, 0, 39, 5])):  # a DataLoader's batched read
+        assert [set(item) for item in batch] == [set(lazy[0])] * 4
+        assert all(torch.equal(item[k], lazy[i][k]) for item, i in zip(batch, (5, 0, 39, 5)) for k in item)
+    item, batched = whole[3], whole.__getitems__([3])[0]
     item["input_ids"].fill_(0)
+    batched["input_ids"].fill_(0)
     assert torch.equal(whole[3]["input_ids"], lazy[3]["input_ids"])
+    with pytest.raises(IndexError):
+        whole.__getitems__([0, 40])
     with pytest.raises(IndexError):
         whole[40]
     with pytest.raises(IndexError):

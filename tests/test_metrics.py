@@ -149,3 +149,25 @@ def test_train_loss_is_logged_on_the_steps_that_read_it() -> None:
     assert sorted(rows) == [2, 3, 4, 5, 6]
     for step, row in rows.items():
         assert row["train/loss"] == seen.losses[step], step
+
+
+def test_throughput_windows_count_the_replicas_and_only_rank_zero_measures(monkeypatch) -> None:
+    """Windows of 3 steps, 0.5 s per step, batches of 4 samples × 8 tokens on each of W = 2 replicas: every
+    window reads 16 samples/s, 128 tokens/s and 0.5 s per iteration; another rank records nothing."""
+    from pipeline_recipes.recipe import metrics as metrics_module
+
+    now = [0.0]
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: now[0])
+    monitor = ReplicaThroughputMonitor(replicas=2, window_size=3)
+    trainer = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long)}
+    monitor.on_train_start(trainer, None)
+    for step in range(7):
+        now[0] += 0.5
+        monitor.on_train_batch_end(trainer, None, None, batch, step)
+    assert monitor.history == [{"samples_per_s": 16.0, "tokens_per_s": 128.0, "iteration_s": 0.5}] * 2
+    assert monitor.median("iteration_s", warmup=1) == 0.5
+    other = ReplicaThroughputMonitor(replicas=2, window_size=1)
+    other.on_train_start(trainer, None)
+    other.on_train_batch_end(SimpleNamespace(is_global_zero=False), None, None, batch, 0)
+    assert other.history == []

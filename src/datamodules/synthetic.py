@@ -81,6 +81,16 @@ class _GeneratedItems(Dataset):
             return self._generate(index)
         return {key: values[index].clone() for key, values in self._items.items()}  # the set stays unchanged
 
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Tensor]]:
+        """A DataLoader's batch at once: one indexed copy per field (the set stays unchanged), its rows the items."""
+        if self._items is None:
+            return [self[i] for i in indices]
+        if indices and not 0 <= min(indices) <= max(indices) < self.num_samples:
+            raise IndexError(f"indices {min(indices)}..{max(indices)} outside [0, {self.num_samples})")
+        index = torch.as_tensor(indices, dtype=torch.long)
+        rows = {key: values[index] for key, values in self._items.items()}
+        return [{key: batch[i] for key, batch in rows.items()} for i in range(len(indices))]
+
 
 class SyntheticGPT2Dataset(_GeneratedItems):
     """``num_samples`` items ``{"input_ids": LongTensor[seq_len]}`` (labels are the inputs, shifted by the loss)."""

@@ -45,7 +45,7 @@ def format_progress(step: int, max_steps: int | None, loss: float | None, lr: fl
 class ProgressLine(Callback):
     """Rank 0's progress line every ``log_every_n_steps`` steps, no sooner than ``min_interval_s`` after the
     previous one, and at the last step; must come after ``metrics`` in the callback list (it reads that
-    step's loss, learning rate and memory). Its TFLOP/s and MFU go to the loggers every logging step.
+    step's loss, learning rate and memory). Its rates, TFLOP/s and MFU go to the loggers every logging step.
 
     (A line costs rank 0 a write to its console, which W&B also captures: about 2 ms, which the other
     ranks of a pipeline wait for; every 5 steps of 60 ms that was half a per cent of the run.)"""
@@ -76,7 +76,8 @@ class ProgressLine(Callback):
         loss = self.metrics.loss_history[-1] if self.metrics.loss_history else None
         lr = self.metrics.lr_history[-1] if self.metrics.lr_history else None
         peak = max(self.metrics.peak_memory) if self.metrics.peak_memory else None
-        metrics = {"throughput/tflops_per_device": tflops, "throughput/mfu": mfu}
+        metrics = {"throughput/samples_per_s": samples, "throughput/tokens_per_s": tokens,
+                   "throughput/tflops_per_device": tflops, "throughput/mfu": mfu}
         for logger in trainer.loggers:
             logger.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=step - 1)
         if trainer.progress_bar_callback is not None:  # the bar shows the step and loss; add MFU
