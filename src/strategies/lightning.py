@@ -261,7 +261,7 @@ class PipelineModule(pl.LightningModule):
     ``self.log`` costs the process that ends every pipeline step about half a millisecond per call.)
     """
 
-    flops_per_batch: int | None = None  # read by Lightning's ThroughputMonitor; None: no MFU reported
+    flops_per_batch: int | None = None  # for a Lightning ThroughputMonitor a user adds (the recipe's MFU: recipe.flops)
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0,
                  nonfinite_loss: str = "stop", model_config: Mapping[str, Any] | None = None,
