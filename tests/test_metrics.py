@@ -153,7 +153,8 @@ def test_train_loss_is_logged_on_the_steps_that_read_it() -> None:
 
 def test_throughput_windows_count_the_replicas_and_only_rank_zero_measures(monkeypatch) -> None:
     """Windows of 3 steps, 0.5 s per step, batches of 4 samples × 8 tokens on each of W = 2 replicas: every
-    window reads 16 samples/s, 128 tokens/s and 0.5 s per iteration; another rank records nothing."""
+    window reads 16 samples/s, 128 tokens/s and 0.5 s per iteration, a validation run inside one left out;
+    another rank records nothing."""
     from pipeline_recipes.recipe import metrics as metrics_module
 
     now = [0.0]
@@ -164,6 +165,10 @@ def test_throughput_windows_count_the_replicas_and_only_rank_zero_measures(monke
     monitor.on_train_start(trainer, None)
     for step in range(7):
         now[0] += 0.5
+        if step == 4:  # a 10 s validation run inside the second window is not training time
+            monitor.on_validation_start(trainer, None)
+            now[0] += 10.0
+            monitor.on_validation_end(trainer, None)
         monitor.on_train_batch_end(trainer, None, None, batch, step)
     assert monitor.history == [{"samples_per_s": 16.0, "tokens_per_s": 128.0, "iteration_s": 0.5}] * 2
     assert monitor.median("iteration_s", warmup=1) == 0.5

@@ -203,11 +203,11 @@ def run_job(spec: JobSpec) -> float | None:
     metrics = PipelineMetrics(layout, spec.out_dir, throughput, warmup_steps=int(metrics_cfg.get("warmup_steps", 1)),
                               flops_per_token=model_flops_per_token(cfg["model"], seq_len, model),
                               peak_tflops=peak_tflops)
+    progress = ProgressLine(metrics, layout.W, min_interval_s=float(metrics_cfg.get("progress_interval_s", 1.0)))
     loggers = build_loggers(spec)
     trainer = pl.Trainer(**trainer_kwargs(trainer_cfg, {
         "strategy": strategy, "logger": loggers or False, "default_root_dir": spec.out_dir,
-        "callbacks": [throughput, metrics, ProgressLine(metrics, layout.W, float(metrics_cfg.get("progress_interval_s", 1.0))),
-                      *checkpointing],
+        "callbacks": [throughput, metrics, progress, *checkpointing],
         "enable_progress_bar": False,
     }))
     try:

@@ -79,7 +79,8 @@ class ReplicaThroughputMonitor(Callback):
 
     A CUDA device is synchronised once per window, where a window ends (Lightning's ``ThroughputMonitor``
     synchronised it after every step and cost rank 0 about 0.4 ms per step on CPUs); between windows a
-    step only counts its batch. :attr:`history` keeps every window's rates for the run's medians.
+    step only counts its batch, and validation runs inside a window are left out of its time.
+    :attr:`history` keeps every window's rates for the run's medians.
     """
 
     def __init__(self, replicas: int, window_size: int = 3) -> None:
@@ -88,10 +89,21 @@ class ReplicaThroughputMonitor(Callback):
         self.replicas, self.window_size = int(replicas), int(window_size)
         self.history: list[dict[str, float]] = []
         self._window: list[float] = [0.0, 0, 0, 0]  # start time, steps, samples, tokens
+        self._validating_since: float | None = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._window = [time.perf_counter(), 0, 0, 0]
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validating_since = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validating_since is not None:  # a validation run inside training is not training time
+            self._window[0] += time.perf_counter() - self._validating_since
+            self._validating_since = None
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from pipeline_recipes.strategies.lightning import reporting_step
+from pipeline_recipes.strategies.lightning import last_step, reporting_step
 
 from .metrics import PipelineMetrics, tokens_in
 
@@ -84,7 +84,6 @@ class ProgressLine(Callback):
             if mfu is not None:
                 pl_module.log("mfu", mfu, prog_bar=True, logger=False, rank_zero_only=True)
             return
-        last = trainer.max_steps is not None and 0 < trainer.max_steps <= step
-        if now - self._printed >= self.min_interval_s or last or trainer.should_stop:
+        if now - self._printed >= self.min_interval_s or last_step(trainer, step) or trainer.should_stop:
             self._printed = now
             print(format_progress(step, trainer.max_steps, loss, lr, samples, tokens, tflops, mfu, peak), flush=True)

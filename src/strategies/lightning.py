@@ -390,8 +390,12 @@ def reporting_step(trainer: pl.Trainer, step: int) -> bool:
     loggers' steps (every ``trainer.log_every_n_steps``, as Lightning's logger connector counts them)
     and the run's last step. The same on every rank."""
     every = trainer.log_every_n_steps
-    last = trainer.max_steps is not None and step >= trainer.max_steps > 0
-    return last or (bool(every) and step % every == 0)
+    return last_step(trainer, step) or (bool(every) and step % every == 0)
+
+
+def last_step(trainer: pl.Trainer, step: int) -> bool:
+    """Whether optimizer step ``step`` (counted from 1) is the last of a ``max_steps`` run."""
+    return trainer.max_steps is not None and step >= trainer.max_steps > 0
 
 
 def _batch_size(batch: Batch) -> int:
