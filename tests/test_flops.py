@@ -119,8 +119,8 @@ def test_progress_lines_are_at_most_one_per_interval_and_the_last_always(monkeyp
 
     from pipeline_recipes.recipe import progress
 
-    clock = iter([0.4 * k for k in range(11)])
-    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
     logged = []
     logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(step))
     metrics = SimpleNamespace(layout=SimpleNamespace(global_batch_size=4), utilisation=Utilisation(1000, 2),
@@ -131,7 +131,7 @@ def test_progress_lines_are_at_most_one_per_interval_and_the_last_always(monkeyp
     line.on_train_start(trainer, None)
     batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long)}
     for step in range(1, 11):
-        trainer.global_step = step
+        trainer.global_step, now[0] = step, 0.4 * step
         line.on_train_batch_end(trainer, None, None, batch, step - 1)
     printed = [int(row.split(" | ")[0].split()[1].split("/")[0]) for row in capsys.readouterr().out.splitlines()]
     assert printed == [1, 4, 7, 10]
