@@ -88,12 +88,12 @@ class ReplicaThroughputMonitor(Callback):
             raise ValueError(f"metrics.window_size must be >= 1 step, got {window_size}")
         self.replicas, self.window_size = int(replicas), int(window_size)
         self.history: list[dict[str, float]] = []
-        self._window: list[float] = [0.0, 0, 0, 0]  # start time, steps, samples, tokens
+        self._start, self._steps, self._samples, self._tokens = 0.0, 0, 0, 0  # the window so far
         self._validating_since: float | None = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._window = [time.perf_counter(), 0, 0, 0]
+        self._start, self._steps, self._samples, self._tokens = time.perf_counter(), 0, 0, 0
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -102,7 +102,7 @@ class ReplicaThroughputMonitor(Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._validating_since is not None:  # a validation run inside training is not training time
-            self._window[0] += time.perf_counter() - self._validating_since
+            self._start += time.perf_counter() - self._validating_since
             self._validating_since = None
 
     @override
@@ -110,21 +110,20 @@ class ReplicaThroughputMonitor(Callback):
                            batch_idx: int) -> None:
         if not trainer.is_global_zero:
             return
-        window = self._window
-        window[1] += 1
-        window[2] += samples_in(batch)
-        window[3] += tokens_in(batch)
-        if window[1] < self.window_size:
+        self._steps += 1
+        self._samples += samples_in(batch)
+        self._tokens += tokens_in(batch)
+        if self._steps < self.window_size:
             return
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the window's steps have run, not just been launched
         now = time.perf_counter()
-        seconds = max(now - window[0], 1e-9)
-        self.history.append({"samples_per_s": window[2] * self.replicas / seconds,
-                             "tokens_per_s": window[3] * self.replicas / seconds,
-                             "iteration_s": seconds / window[1]})
-        self._window = [now, 0, 0, 0]
+        seconds = max(now - self._start, 1e-9)
+        self.history.append({"samples_per_s": self._samples * self.replicas / seconds,
+                             "tokens_per_s": self._tokens * self.replicas / seconds,
+                             "iteration_s": seconds / self._steps})
+        self._start, self._steps, self._samples, self._tokens = now, 0, 0, 0
 
     def median(self, key: str, warmup: int = 0) -> float | None:
         values = [h[key] for h in self.history[warmup:]] or [h[key] for h in self.history]
