@@ -83,9 +83,11 @@ class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
         self.val: list[dict[str, Any]] = []
+        self.fetchers: set[str] = set()  # the training loop's batch fetchers
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         cb, bar = trainer.callback_metrics, trainer.progress_bar_metrics
+        self.fetchers.add(type(trainer.fit_loop._data_fetcher).__name__)
         self.steps.append({
             "train/loss": float(cb["train/loss"]), "pbar/train/loss": float(bar["train/loss"]),
             "step_output": float(outputs["loss"]),
@@ -186,6 +188,7 @@ def main() -> None:
         "grad_norms": module.grad_norms, "params": local_parameters(module),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "received_dtypes": sorted({str(dtype) for _, dtype in shapes.values()}),
+        "fetchers": sorted(recorder.fetchers),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"rank{trainer.global_rank}.json"

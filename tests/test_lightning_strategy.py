@@ -116,6 +116,7 @@ def test_every_launch_trains_and_exits_cleanly(runs: dict) -> None:
         for r in ranks:
             assert r["world_size"] == 2 and r["global_step"] == 2
             assert not r["process_group_alive"], "teardown must destroy the process group"
+            assert r["fetchers"] == ["FetchAhead"], "the next batch is read in the pipeline's bubble"
         assert "terminate called" not in runs[name]["stderr"]
         assert "Traceback" not in runs[name]["stderr"]
         assert "sync_dist=True" not in runs[name]["stderr"], "no metric of PipelineModule should trigger the warning"

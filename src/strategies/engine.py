@@ -11,7 +11,7 @@ forwards may be recomputed in backward to save activation memory (GPipe re-mater
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
@@ -159,6 +159,8 @@ class PipelineEngine:
         )
         self.windows = AsyncWindows(self.executor) if config.is_async else None
         self.last_record: StepRecord | None = None
+        # host work for the step's first blocking receive (the next batch): :meth:`PipeComm.when_idle`
+        self.idle_work: Callable[[], None] | None = None
         # collected on first use, after materialisation (which replaces the meta parameters)
         self._local_parameters: tuple[nn.Parameter, ...] | None = None
 
@@ -319,6 +321,7 @@ class PipelineEngine:
         overlaps the following steps, so the stages never line up; :mod:`.late_loss`), the first step its own;
         :attr:`loss_step` says which step, :meth:`flush_losses` gives those not reported yet."""
         micro_batches = self.split(batch)
+        self.executor.comm.when_idle(self.idle_work)
         if self.versions is not None:
             for p in self.local_parameters():
                 p.grad = None  # the step's due version hands its gradient over at the end

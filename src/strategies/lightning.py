@@ -36,6 +36,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from .engine import PipelineConfig, PipelineEngine
 from .executor import loss_counts, micro_batch_loss
+from .fetch_ahead import fetch_during_waits
 from .optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
 from .process_group import end_process_group
 from .pipeline_model import Batch, run_layers, sequential_loss
@@ -231,6 +232,7 @@ class PipelineStrategy(DDPStrategy):
             self._rng_to_restore = None
         timeout = timedelta(seconds=self.pipeline_config.timeout_s)
         self._sigterm = install_late_sigterm(self.lightning_module.trainer, timeout)
+        fetch_during_waits(self.lightning_module.trainer, self.engine)
 
     @override
     def on_train_end(self) -> None:
@@ -240,6 +242,7 @@ class PipelineStrategy(DDPStrategy):
             self._sigterm = None
         if self.engine is not None:  # asynchronous schedules: no loss all-reduce left in flight (the metrics
             self.engine.flush_losses()  # callback, which runs first, has taken the losses it reports)
+            self.engine.idle_work = None
 
     @override
     def teardown(self) -> None:

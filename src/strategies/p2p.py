@@ -22,12 +22,17 @@ each step by waiting for every transfer with the same timeout on the host, namin
 stopped answering. On CPU (gloo) waits block the host, bounded by the group's timeout. With CUDA
 tensors on a gloo group (several ranks sharing one GPU, for testing) messages are staged through
 the host.
+
+Idle host time: where a host wait would block (gloo, the receive not complete yet), the rank has
+nothing to compute until the peer delivers: a pipeline bubble (GPipe §2). :meth:`PipeComm.when_idle`
+hands the transport one piece of host work per step (the next step's batch,
+:mod:`strategies.fetch_ahead`) that it runs at the step's first such wait, before blocking.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -100,6 +105,13 @@ class PipeComm:
         self._posted: list[PostedRound] = []
         self._step = 0
         self._header_sends: list[tuple[dist.Work, Tensor, int]] = []
+        self._idle_work: Callable[[], None] | None = None
+
+    def when_idle(self, work: Callable[[], None] | None) -> None:
+        """Run ``work`` once, at this step's first receive that would block the host (it is not complete
+        yet); a step without one (or a stream-ordered transport, whose host never waits for a receive)
+        drops it at the step's end."""
+        self._idle_work = work
 
     # -- rounds ---------------------------------------------------------------------------------
 
@@ -156,6 +168,7 @@ class PipeComm:
             self._complete(posted, posted.peers)
         self._posted = [p for p in self._posted if p not in settle]
         self._step += 1
+        self._idle_work = None
         for work, _, peer in self._header_sends:
             self._wait_work(work, (peer,))
         self._header_sends.clear()
@@ -189,6 +202,9 @@ class PipeComm:
         if posted.received:
             return
         for work in posted.receive_works(posted.ops):
+            if self._idle_work is not None and not self.stream_ordered and not work.is_completed():
+                idle, self._idle_work = self._idle_work, None
+                idle()
             self._wait_work(work, posted.recv_peers or posted.peers)
         for inc, host_buffer in posted.staged:
             inc.buffer = host_buffer.to(self.device)
