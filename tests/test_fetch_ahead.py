@@ -1,6 +1,7 @@
-"""The next training batch read in the pipeline's bubble (:mod:`strategies.fetch_ahead`) and the
-transport's idle hook that triggers it (:meth:`strategies.p2p.PipeComm.when_idle`): pure Python, no
-processes. The multi-process jobs (tests/test_lightning_strategy.py, tests/test_train_e2e.py) run
+"""The next training batch read in the pipeline's bubble (:mod:`strategies.fetch_ahead`), and where
+that is: the longest simulated wait of a worker, if the host waits there
+(:meth:`strategies.executor.StageExecutor.run`, :meth:`strategies.p2p.PipeComm.would_block`). Pure
+Python, no processes. The multi-process jobs (tests/test_lightning_strategy.py, tests/test_train_e2e.py) run
 every pipeline step with it and compare their parameters with a single process on the same data."""
 
 from __future__ import annotations
@@ -101,50 +102,72 @@ def test_the_engine_reads_ahead_only_for_the_loop_s_current_fetcher_of_known_len
 
 
 class _Work:
-    def __init__(self, log: list[str], name: str, completed: bool) -> None:
-        self.log, self.name, self.completed = log, name, completed
+    def __init__(self, completed: bool) -> None:
+        self.completed = completed
 
     def is_completed(self) -> bool:
         return self.completed
 
     def wait(self, timeout=None) -> bool:
-        self.log.append(f"wait {self.name}")
+        self.completed = True
         return True
 
 
-def test_the_idle_work_runs_once_at_the_first_receive_that_would_block(monkeypatch) -> None:
+def test_the_transport_says_whether_a_receive_would_block_the_host(monkeypatch) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from pipeline_recipes.strategies.p2p import Incoming, PipeComm
 
-    log: list[str] = []
     pending: list[list[_Work]] = []
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: pending.pop(0))
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
         comm = PipeComm(torch.device("cpu"), datetime.timedelta(seconds=5), None, None)
 
-        def receive(completed: bool, name: str) -> None:
-            pending.append([_Work(log, name, completed)])
-            inc = Incoming(1, torch.Size((2,)), torch.float32, name)
+        def posted(completed: bool) -> Incoming:
+            pending.append([_Work(completed)])
+            inc = Incoming(1, torch.Size((2,)), torch.float32)
             comm.post([], [inc])
-            comm.wait(inc)
+            return inc
 
-        comm.when_idle(lambda: log.append("idle"))
-        receive(True, "a")  # arrived already: no idle time
-        receive(False, "b")
-        receive(False, "c")  # once per step
-        comm.finish()
-        assert log == ["wait a", "idle", "wait b", "wait c"]
-
-        log.clear()
-        comm.when_idle(lambda: log.append("idle"))
-        comm.finish()  # a step without a blocking receive drops it
-        receive(False, "d")
-        comm.when_idle(lambda: log.append("idle"))
-        comm.stream_ordered = True  # NCCL: the host never waits for a receive
-        receive(False, "e")
-        assert log == ["wait d", "wait e"]
+        arrived, underway = posted(True), posted(False)
+        assert not comm.would_block(arrived) and comm.would_block(underway)
+        comm.wait(underway)
+        assert not comm.would_block(underway)  # received
+        comm.stream_ordered = True  # NCCL: the compute stream waits, the host goes on
+        assert not comm.would_block(posted(False))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("D", [2, 3, 4, 5])
+@pytest.mark.parametrize("per_stage", [1, 2])
+def test_a_1f1b_stage_waits_longest_before_its_first_forward_or_first_backward(D: int, per_stage: int) -> None:
+    """DAPPLE (1F1B, Chimera §2) at t_b = 2 t_f: stage s starts its first forward after s·t_f; its D - s
+    warm-up forwards end at D·t_f, and the first backward reaches it (D - 1 - s)·t_b later."""
+    from pipeline_recipes.strategies.schedules import build_schedule, simulate
+
+    N = D * per_stage
+    schedule = build_schedule("dapple", D, N)
+    simulation = simulate(schedule, t_f=1.0, t_b=2.0)
+    for s in range(D):
+        before_forward, before_backward = float(s), 2.0 * (D - 1 - s)
+        i, wait = simulation.longest_wait(s)
+        assert wait == max(before_forward, before_backward)
+        first_backward = next(k for k, a in enumerate(schedule.workers[s]) if a.kind == "B")
+        assert i == (0 if before_forward >= before_backward else first_backward)
+
+
+def test_the_executor_reads_ahead_in_the_longest_bubble_of_at_least_one_forward() -> None:
+    from pipeline_recipes.strategies.executor import StageExecutor
+    from pipeline_recipes.strategies.schedules import build_schedule
+
+    def idle_point(schedule, worker):
+        return StageExecutor._idle_point(SimpleNamespace(worker=worker, _idle_points={}), schedule)
+
+    dapple = build_schedule("dapple", 2, 4)
+    assert str(idle_point(dapple, 0)) == "0B0"  # waits 2 t_f for the first backward
+    assert str(idle_point(dapple, 1)) == "1F0"  # waits t_f for the first forward's activation
+    chimera = build_schedule("chimera", 2, 4)  # two pipelines in opposite directions fill each other's bubbles
+    assert [idle_point(chimera, w) for w in (0, 1)] == [None, None]

@@ -159,7 +159,7 @@ class PipelineEngine:
         )
         self.windows = AsyncWindows(self.executor) if config.is_async else None
         self.last_record: StepRecord | None = None
-        # host work for the step's first blocking receive (the next batch): :meth:`PipeComm.when_idle`
+        # host work for a synchronous step's longest bubble (the next batch): :meth:`StageExecutor.run`
         self.idle_work: Callable[[], None] | None = None
         # collected on first use, after materialisation (which replaces the meta parameters)
         self._local_parameters: tuple[nn.Parameter, ...] | None = None
@@ -321,7 +321,6 @@ class PipelineEngine:
         overlaps the following steps, so the stages never line up; :mod:`.late_loss`), the first step its own;
         :attr:`loss_step` says which step, :meth:`flush_losses` gives those not reported yet."""
         micro_batches = self.split(batch)
-        self.executor.comm.when_idle(self.idle_work)
         if self.versions is not None:
             for p in self.local_parameters():
                 p.grad = None  # the step's due version hands its gradient over at the end
@@ -343,6 +342,7 @@ class PipelineEngine:
         self.last_record = self.executor.run(
             self.schedule_for(len(micro_batches)), micro_batches, self._totals(batch),
             after_backward=after_backward if plan else None, loss_final=post_loss if self._host_waits else None,
+            idle_work=self.idle_work,
         )
         self.loss_step = self.steps_taken
         self.steps_taken += 1

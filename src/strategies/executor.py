@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from .p2p import Incoming, Outgoing, PipeComm
 from .pipeline_model import Batch, PipelineModel, run_layers
 from .recompute import parameter_storages
-from .schedules import Action, Schedule, format_grid
+from .schedules import Action, Schedule, format_grid, simulate
 from .schedules.asynchronous import steady_step
 from .schedules.comm import CommPlan, Round, comm_plan, shifted_message
 from .schedules.effects import graph_effect
@@ -144,6 +144,7 @@ class StageExecutor:
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # (pipe, sending stage, batch shapes)
         self._probed: set[tuple] = set()  # micro-batch shapes whose message shapes are known
         self._plans: dict[tuple[Schedule, bool], CommPlan] = {}  # the synchronous steps' plans, derived once
+        self._idle_points: dict[Schedule, Action | None] = {}  # where host work waits for a peer (:meth:`_idle_point`)
         self._clock_reference: tuple[torch.cuda.Event, float] | None = None  # CUDA: timelines' reference event
 
     def run(
@@ -154,11 +155,13 @@ class StageExecutor:
         train: bool = True,
         after_backward: Callable[[Action], None] | None = None,
         loss_final: Callable[[Tensor], None] | None = None,
+        idle_work: Callable[[], None] | None = None,
     ) -> StepRecord:
         """One synchronous step (or evaluation: forwards only); ``after_backward(action)`` runs after
         each backward; ``loss_final(loss_sum)`` once this rank's share of the loss is known, before its
         last action (or after its last loss-computing forward, if that comes later): a collective posted
-        there completes while the step's last actions run. Every graph is consumed by the end of a
+        there completes while the step's last actions run; ``idle_work()`` in the step's longest bubble
+        (:meth:`_idle_point`), if the host waits there. Every graph is consumed by the end of a
         training step."""
         if (plan := self._plans.get((schedule, train))) is None:
             plan = self._plans[(schedule, train)] = comm_plan(schedule, self.worker, train)
@@ -166,16 +169,30 @@ class StageExecutor:
         if train:
             self.stored.now = 0
         ctx = StepContext(schedule, plan, batches, totals, train)
-        record = self.execute(ctx, after_backward, loss_final)
+        idle_at = self._idle_point(schedule) if idle_work is not None and train else None
+        idle = (plan.actions.index(idle_at), idle_work) if idle_at is not None else None
+        record = self.execute(ctx, after_backward, loss_final, idle)
         self.comm.finish()
         left = [(s, k) for s, stage in self.stages.items() for k in stage.pending]
         if train and (left or self._local):
             raise RuntimeError(f"rank {self.rank}: activations left after the step: {left or sorted(self._local)}")
         return record
 
+    def _idle_point(self, schedule: Schedule) -> Action | None:
+        """This worker's action before which ``schedule``'s simulation (t_b = 2 t_f) waits longest for a
+        peer, if that wait is at least one forward: the bubble where host work costs the step nothing
+        (none in a schedule without bubbles inside the step, such as Chimera's at N = D)."""
+        if schedule not in self._idle_points:
+            simulation = simulate(schedule)
+            i, wait = simulation.longest_wait(self.worker)
+            self._idle_points[schedule] = simulation.timeline[self.worker][i].action if wait >= 1.0 else None
+        return self._idle_points[schedule]
+
     def execute(self, ctx: StepContext, after_backward: Callable[[Action], None] | None = None,
-                loss_final: Callable[[Tensor], None] | None = None) -> StepRecord:
-        """The action loop: before each action one round of messages, then the action on its stage."""
+                loss_final: Callable[[Tensor], None] | None = None,
+                idle: tuple[int, Callable[[], None]] | None = None) -> StepRecord:
+        """The action loop: before each action one round of messages, then the action on its stage;
+        ``idle = (i, work)``: ``work()`` before the ``i``-th action if the host would wait for its input."""
         self.stored.peak = self.stored.now
         self._learn_shapes(ctx)
         self._clock_reference = ActionClock.reference_of(self.comm.device, self._clock_reference)
@@ -189,6 +206,8 @@ class StageExecutor:
                 if i == final_at:
                     self._hand_over_loss(ctx, record, loss_final)
                 self._post(ctx, plan.rounds[i])
+                if idle is not None and i == idle[0]:
+                    self._while_waiting(ctx, plan.needs(i), idle[1])
                 try:
                     inputs = [self._local.pop(m) if m in self._local else self.comm.wait(ctx.inbox.pop(m))
                               for m in plan.needs(i)]
@@ -207,6 +226,13 @@ class StageExecutor:
             self._hand_over_loss(ctx, record, loss_final)
         record.peak_stored_bytes = self.stored.peak
         return record
+
+    def _while_waiting(self, ctx: StepContext, needs: Sequence[Message], work: Callable[[], None]) -> None:
+        """``work()`` if the host would block on the first of ``needs`` that comes from a peer (outside the
+        action's error handling: a failure of ``work`` is its own, not the action's)."""
+        remote = [ctx.inbox[m] for m in needs if m not in self._local and m in ctx.inbox]
+        if remote and self.comm.would_block(remote[0]):
+            work()
 
     @staticmethod
     def _hand_over_loss(ctx: StepContext, record: StepRecord, loss_final: Callable[[Tensor], None] | None) -> None:

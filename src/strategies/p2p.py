@@ -24,15 +24,14 @@ tensors on a gloo group (several ranks sharing one GPU, for testing) messages ar
 the host.
 
 Idle host time: where a host wait would block (gloo, the receive not complete yet), the rank has
-nothing to compute until the peer delivers: a pipeline bubble (GPipe §2). :meth:`PipeComm.when_idle`
-hands the transport one piece of host work per step (the next step's batch,
-:mod:`strategies.fetch_ahead`) that it runs at the step's first such wait, before blocking.
+nothing to compute until the peer delivers, a pipeline bubble (GPipe §2): :meth:`PipeComm.would_block`
+tells the executor, which runs host work there (the next step's batch, :mod:`strategies.fetch_ahead`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -105,13 +104,6 @@ class PipeComm:
         self._posted: list[PostedRound] = []
         self._step = 0
         self._header_sends: list[tuple[dist.Work, Tensor, int]] = []
-        self._idle_work: Callable[[], None] | None = None
-
-    def when_idle(self, work: Callable[[], None] | None) -> None:
-        """Run ``work`` once, at this step's first receive that would block the host (it is not complete
-        yet); a step without one (or a stream-ordered transport, whose host never waits for a receive)
-        drops it at the step's end."""
-        self._idle_work = work
 
     # -- rounds ---------------------------------------------------------------------------------
 
@@ -152,6 +144,12 @@ class PipeComm:
             raise RuntimeError(f"receive from rank {inc.peer} has no buffer after its round")
         return inc.buffer
 
+    def would_block(self, inc: Incoming) -> bool:
+        """Whether :meth:`wait` would block the host now: gloo, and the receive has not completed yet."""
+        posted = inc.round
+        return (posted is not None and not posted.received and not self.stream_ordered
+                and not all(work.is_completed() for work in posted.receive_works(posted.ops)))
+
     def finish(self, keep_open: bool = False) -> None:
         """End a step: wait until every posted round has completed, at most the timeout. With
         ``keep_open`` (an asynchronous window) this step's rounds stay open and the previous step's
@@ -168,7 +166,6 @@ class PipeComm:
             self._complete(posted, posted.peers)
         self._posted = [p for p in self._posted if p not in settle]
         self._step += 1
-        self._idle_work = None
         for work, _, peer in self._header_sends:
             self._wait_work(work, (peer,))
         self._header_sends.clear()
@@ -202,9 +199,6 @@ class PipeComm:
         if posted.received:
             return
         for work in posted.receive_works(posted.ops):
-            if self._idle_work is not None and not self.stream_ordered and not work.is_completed():
-                idle, self._idle_work = self._idle_work, None
-                idle()
             self._wait_work(work, posted.recv_peers or posted.peers)
         for inc, host_buffer in posted.staged:
             inc.buffer = host_buffer.to(self.device)

@@ -44,6 +44,16 @@ class Simulation:
     bubble_ratio: float
     peak_activations: tuple[float, ...]
 
+    def longest_wait(self, worker: int) -> tuple[int, float]:
+        """``(i, wait)``: ``worker``'s longest idle time before one of its actions (its ``i``-th; the
+        first of equal waits) and that time; ``(0, 0.0)`` for a worker without actions."""
+        row, free, best = self.timeline[worker], 0.0, (0, 0.0)
+        for i, timed in enumerate(row):
+            if timed.start - free > best[1]:
+                best = (i, timed.start - free)
+            free = timed.end
+        return best
+
 
 def _per_stage(cost: Cost, stages: int, name: str) -> list[float]:
     values = [float(cost)] * stages if isinstance(cost, (int, float)) else [float(c) for c in cost]
