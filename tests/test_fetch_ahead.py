@@ -164,7 +164,9 @@ def test_the_executor_reads_ahead_in_the_longest_bubble_of_at_least_one_forward(
     from pipeline_recipes.strategies.schedules import build_schedule
 
     def idle_point(schedule, worker):
-        return StageExecutor._idle_point(SimpleNamespace(worker=worker, _idle_points={}), schedule)
+        actions = schedule.workers[worker]
+        i = StageExecutor._idle_point(SimpleNamespace(worker=worker, _idle_points={}), schedule, actions)
+        return None if i is None else actions[i]
 
     dapple = build_schedule("dapple", 2, 4)
     assert str(idle_point(dapple, 0)) == "0B0"  # waits 2 t_f for the first backward

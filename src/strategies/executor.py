@@ -144,7 +144,7 @@ class StageExecutor:
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # (pipe, sending stage, batch shapes)
         self._probed: set[tuple] = set()  # micro-batch shapes whose message shapes are known
         self._plans: dict[tuple[Schedule, bool], CommPlan] = {}  # the synchronous steps' plans, derived once
-        self._idle_points: dict[Schedule, Action | None] = {}  # where host work waits for a peer (:meth:`_idle_point`)
+        self._idle_points: dict[Schedule, int | None] = {}  # where host work waits for a peer (:meth:`_idle_point`)
         self._clock_reference: tuple[torch.cuda.Event, float] | None = None  # CUDA: timelines' reference event
 
     def run(
@@ -169,8 +169,8 @@ class StageExecutor:
         if train:
             self.stored.now = 0
         ctx = StepContext(schedule, plan, batches, totals, train)
-        idle_at = self._idle_point(schedule) if idle_work is not None and train else None
-        idle = (plan.actions.index(idle_at), idle_work) if idle_at is not None else None
+        idle_at = self._idle_point(schedule, plan.actions) if idle_work is not None and train else None
+        idle = (idle_at, idle_work) if idle_at is not None else None
         record = self.execute(ctx, after_backward, loss_final, idle)
         self.comm.finish()
         left = [(s, k) for s, stage in self.stages.items() for k in stage.pending]
@@ -178,14 +178,16 @@ class StageExecutor:
             raise RuntimeError(f"rank {self.rank}: activations left after the step: {left or sorted(self._local)}")
         return record
 
-    def _idle_point(self, schedule: Schedule) -> Action | None:
-        """This worker's action before which ``schedule``'s simulation (t_b = 2 t_f) waits longest for a
-        peer, if that wait is at least one forward: the bubble where host work costs the step nothing
-        (none in a schedule without bubbles inside the step, such as Chimera's at N = D)."""
+    def _idle_point(self, schedule: Schedule, actions: Sequence[Action]) -> int | None:
+        """The index in ``actions`` (this worker's, as executed) of the action before which ``schedule``'s
+        simulation (t_b = 2 t_f) waits longest for a peer, if that wait is at least one forward: the bubble
+        where host work costs the step nothing (none in a schedule without bubbles inside the step, such
+        as Chimera's at N = D)."""
         if schedule not in self._idle_points:
             simulation = simulate(schedule)
             i, wait = simulation.longest_wait(self.worker)
-            self._idle_points[schedule] = simulation.timeline[self.worker][i].action if wait >= 1.0 else None
+            action = simulation.timeline[self.worker][i].action if wait >= 1.0 else None
+            self._idle_points[schedule] = actions.index(action) if action in actions else None
         return self._idle_points[schedule]
 
     def execute(self, ctx: StepContext, after_backward: Callable[[Action], None] | None = None,

@@ -41,7 +41,7 @@ class FetchAhead(_PrefetchDataFetcher):
     def fetch_ahead(self) -> None:
         """Read the batch the next ``next()`` returns, unless it is read already, the loader's length is
         unknown (Lightning's prefetching then decides when the epoch ends) or the epoch has no batch left."""
-        if (self._ahead is not None or self.batches or self.iterator is None or self.done or self.length is None
+        if (self._ahead is not None or self.iterator is None or self.done or self.length is None
                 or self.fetched >= self.length):
             return
         self._start_profiler()
