@@ -364,9 +364,8 @@ def test_emulated_stage_charges_a_split_backward_as_the_simulator(monkeypatch: p
     """An emulated stage's forward holds t_f, a whole backward t_b (also on the first stage, whose input
     needs no gradient), the input-gradient pass I only t_b - t_w and the weight-gradient pass W t_w
     (Zero Bubble Pipeline Parallelism §2, as strategies.schedules.simulate charges them)."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
     import pipeline_recipes.strategies.emulated as emulated
+    from pipeline_recipes.strategies.deferred_weights import WeightGradientStore, defer_weight_gradients
 
     held: list[float] = []
     monkeypatch.setattr(emulated, "hold", held.append)
@@ -387,16 +386,20 @@ def test_emulated_stage_charges_a_split_backward_as_the_simulator(monkeypatch: p
     assert charged(forward) == [1.0]
     assert charged(lambda: out.sum().backward()) == [0.5, 1.5]  # B: t_b in all
     assert stage.weight.grad is not None
+    store = WeightGradientStore()
+    assert defer_weight_gradients([stage], store) == 1  # as a pipeline stage with split backwards sets it
+    stage.weight.grad = None
     inp = torch.ones(4, 4, requires_grad=True)  # a later stage, a micro-batch twice the size
     out = stage(inp).sum()
-    kept = {}
 
     def input_gradient() -> None:
-        kept["grads"], kept["weights"] = stage_backward_input([out], None, [inp], iter([stage.weight]))
+        with store.deferring("mb"):
+            out.backward()
 
     assert charged(input_gradient) == [3.0]  # I: (t_b - t_w) × 2
-    assert kept["grads"][0].shape == inp.shape
-    assert charged(lambda: stage_backward_weight(iter([stage.weight]), kept["weights"])) == [1.0]  # W: t_w × 2
+    assert inp.grad.shape == inp.shape and stage.weight.grad is None
+    assert charged(lambda: store.run("mb")) == [1.0]  # W: t_w × 2
+    assert stage.weight.grad is not None and store.pending == []
     whole = emulated.EmulatedStage(t_f=1.0, t_b=2.0, param_numel=8, micro_batch_size=2)  # one node: one hold
     out = whole(torch.ones(2, 4, requires_grad=True)).sum()
     assert charged(lambda: out.backward()) == [2.0]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .deferred_weights import WeightGradientStore, accumulate
 from .pipeline_model import Batch, PipelineModel
 
 
@@ -79,18 +80,26 @@ class _InputPath(torch.autograd.Function):
 
 
 class _WeightPath(torch.autograd.Function):
-    """Zeros of the activation's shape from the weight, whose backward (the weight gradient) sleeps ``t_w``."""
+    """Zeros of the activation's shape from the weight, whose backward (the weight gradient) sleeps
+    ``t_w``, later (in ``W``) when the stage's weight store is collecting (an ``I``)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: Tensor, like: Tensor, t_w: float) -> Tensor:
-        ctx.t_w, ctx.weight_like = t_w, (weight.shape, weight.dtype, weight.device)
+    def forward(ctx: Any, weight: Tensor, like: Tensor, t_w: float, stage: EmulatedStage) -> Tensor:
+        ctx.t_w, ctx.stage = t_w, stage
         return torch.zeros_like(like)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        hold(ctx.t_w)
-        shape, dtype, device = ctx.weight_like
-        return torch.zeros(shape, dtype=dtype, device=device), None, None  # real gradient memory
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        weight, t_w = ctx.stage.weight, ctx.t_w
+
+        def weight_gradient() -> Tensor:
+            hold(t_w)
+            return torch.zeros_like(weight)  # real gradient memory
+
+        store = ctx.stage.weight_store
+        if store is not None and store.defer(lambda: accumulate(weight, weight_gradient())):
+            return None, None, None, None
+        return weight_gradient(), None, None, None
 
 
 class EmulatedStage(nn.Module):
@@ -98,10 +107,13 @@ class EmulatedStage(nn.Module):
 
     One autograd node, whose backward holds ``t_b``; with ``split_backward`` the output is an input
     path plus a weight path, two nodes, so that a split backward costs what the simulator charges:
-    the input gradient (``I``) runs the input path only, ``t_b - t_w``, and the weight gradient
-    (``W``) the weight path, ``t_w`` (Zero Bubble Pipeline Parallelism §2; ``t_w`` defaults to
+    the input gradient (``I``) holds ``t_b - t_w`` and defers the weight path's ``t_w`` to the weight
+    gradient (``W``) through ``weight_store``, which the pipeline stage sets
+    (:mod:`strategies.deferred_weights`; Zero Bubble Pipeline Parallelism §2; ``t_w`` defaults to
     ``t_b / 2`` as in :func:`strategies.schedules.simulate`); a whole backward (``B``) runs both.
     Schedules without split backwards keep the one node (one wake-up per backward, not two)."""
+
+    weight_store: WeightGradientStore | None = None
 
     def __init__(self, t_f: float, t_b: float, param_numel: int, micro_batch_size: int,
                  t_w: float | None = None, split_backward: bool = False) -> None:
@@ -120,7 +132,7 @@ class EmulatedStage(nn.Module):
         if torch.is_grad_enabled() and not x.requires_grad:  # the first stage: its backward costs t_b too
             x = x.detach().requires_grad_(True)
         out = _InputPath.apply(x, self.t_f * scale, (self.t_b - self.t_w) * scale)
-        return out + _WeightPath.apply(self.weight, out.detach(), self.t_w * scale)
+        return out + _WeightPath.apply(self.weight, out.detach(), self.t_w * scale, self)
 
 
 class EmulatedPipeline(nn.Module, PipelineModel):

@@ -113,7 +113,8 @@ class PipelineEngine:
         self.model, self.config, self.device = model, config, device
         self.rank = dist.get_rank()
         self.timeout = timedelta(seconds=config.timeout_s)
-        self.topology = Topology.from_schedule(config.build(config.smallest_micro_batches), replicas)
+        smallest = config.build(config.smallest_micro_batches)
+        self.topology = Topology.from_schedule(smallest, replicas)
         if self.topology.world_size != dist.get_world_size():
             raise ValueError(
                 f"W·D = {replicas}·{config.stages} = {self.topology.world_size} but the world size is "
@@ -156,6 +157,7 @@ class PipelineEngine:
         self.executor = StageExecutor(
             model, self.stage_layers, self.topology, self.rank, PipeComm(device, self.timeout, data_group, header_group),
             recompute=recompute_stages(config.recompute, S), versions=self.versions,
+            split_backward=frozenset(a.stage for acts in smallest.workers for a in acts if a.kind == "I"),
         )
         self.windows = AsyncWindows(self.executor) if config.is_async else None
         self.last_record: StepRecord | None = None

@@ -131,13 +131,16 @@ class StageExecutor:
         comm: PipeComm,
         recompute: frozenset[int] = frozenset(),
         versions: WeightVersions | None = None,
+        split_backward: frozenset[int] = frozenset(),
     ) -> None:
+        """``split_backward``: the stages whose backwards the schedule runs as ``I`` + ``W``."""
         self.model, self.stage_layers, self.topology, self.rank, self.comm = model, stage_layers, topology, rank, comm
         self.worker = topology.worker_of(rank)
         self.stored = StoredBytes()
         weights = parameter_storages([p for layers in stage_layers.values() for p in unique_parameters(layers)])
         self.stages = {s: PipelineStage(s, topology.stages, layers, recompute=s in recompute, versions=versions,
-                                        stored=self.stored, parameter_storages=weights)
+                                        stored=self.stored, parameter_storages=weights,
+                                        split_backward=s in split_backward)
                        for s, layers in stage_layers.items()}
         self._outbox: dict[Message, Tensor] = {}  # produced by the last action, sent in the next round
         self._local: dict[Message, Tensor] = {}  # between consecutive stages on this worker: no transfer

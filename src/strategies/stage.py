@@ -4,10 +4,9 @@ The executor (:mod:`strategies.executor`) decides which stage runs what, in the 
 and moves messages; a :class:`PipelineStage` only computes. Each forward keeps what its backward
 needs under a :data:`GraphKey`: the graph, or with recomputation (GPipe §2.3, re-materialization)
 only the input and the RNG state. Backwards come whole (``B``) or split as in Zero Bubble
-Pipeline Parallelism (Qi et al. 2024, §2): ``I`` computes the input gradient and keeps, through
-torch.distributed.pipelining's ``stage_backward_input``, the intermediate gradients the weights
-need; ``W`` later turns them into weight gradients (``stage_backward_weight``), accumulated in
-``.grad``. Asynchronous schedules run forwards on the step's stashed weight version
+Pipeline Parallelism (Qi et al. 2024, §2): ``I`` runs the backward with the linear layers' weight
+gradients deferred (:mod:`strategies.deferred_weights`) and returns the input gradient; ``W`` later
+computes the deferred weight gradients, accumulated in ``.grad``. Asynchronous schedules run forwards on the step's stashed weight version
 (:class:`~strategies.versions.WeightVersions`, PipeDream's weight stashing).
 
 The activation bytes a forward keeps (the executor's stored-bytes figures) are counted by
@@ -23,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from .deferred_weights import WeightGradientStore, defer_weight_gradients
 from .pipeline_model import Batch, run_layers
 from .schedules.effects import GraphKey
 from .recompute import RngState, SavedBytes
@@ -48,16 +47,15 @@ class StoredBytes:
 @dataclass
 class _Saved:
     """What a forward keeps for its backward: the graph (``out``), or for recomputation only the
-    input and the RNG state to replay it. Between ``I`` and ``W``, ``weight_grads`` holds what ``W``
-    needs (torch.distributed.pipelining's parameter groups); on the first stage, which has no input
-    gradient to compute, ``I`` keeps the graph and the output gradient and ``W`` runs the whole
-    backward (as torch.distributed.pipelining does)."""
+    input and the RNG state to replay it. ``split``: ``I`` ran, and the stage's weight store holds
+    what ``W`` computes; on the first stage, which has no input gradient to compute, ``I`` keeps the
+    graph and the output gradient and ``W`` runs the whole backward (as torch.distributed.pipelining does)."""
 
     inp: Tensor | None
     out: Tensor | None
     rng: RngState | None
     nbytes: int
-    weight_grads: list[dict] | None = None
+    split: bool = False
     output_grad: Tensor | None = None
 
 
@@ -80,14 +78,18 @@ class PipelineStage:
 
     def __init__(self, index: int, stages: int, layers: Sequence[nn.Module], *, recompute: bool = False,
                  versions: WeightVersions | None = None, stored: StoredBytes | None = None,
-                 parameter_storages: frozenset[int] = frozenset()) -> None:
-        """``stored`` is shared by the rank's stages; ``parameter_storages`` are the rank's weights (not activations)."""
+                 parameter_storages: frozenset[int] = frozenset(), split_backward: bool = False) -> None:
+        """``stored`` is shared by the rank's stages; ``parameter_storages`` are the rank's weights (not
+        activations); ``split_backward``: the schedule runs this stage's backwards as ``I`` + ``W``."""
         self.index, self.layers = index, list(layers)
         self.is_first, self.is_last = index == 0, index == stages - 1
         self.recompute, self.versions = recompute, versions
         self.stored = stored if stored is not None else StoredBytes()
         self.parameter_storages = parameter_storages
         self.parameters = unique_parameters(self.layers)
+        self.weight_store = WeightGradientStore()  # what I defers for W
+        if split_backward and not self.is_first:  # the first stage's W runs its whole backward
+            defer_weight_gradients(self.layers, self.weight_store)
         # what the saved-bytes key reads on every forward, listed once (no module tree walk per forward)
         self._all_modules = [m for layer in self.layers for m in layer.modules()]
         self._all_parameters = [p for layer in self.layers for p in layer.parameters()]
@@ -147,7 +149,7 @@ class PipelineStage:
         saved = self._graphs[key] if keep else self._graphs.pop(key)
         if not keep:
             self.stored.add(-saved.nbytes)
-        if saved.rng is not None and saved.out is None and saved.weight_grads is None:  # same RNG draws
+        if saved.rng is not None and saved.out is None and not saved.split:  # same RNG draws
             if not self.is_first:
                 saved.inp = saved.inp.detach().requires_grad_(True)
             with saved.rng.replay(), torch.enable_grad():
@@ -162,23 +164,24 @@ class PipelineStage:
 
     def input_gradient(self, key: GraphKey, output_grad: Tensor | None, batch: Batch,
                        loss: LossFn | None) -> Tensor | None:
-        """``I``: only the input gradient, returned at once; what the weights need is kept for ``W``."""
+        """``I``: the backward with the weight gradients the store defers kept for ``W``; returns the
+        input gradient at once."""
         saved = self._graph(key, batch, loss, keep=True)
         if self.is_first:
             saved.output_grad = output_grad
             return None
-        grads, saved.weight_grads = stage_backward_input(
-            [saved.out], None if output_grad is None else [output_grad], [saved.inp], iter(self.parameters))
-        saved.out = None  # detached by stage_backward_input: W starts from the kept parameter groups
-        return grads[0]
+        with self.weight_store.deferring(key):
+            torch.autograd.backward(saved.out, output_grad)
+        saved.out, saved.split = None, True
+        return saved.inp.grad
 
     def weight_gradient(self, key: GraphKey, batch: Batch, loss: LossFn | None) -> None:
-        """``W``: the weight gradients from what ``I`` kept, accumulated into ``.grad``."""
+        """``W``: the weight gradients ``I`` deferred, accumulated into ``.grad``."""
         saved = self._graph(key, batch, loss, keep=False)
         if self.is_first:
             torch.autograd.backward(saved.out, saved.output_grad)
         else:
-            stage_backward_weight(iter(self.parameters), saved.weight_grads)
+            self.weight_store.run(key)
 
 
 def forget_autocast_casts() -> None:
