@@ -7,13 +7,14 @@ against a single-process step."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from pipeline_recipes.strategies.deferred_weights import WeightGradientStore, defer_weight_gradients
+from pipeline_recipes.strategies.deferred_weights import DeferringLinear, WeightGradientStore, defer_weight_gradients
 
 
 def _model() -> nn.Module:
@@ -28,9 +29,11 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).float().pow(2).sum()
 
 
-def _split_and_reference(autocast: bool) -> tuple[nn.Module, nn.Module, list, list]:
+def _split_and_reference(autocast: bool, backward_in_autocast: bool = False) -> tuple[nn.Module, nn.Module, list, list]:
     """Two micro-batches through a patched model (I, I, then W in the other order) and through an
-    unpatched copy (plain backwards); returns both models and both lists of input gradients."""
+    unpatched copy (plain backwards); returns both models and both lists of input gradients.
+    ``backward_in_autocast``: the backwards run inside the autocast region too (as a pipeline step
+    under Lightning's bf16 precision runs them)."""
     reference = _model()
     split = copy.deepcopy(reference)
     store = WeightGradientStore()
@@ -41,14 +44,21 @@ def _split_and_reference(autocast: bool) -> tuple[nn.Module, nn.Module, list, li
         x = x.clone().requires_grad_(True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = _loss(reference, x)
-        loss.backward()
+            if backward_in_autocast:
+                loss.backward()
+        if not backward_in_autocast:
+            loss.backward()
         expected.append(x.grad)
     for key, x in enumerate(xs):
         x = x.clone().requires_grad_(True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = _loss(split, x)
-        with store.deferring(key):
-            loss.backward()
+            if backward_in_autocast:
+                with store.deferring(key):
+                    loss.backward()
+        if not backward_in_autocast:
+            with store.deferring(key):
+                loss.backward()
         got.append(x.grad)
         # I: the input gradient and the small gradients now, the linear layers' weight gradients later
         assert split[0].weight.grad is None and split[3].weight.grad is None and split[6].weight.grad is None
@@ -71,8 +81,9 @@ def test_input_then_weight_gradients_equal_one_backward_in_fp32() -> None:
     assert split[5].weight.grad is None  # frozen: no gradient, none deferred
 
 
-def test_input_then_weight_gradients_equal_one_backward_under_bf16_autocast() -> None:
-    split, reference, got, expected = _split_and_reference(autocast=True)
+@pytest.mark.parametrize("backward_in_autocast", [False, True])
+def test_input_then_weight_gradients_equal_one_backward_under_bf16_autocast(backward_in_autocast: bool) -> None:
+    split, reference, got, expected = _split_and_reference(autocast=True, backward_in_autocast=backward_in_autocast)
     for g, e in zip(got, expected):
         assert g.dtype == e.dtype == torch.float32
         torch.testing.assert_close(g, e)
@@ -94,8 +105,38 @@ def test_outside_an_input_gradient_pass_the_layers_compute_as_before() -> None:
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     with torch.no_grad():  # evaluation: the layers' own forward, no autograd function
         torch.testing.assert_close(patched(x), reference(x), rtol=0, atol=0)
-    assert type(patched[0]).__name__ == "Linear" and isinstance(patched[0], nn.Linear)
-    assert repr(patched) == repr(reference)
+    assert type(patched[0]) is DeferringLinear and isinstance(patched[0], nn.Linear)
+    assert repr(patched) == repr(reference)  # prints as the layers it replaced
+
+
+def test_a_patched_model_pickles_and_computes_as_before() -> None:
+    patched = _model()
+    defer_weight_gradients([patched], WeightGradientStore())
+    twin = pickle.loads(pickle.dumps(patched))  # torch.save(model) pickles the classes by name
+    assert [type(m) for m in twin] == [type(m) for m in patched]
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(twin(x), patched(x), rtol=0, atol=0)
+
+
+def test_under_autocast_the_forwards_keep_no_copy_of_the_weights() -> None:
+    """Autocast casts a weight once per region for every forward (its cache); an unpatched layer saves
+    that one cast, a patched one saves the weight itself and casts it again in its backward: no
+    micro-batch in flight holds a copy of its own."""
+    model = _model()
+    defer_weight_gradients([model], WeightGradientStore())
+    weights = {tuple(m.weight.shape): m.weight for m in model
+               if isinstance(m, (nn.Linear, Conv1D)) and m.weight.requires_grad}  # frozen: autocast does not cache it
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        for _ in range(3):
+            _loss(model, torch.randn(3, 5, 8))
+    kept = [t for t in saved if tuple(t.shape) in weights]
+    assert kept and all(t is weights[tuple(t.shape)] for t in kept)
 
 
 def test_copies_and_repeated_patching_keep_their_own_store() -> None:
@@ -127,3 +168,14 @@ def test_the_store_rejects_an_input_gradient_twice_and_a_weight_gradient_without
     with pytest.raises(RuntimeError, match="W of mb1 before its I"):
         store.run("mb1")
     assert store.defer(lambda: None) is False  # not collecting: the caller computes now
+
+
+def test_a_failed_input_gradient_pass_defers_nothing() -> None:
+    store = WeightGradientStore()
+    with pytest.raises(ValueError), store.deferring("mb0"):
+        store.defer(lambda: None)
+        raise ValueError("the backward failed")
+    assert store.pending == []
+    with store.deferring("mb0"):  # a retry of that I
+        pass
+    assert store.pending == ["mb0"]

@@ -211,8 +211,10 @@ def test_ranks_sharing_one_gpu_run_every_schedule_on_cuda_tensors() -> None:
 @pytest.mark.slow
 def test_bf16_autocast_pipeline_matches_reference_on_cpu() -> None:
     """The same bf16-autocast comparison over gloo on CPU (what CI can run of the mixed-precision path),
-    with and without recomputation (autocast's cached casts must not cost the weights their gradients)."""
-    cases = [_case(s, 1, 2, 4, recompute=r, bf16=True) for s, r in (("chimera", "none"), ("dapple", "always"))]
+    with and without recomputation (autocast's cached casts must not cost the weights their gradients), and
+    with split backwards (GPT-2's ``Conv1D`` layers deferring their weight gradients under autocast)."""
+    cases = [_case(s, 1, 2, 4, recompute=r, bf16=True)
+             for s, r in (("chimera", "none"), ("dapple", "always"), ("zb_h1", "none"))]
     _check(cases, run_world(2, _pipeline_vs_hf_on_gpu, cases), 2, "gloo")
 
 

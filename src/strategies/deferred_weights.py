@@ -7,16 +7,20 @@ except that every linear layer (``nn.Linear``, GPT-2's ``Conv1D``) only keeps it
 output gradient for the micro-batch instead of multiplying them; ``W`` multiplies what was kept
 into the weight gradients, accumulated in ``.grad``. Biases, norms and embeddings get their small
 gradients during ``I``; a module may take part by exposing a ``weight_store`` attribute and deferring
-its own work (:class:`strategies.emulated.EmulatedStage` does).
+its own work (:class:`strategies.emulated.EmulatedStage` does). A deferred weight gradient is added to
+``.grad`` directly: hooks registered on such a weight (``register_post_accumulate_grad_hook``) fire
+during ``I``, before it has its gradient (this repository's gradient synchronisation follows the
+schedule's actions instead, :mod:`strategies.grad_sync`).
 
 This is one backward pass and then a list of matrix products. torch.distributed.pipelining splits
 any graph instead (``stage_backward_input``/``stage_backward_weight``): it walks the autograd graph
 in Python on every ``I`` and calls ``autograd.grad`` once per parameter group on every ``W``, which
 on this repository's benchmark model cost more than the bubble the split removes.
 
-Under autocast the layer casts its input and weight as autocast would (to the autocast dtype, the
-casts recorded by autograd) and multiplies with autocast off; the deferred weight gradient is cast to
-the weight's dtype, as autograd's cast node would.
+Under autocast the layer multiplies as autocast would: autocast casts the weight (one cached copy per
+autocast region, shared by every micro-batch, as for an unpatched layer) and the layer keeps the
+input's cast and the weight itself; the backward casts the weight again for the input gradient, and
+the deferred weight gradient is cast to the weight's dtype, as autograd's cast node would.
 """
 
 from __future__ import annotations
@@ -41,14 +45,16 @@ class WeightGradientStore:
 
     @contextmanager
     def deferring(self, key: Hashable) -> Iterator[None]:
-        """Within it, backward passes defer their weight-gradient work under ``key`` (an ``I``)."""
+        """Within it, backward passes defer their weight-gradient work under ``key`` (an ``I``);
+        a backward that raises defers nothing."""
         if key in self._pending or self._collecting is not None:
             raise RuntimeError(f"weight gradients of {key} are already deferred: each I runs once, before its W")
-        self._collecting = []
+        self._collecting = collected = []
         try:
             yield
         finally:
-            self._pending[key], self._collecting = self._collecting, None
+            self._collecting = None
+        self._pending[key] = collected
 
     def defer(self, work: Callable[[], None]) -> bool:
         """Keep ``work`` for the key being collected; False (the caller does it now) outside :meth:`deferring`."""
@@ -67,6 +73,7 @@ class WeightGradientStore:
 
     @property
     def pending(self) -> list[Hashable]:
+        """The keys whose ``I`` ran and whose ``W`` has not (none after a synchronous step)."""
         return list(self._pending)
 
 
@@ -81,7 +88,9 @@ def accumulate(parameter: Tensor, grad: Tensor) -> None:
 
 class _Linear(torch.autograd.Function):
     """``y = x Wᵀ + b`` (``nn.Linear``) or ``y = x W + b`` (``Conv1D``, ``transposed``) whose weight
-    gradient goes to ``module.weight`` later when the module's store is collecting."""
+    gradient goes to ``module.weight`` later when the module's store is collecting. The forward runs
+    under the caller's autocast state (its cached weight cast); the backward casts ``weight`` to the
+    output gradient's dtype."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, module: nn.Module,
@@ -92,7 +101,7 @@ class _Linear(torch.autograd.Function):
             return F.linear(x, weight, bias)
         size_out = x.size()[:-1] + (weight.size(-1),)  # as transformers' Conv1D computes it
         flat = x.view(-1, x.size(-1))
-        out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+        out = torch.addmm(bias, flat, weight) if bias is not None else torch.mm(flat, weight)
         return out.view(size_out)
 
     @staticmethod
@@ -100,7 +109,10 @@ class _Linear(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         transposed = ctx.transposed
-        grad_x = grad @ (weight.t() if transposed else weight) if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            cast = weight.to(grad.dtype)
+            grad_x = grad @ (cast.t() if transposed else cast)
         grad_b = grad.reshape(-1, grad.size(-1)).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
@@ -108,7 +120,7 @@ class _Linear(torch.autograd.Function):
             store: WeightGradientStore = ctx.module._weight_store
 
             def weight_gradient() -> Tensor:
-                g, inp = grad.reshape(-1, grad.size(-1)), x.reshape(-1, x.size(-1))
+                g, inp = grad.reshape(-1, grad.size(-1)), x.reshape(-1, x.size(-1)).to(grad.dtype)
                 return inp.t() @ g if transposed else g.t() @ inp
 
             if not store.defer(lambda: accumulate(parameter, weight_gradient())):
@@ -116,46 +128,71 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _deferred_forward(self: nn.Module, x: Tensor) -> Tensor:
-    weight, bias = self.weight, self.bias
-    if not (torch.is_grad_enabled() and weight.requires_grad):
-        return self._plain_forward(x)
+def _autocast_input(x: Tensor) -> Tensor:
+    """``x`` as autocast would hand it to a matrix product (float64 and non-floats left alone)."""
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # cast as autocast would, then multiply with it off
-        dtype = torch.get_autocast_dtype(device)
-        x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
-        with torch.autocast(device, enabled=False):
-            return _Linear.apply(x, weight, bias, self, self._transposed)
-    return _Linear.apply(x, weight, bias, self, self._transposed)
+    if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
+        return x.to(torch.get_autocast_dtype(device))
+    return x
 
 
-_DEFERRING_CLASSES: dict[type, type] = {}
+class DeferringLinear(nn.Linear):
+    """``nn.Linear`` whose weight gradient a :class:`WeightGradientStore` may defer (prints as ``Linear``)."""
+
+    _weight_store: WeightGradientStore
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Linear's name)
+        if not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return super().forward(input)
+        return _Linear.apply(_autocast_input(input), self.weight, self.bias, self, False)
+
+    def _get_name(self) -> str:
+        return "Linear"
 
 
-def _deferring_class(base: type, transposed: bool) -> type:
-    """``base`` with the forward above (same name, so reprs and checks read as before)."""
-    if base not in _DEFERRING_CLASSES:
-        _DEFERRING_CLASSES[base] = type(base.__name__, (base,), {
-            "forward": _deferred_forward, "_plain_forward": base.forward, "_transposed": transposed,
-            "__module__": base.__module__, "__qualname__": base.__qualname__,
+def _deferring_conv1d() -> type:
+    """transformers' ``Conv1D`` (weight stored transposed) deferring its weight gradient, made on first
+    use so that this module does not import transformers; pickled by name (``DeferringConv1D``)."""
+    if "DeferringConv1D" not in globals():
+        from transformers.pytorch_utils import Conv1D
+
+        def forward(self: nn.Module, x: Tensor) -> Tensor:
+            if not (torch.is_grad_enabled() and self.weight.requires_grad):
+                return Conv1D.forward(self, x)
+            return _Linear.apply(_autocast_input(x), self.weight, self.bias, self, True)
+
+        globals()["DeferringConv1D"] = type("DeferringConv1D", (Conv1D,), {
+            "forward": forward, "_get_name": lambda self: "Conv1D", "__module__": __name__,
+            "__doc__": "transformers' ``Conv1D`` whose weight gradient a store may defer (prints as ``Conv1D``).",
         })
-    return _DEFERRING_CLASSES[base]
+    return globals()["DeferringConv1D"]
 
 
-def _linear_kind(module: nn.Module) -> bool | None:
-    """``False`` for ``nn.Linear``, ``True`` for transformers' ``Conv1D`` (weight stored transposed),
-    ``None`` otherwise (subclasses too: they may compute differently)."""
+def __getattr__(name: str) -> Any:  # PEP 562: unpickling a patched GPT-2 finds its class
+    if name == "DeferringConv1D":
+        return _deferring_conv1d()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _deferring_class(module: nn.Module) -> type | None:
+    """The deferring class for ``module``: exactly ``nn.Linear`` or transformers' ``Conv1D`` (not their
+    subclasses: they may compute differently); ``None`` for any other module."""
     if type(module) is nn.Linear:
-        return False
+        return DeferringLinear
     utils = sys.modules.get("transformers.pytorch_utils")  # loaded by any model that builds a Conv1D
     if utils is not None and type(module) is getattr(utils, "Conv1D", None):
-        return True
+        return _deferring_conv1d()
     return None
+
+
+def _is_deferring(module: nn.Module) -> bool:
+    return type(module) is DeferringLinear or type(module) is globals().get("DeferringConv1D")
 
 
 def defer_weight_gradients(layers: Sequence[nn.Module], store: WeightGradientStore) -> int:
     """Make the linear layers of ``layers`` (and modules with a ``weight_store`` attribute) defer their
-    weight gradients to ``store`` while it collects; returns how many modules take part."""
+    weight gradients to ``store`` while it collects; returns how many modules take part. Applied again,
+    the modules defer to the new store."""
     count = 0
     for layer in layers:
         for module in layer.modules():
@@ -163,14 +200,14 @@ def defer_weight_gradients(layers: Sequence[nn.Module], store: WeightGradientSto
                 module.weight_store = store
                 count += 1
                 continue
-            if type(module) not in _DEFERRING_CLASSES.values():
-                kind = _linear_kind(module)
-                if kind is None:
+            if not _is_deferring(module):
+                deferring = _deferring_class(module)
+                if deferring is None:
                     continue
-                module.__class__ = _deferring_class(type(module), kind)
+                module.__class__ = deferring
             module._weight_store = store
             count += 1
     return count
 
 
-__all__ = ["WeightGradientStore", "accumulate", "defer_weight_gradients"]
+__all__ = ["DeferringLinear", "WeightGradientStore", "accumulate", "defer_weight_gradients"]

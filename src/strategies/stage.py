@@ -6,8 +6,9 @@ needs under a :data:`GraphKey`: the graph, or with recomputation (GPipe §2.3, r
 only the input and the RNG state. Backwards come whole (``B``) or split as in Zero Bubble
 Pipeline Parallelism (Qi et al. 2024, §2): ``I`` runs the backward with the linear layers' weight
 gradients deferred (:mod:`strategies.deferred_weights`) and returns the input gradient; ``W`` later
-computes the deferred weight gradients, accumulated in ``.grad``. Asynchronous schedules run forwards on the step's stashed weight version
-(:class:`~strategies.versions.WeightVersions`, PipeDream's weight stashing).
+computes the deferred weight gradients, accumulated in ``.grad``. Asynchronous schedules run
+forwards on the step's stashed weight version (:class:`~strategies.versions.WeightVersions`,
+PipeDream's weight stashing).
 
 The activation bytes a forward keeps (the executor's stored-bytes figures) are counted by
 saved-tensor hooks on the first forward of each input shape and reused for the next ones: a Python

@@ -84,7 +84,7 @@ class Action:
         """Micro-batches of activations this action stores (F) or frees (B, W; I frees none)."""
         if self.kind == "F":
             return float(len(self.mbs))
-        if self.kind == "I":  # the graph stays until W has used it (Zero Bubble §2, conservatively)
+        if self.kind == "I":  # what W needs stays until W (Zero Bubble §2; counted as the whole graph)
             return 0.0
         return 0.5 if self.half is not None else 1.0
 

@@ -4,9 +4,11 @@ planner's memory walk (:mod:`planner.memory`) prices.
 A forward keeps one graph per micro-batch it covers (two for a doubled forward, Chimera §3.5), or
 two half graphs when the micro-batch's backward is halved. ``B`` walks a graph and frees it,
 computing input and weight gradients; the split backward of Zero Bubble Pipeline Parallelism (§2)
-walks it twice: ``I`` computes the input gradient and keeps the graph, ``W`` computes the weight
-gradients and frees it. On the first stage there is no input gradient: its ``I`` does nothing and
-its ``W`` runs the whole backward (as torch.distributed.pipelining does).
+divides that work: ``I`` walks the graph for the input gradient and keeps, per linear layer, the
+input and output gradient that its weight gradient needs (:mod:`strategies.deferred_weights`); ``W``
+computes those weight gradients and frees what was kept. Both are counted as one graph until ``W``.
+On the first stage there is no input gradient: its ``I`` does nothing and its ``W`` runs the whole
+backward (as torch.distributed.pipelining does).
 """
 
 from __future__ import annotations
