@@ -179,3 +179,32 @@ def test_a_failed_input_gradient_pass_defers_nothing() -> None:
     with store.deferring("mb0"):  # a retry of that I
         pass
     assert store.pending == ["mb0"]
+
+
+def test_weight_gradients_accumulate_into_the_views_the_gradient_buckets_hand_out() -> None:
+    """Gradient synchronisation makes every ``.grad`` a view of a flat bucket before the step
+    (:mod:`strategies.grad_sync`): I and W add into those views and never replace them."""
+    reference = _model()
+    split = copy.deepcopy(reference)
+    split[0].bias.requires_grad_(False)  # a trainable weight beside a frozen bias
+    reference[0].bias.requires_grad_(False)
+    store = WeightGradientStore()
+    defer_weight_gradients([split], store)
+    params = [p for p in split.parameters() if p.requires_grad]
+    flat = torch.zeros(sum(p.numel() for p in params))
+    offsets = [sum(q.numel() for q in params[:i]) for i in range(len(params))]
+    views = [flat[o: o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
+    for p, view in zip(params, views):
+        p.grad = view
+    for key in range(2):
+        x = torch.randn(3, 5, 8)
+        _loss(reference, x).backward()
+        with store.deferring(key):
+            _loss(split, x).backward()
+        store.run(key)
+    assert split[0].bias.grad is None
+    for p, view, q in zip(params, views, [q for q in reference.parameters() if q.requires_grad]):
+        assert p.grad is view  # still the bucket's view: the bucket holds the gradient
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(flat, torch.cat([q.grad.reshape(-1) for q in reference.parameters()
+                                                if q.requires_grad]), rtol=1e-6, atol=1e-6)
