@@ -86,6 +86,16 @@ def accumulate(parameter: Tensor, grad: Tensor) -> None:
         parameter.grad.add_(grad)
 
 
+def accumulate_product(parameter: Tensor, a: Tensor, b: Tensor) -> None:
+    """Add ``a @ b`` into ``parameter.grad``: in place, in one product, where the gradient exists in
+    the product's dtype (a gradient bucket's view stays that view); else as :func:`accumulate`."""
+    grad = parameter.grad
+    if grad is not None and grad.dtype == a.dtype:
+        grad.addmm_(a, b)
+    else:
+        accumulate(parameter, a @ b)
+
+
 class _Linear(torch.autograd.Function):
     """``y = x Wᵀ + b`` (``nn.Linear``) or ``y = x W + b`` (``Conv1D``, ``transposed``) whose weight
     gradient goes to ``module.weight`` later when the module's store is collecting. The forward runs
@@ -119,12 +129,14 @@ class _Linear(torch.autograd.Function):
             parameter = ctx.module.weight
             store: WeightGradientStore = ctx.module._weight_store
 
-            def weight_gradient() -> Tensor:
+            def factors() -> tuple[Tensor, Tensor]:
+                """The weight gradient is ``a @ b``."""
                 g, inp = grad.reshape(-1, grad.size(-1)), x.reshape(-1, x.size(-1)).to(grad.dtype)
-                return inp.t() @ g if transposed else g.t() @ inp
+                return (inp.t(), g) if transposed else (g.t(), inp)
 
-            if not store.defer(lambda: accumulate(parameter, weight_gradient())):
-                grad_w = weight_gradient()
+            if not store.defer(lambda: accumulate_product(parameter, *factors())):
+                a, b = factors()
+                grad_w = a @ b
         return grad_x, grad_w, grad_b, None, None
 
 
@@ -210,4 +222,4 @@ def defer_weight_gradients(layers: Sequence[nn.Module], store: WeightGradientSto
     return count
 
 
-__all__ = ["DeferringLinear", "WeightGradientStore", "accumulate", "defer_weight_gradients"]
+__all__ = ["DeferringLinear", "WeightGradientStore", "accumulate", "accumulate_product", "defer_weight_gradients"]
