@@ -140,12 +140,16 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _autocast_input(x: Tensor) -> Tensor:
-    """``x`` as autocast would hand it to a matrix product (float64 and non-floats left alone)."""
+def _deferring_forward(module: nn.Module, x: Tensor, transposed: bool,
+                       plain: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
+    """The layer's output through :class:`_Linear` where a gradient may be deferred, else ``plain``'s;
+    the input cast as autocast would hand it to a matrix product (float64 and non-floats left alone)."""
+    if not (torch.is_grad_enabled() and module.weight.requires_grad):
+        return plain(module, x)
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
-        return x.to(torch.get_autocast_dtype(device))
-    return x
+        x = x.to(torch.get_autocast_dtype(device))
+    return _Linear.apply(x, module.weight, module.bias, module, transposed)
 
 
 class DeferringLinear(nn.Linear):
@@ -154,9 +158,7 @@ class DeferringLinear(nn.Linear):
     _weight_store: WeightGradientStore
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Linear's name)
-        if not (torch.is_grad_enabled() and self.weight.requires_grad):
-            return super().forward(input)
-        return _Linear.apply(_autocast_input(input), self.weight, self.bias, self, False)
+        return _deferring_forward(self, input, False, nn.Linear.forward)
 
     def _get_name(self) -> str:
         return "Linear"
@@ -169,9 +171,7 @@ def _deferring_conv1d() -> type:
         from transformers.pytorch_utils import Conv1D
 
         def forward(self: nn.Module, x: Tensor) -> Tensor:
-            if not (torch.is_grad_enabled() and self.weight.requires_grad):
-                return Conv1D.forward(self, x)
-            return _Linear.apply(_autocast_input(x), self.weight, self.bias, self, True)
+            return _deferring_forward(self, x, True, Conv1D.forward)
 
         globals()["DeferringConv1D"] = type("DeferringConv1D", (Conv1D,), {
             "forward": forward, "_get_name": lambda self: "Conv1D", "__module__": __name__,
