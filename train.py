@@ -4,17 +4,23 @@ Hydra composes ``conf/``; :func:`recipe.launch.run` derives and checks the layou
 before any process starts, starts fresh worker processes for the job (or joins torchrun/SLURM),
 and writes ``results.json`` next to the logs. Sweeps work the same way:
 ``python train.py -m strategy=gpipe,dapple,chimera strategy.D=2,4 trainer.devices=4``.
+A misspelled key (``model.n_layr=4``) is refused before Hydra runs, with the key it resembles.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 AUTO = "strategy=auto"
+CONFIG_PATH, CONFIG_NAME = "conf", "config"  # as in @hydra.main below
 
 
 def resolve_auto_strategy(argv: list[str]) -> list[str]:
@@ -58,7 +64,129 @@ def check_launcher_plugin(argv: list[str]) -> None:
         sys.exit(2)
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def _compose(args: Any, overrides: list[str]) -> DictConfig:
+    """The job's config as Hydra composes it for ``train.py`` (same search path, ``--config-dir``,
+    ``--config-path`` and ``--config-name``), with the ``hydra`` node."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    search_path = create_automatic_config_search_path(str(Path(__file__).resolve()), None,
+                                                      args.config_path or CONFIG_PATH)
+    if args.config_dir is not None:
+        search_path.prepend("command-line", f"file://{os.path.abspath(args.config_dir)}", SearchPathQuery("schema"))
+    loader = Hydra.create_main_hydra2(task_name=Path(__file__).stem, config_search_path=search_path)
+    try:
+        return loader.compose_config(args.config_name or CONFIG_NAME, overrides, run_mode=RunMode.RUN)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _probe(overrides: list[Any]) -> tuple[list[tuple[str, Any]], list[tuple[int, list[str]]]]:
+    """The overrides to compose, as (line to compose, the override), each sweep at its first value, and the
+    sweeps (index, values). ``strategy=auto`` is the planner's, not a config option."""
+    base: list[tuple[str, Any]] = []
+    sweeps: list[tuple[int, list[str]]] = []
+    for o in overrides:
+        if o.input_line == AUTO or o.value_type is not None and o.value_type.name == "GLOB_CHOICE_SWEEP":
+            continue
+        if o.is_sweep_override():
+            values = [str(v) for v in o.sweep_string_iterator()]
+            sweeps.append((len(base), values))
+            base.append((f"{o.get_key_element()}={values[0]}", o))
+        else:
+            base.append((o.input_line, o))
+    return base, sweeps
+
+
+def unknown_key_message(cfg: DictConfig, key: str, line: str) -> str | None:
+    """The project's message for an override of a key the composed ``cfg`` lacks, or None (no key is
+    missing, or its parent is not a mapping: Hydra's own message then)."""
+    from pipeline_recipes.recipe.layout import did_you_mean
+
+    parts = key.split(".")
+    node: Any = cfg
+    for depth, part in enumerate(parts):
+        if not OmegaConf.is_dict(node):
+            return None
+        if part not in node:
+            break
+        node = node[part]
+    else:
+        return None
+    parent = ".".join(parts[:depth])
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default=None) or {}
+    group = parts[0] if depth and parts[0] in choices else None
+    if not parent:
+        where = f"a top-level setting of {OmegaConf.select(cfg, 'hydra.job.config_name', default=CONFIG_NAME)}.yaml"
+    elif group is not None:
+        where = f"a setting of {group}={choices[group]}" + (f" (under {parent})" if parent != group else "")
+    else:
+        where = f"a setting of {parent}"
+    known = [str(k) for k in node.keys() if not str(k).startswith("_") and (parent or str(k) != "hydra")]
+    close = did_you_mean(part, known)
+    hint = f"did you mean {close!r}?" if close else f"its keys are {', '.join(known)}"
+    return f"{key} is not {where}; {hint} (to add a new key on purpose, write +{line})"
+
+
+def check_setting_keys(argv: list[str]) -> None:
+    """A key that no config of the command line has (``model.n_layr=4``, a misspelling of ``n_layer``)
+    stops with the key it resembles and exit status 2, instead of Hydra's advice to append it: every
+    override is tried against the composed config first (each option of a swept config group too).
+    Anything else that fails to compose is left to Hydra's own message."""
+    try:
+        message = _unknown_key(argv)
+    except (Exception, SystemExit):  # a command line Hydra itself refuses: its own message follows
+        return
+    if message is not None:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _unknown_key(argv: list[str]) -> str | None:
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.info is not None or args.shell_completion:
+        return None
+    base, sweeps = _probe(OverridesParser.create().parse_overrides(args.overrides))
+    cfg, message = _compose_or_explain(args, base)
+    if cfg is None:
+        return message
+    groups = set(OmegaConf.select(cfg, "hydra.runtime.choices", default=None) or {})
+    for index, values in sweeps:  # an option of a swept config group decides which keys exist
+        if base[index][1].key_or_group not in groups:
+            continue
+        for value in values[1:]:
+            probe = [*base[:index], (f"{base[index][1].get_key_element()}={value}", base[index][1]), *base[index + 1:]]
+            cfg, message = _compose_or_explain(args, probe)
+            if cfg is None:
+                return message
+    return None
+
+
+def _compose_or_explain(args: Any, probe: list[tuple[str, Any]]) -> tuple[DictConfig | None, str | None]:
+    """The composed config, or None and the message for the first override of a key it lacks; any
+    other composition error is raised."""
+    from hydra.errors import ConfigCompositionException
+
+    lines = [line for line, _ in probe]
+    try:
+        return _compose(args, lines), None
+    except ConfigCompositionException as err:
+        failed = [(line, o) for line, o in probe if str(err).startswith(f"Could not override '{o.key_or_group}'.")]
+        if not failed:
+            raise
+    line, override = failed[0]
+    cfg = _compose(args, [x for x in lines if x != line])
+    return None, unknown_key_message(cfg, override.key_or_group, override.input_line)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
 def main(cfg: DictConfig) -> float | None:
     from pipeline_recipes.recipe.launch import run
 
@@ -67,5 +195,6 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     check_launcher_plugin(sys.argv[1:])
+    check_setting_keys(sys.argv[1:])
     sys.argv[1:] = resolve_auto_strategy(sys.argv[1:])
     main()

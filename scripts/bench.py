@@ -22,6 +22,9 @@ Parts (``--parts``, comma-separated; default all):
 * ``e2e``: ``train.py`` itself (Lightning strategy, data, metrics, logging) against ScheduleGPipe and
   Schedule1F1B in the job's own processes, and ``train.py strategy=single`` against a plain Lightning
   loop (``scripts/bench_e2e.py``).
+* ``gpu`` (not in the default set; on its own): on one GPU, the D = 1 stage path against the plain
+  transformers loop and a hand-written model of the same shape (``scripts/bench_gpu.py``), written to
+  its own file (``--out``, default ``benchmarks/bench_gpu.json``); ``--device cpu --tiny`` is its smoke run.
 
 JSON: ``{"schedule_efficiency": [...], "chimera_vs_dapple": [...], "vs_torch": [...],
 "overhead_d1": float, "grad_sync": [...], "recompute": [...], "e2e_vs_torch": [...],
@@ -520,14 +523,24 @@ def report(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file; parts not run keep their values from an existing file")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--out", help="JSON file; parts not run keep their values from an existing file "
+                                      "(--parts gpu: its own file, default benchmarks/bench_gpu.json)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}, "
+                                                                 "or gpu on its own")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps (smoke test)")
+    parser.add_argument("--device", default="cuda", help="gpu part only: cuda (default) or cpu")
+    parser.add_argument("--tiny", action="store_true", help="gpu part only: gpt2-tiny and llama-tiny (smoke test)")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = sorted(set(parts) - set(PARTS))
+    unknown = sorted(set(parts) - set(PARTS) - {"gpu"})
     if unknown:
-        parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+        parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}, or gpu on its own")
+    if "gpu" in parts:
+        return _gpu_part(parser, args, parts, argv)
+    if args.out is None:
+        parser.error("--out is required: the JSON file to write, e.g. --out bench.json")
+    if args.tiny or args.device != "cuda":
+        parser.error("--tiny and --device belong to --parts gpu")
     out = Path(args.out)
     data: dict[str, Any] = {"schedule_efficiency": [], "chimera_vs_dapple": [], "vs_torch": [], "bidirectional": [],
                             "overhead_d1": None,
@@ -555,6 +568,35 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(_contract(data), indent=2) + "\n")
     print(report(data))
+    return 0
+
+
+def _gpu_part(parser: argparse.ArgumentParser, args: argparse.Namespace, parts: list[str],
+              argv: list[str] | None) -> int:
+    """``--parts gpu``: the GPU benchmark (``scripts/bench_gpu.py``) into its own JSON file."""
+    from bench_gpu import DEFAULT_OUT, run
+
+    if parts != ["gpu"]:
+        parser.error(f"--parts {args.parts}: run gpu on its own (it writes its own file, by default "
+                     f"{DEFAULT_OUT.relative_to(ROOT)}), e.g. --parts gpu")
+    if args.quick:
+        parser.error("--quick does not apply to --parts gpu; its smoke run is --device cpu --tiny --out FILE")
+    if args.out is None and (args.tiny or args.device != "cuda"):
+        parser.error(f"--parts gpu --tiny / --device {args.device} is a smoke run: give --out FILE (the default, "
+                     f"{DEFAULT_OUT.relative_to(ROOT)}, holds the GPU record)")
+    if args.device.split(":")[0] not in ("cuda", "cpu"):
+        parser.error(f"--device {args.device}: choose cuda (a GPU) or cpu (the smoke run)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"bench.py --parts gpu: no CUDA GPU (torch {torch.__version__}, torch.cuda.is_available() is False); "
+              "run it on a GPU machine (bash scripts/gpu_check.sh OUT_DIR), or --device cpu --tiny --out FILE for the "
+              "smoke run", file=sys.stderr)
+        return 2
+    command = " ".join(["python scripts/bench.py", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        host = machine()
+    except OSError as err:  # a copy of the tree without git, say: the record goes on without the commit
+        host = {"machine_error": str(err)}
+    run(Path(args.out) if args.out else DEFAULT_OUT, device=args.device, tiny=args.tiny, command=command, machine=host)
     return 0
 
 

@@ -19,10 +19,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pipeline_recipes.recipe.layout import BASELINES
 from pipeline_recipes.recipe.results import RunResult, find_results, sort_results, summary_table
 from pipeline_recipes.strategies.schedules import names
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 STRATEGY_ORDER = (*names(), *BASELINES)  # the registry's schedules in their order, then the baselines
 
@@ -42,10 +46,11 @@ def _slot(result: RunResult, by_b: bool) -> tuple[tuple, str]:
     return (result.B or 0, result.W or 0, result.N or 0), f"W={result.W}\nB={result.B}\nN={result.N}"
 
 
-def save_chart(results: list[RunResult], path: Path) -> None:
+def chart(results: list[RunResult]) -> Figure:
     """One panel per D: bars of samples/s per strategy, one group per B (or W/B/N). Where a
     strategy has no successful run in a group, its skipped/failed status is written instead.
-    Repeated runs of one setting show the fastest."""
+    Repeated runs of one setting show the fastest. One legend for all panels (a strategy has one
+    colour everywhere), outside the panels, so it covers no bar."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # the Agg backend, no display needed
     from matplotlib.figure import Figure
 
@@ -55,7 +60,7 @@ def save_chart(results: list[RunResult], path: Path) -> None:
                         key=lambda s: (STRATEGY_ORDER.index(s) if s in STRATEGY_ORDER else len(STRATEGY_ORDER), s))
     colors = {s: f"C{i}" for i, s in enumerate(strategies)}  # one color per strategy in every panel
 
-    fig = Figure(figsize=(max(4.5 * len(depths), 6.0), 4.5))
+    fig = Figure(figsize=(max(4.5 * len(depths), 6.0) + 1.5, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, max(len(depths), 1), squeeze=False)[0]
     if not depths:
@@ -86,10 +91,19 @@ def save_chart(results: list[RunResult], path: Path) -> None:
         ax.set_ylabel("throughput (samples/s)")
         ax.set_title(f"D = {depth}")
         ax.grid(axis="y", alpha=0.3)
-        if ax.get_legend_handles_labels()[1]:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    handles: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    if handles:
+        ordered = [s for s in strategies if s in handles]
+        fig.legend([handles[s] for s in ordered], ordered, loc="outside right upper", fontsize=8)
+    return fig
+
+
+def save_chart(results: list[RunResult], path: Path) -> None:
+    """:func:`chart` as a PNG at ``path``."""
+    chart(results).savefig(path, dpi=120)
 
 
 def default_png(first: Path) -> Path:

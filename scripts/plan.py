@@ -10,7 +10,9 @@ Positional arguments are ``train.py``'s Hydra overrides (same ``conf/``); option
 * ``--json FILE``: write every candidate as ``{"strategy", "W", "D", "B", "N", "pipelines", "concat",
   "recompute", "predicted_iteration_s", "predicted_peak_bytes_per_rank", "fits"}``, best first;
 * ``--cache DIR``: profile cache (default ``~/.cache/pipeline-recipes/planner``); ``--refresh`` re-profiles;
-* ``--profile-batches 1,4``, ``--reps 5``: profiling micro-batch sizes and repetitions;
+* ``--profile-batches 1,4``, ``--reps 5``, ``--profile-seconds 30``: profiling micro-batch sizes, the most
+  timed repetitions per layer and size, and their time budget (at least 2 repetitions run); identical
+  layers (the transformer blocks) are profiled once; progress lines on stderr estimate the time left;
 * ``--comm measure|default|none``: 2-process gloo micro-benchmarks (cached), built-in constants, or none;
 * ``--budget 8GiB``: memory budget (per rank on GPU, per node on CPU) instead of the device's;
 * ``--partition runtime|time|memory``: the split used for predictions (``runtime``: what train.py runs);
@@ -36,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", help="profile cache directory")
     p.add_argument("--refresh", action="store_true", help="re-profile even if cached")
     p.add_argument("--profile-batches", default="1,4", help="micro-batch sizes to profile at (two or more)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per layer and size")
+    p.add_argument("--reps", type=int, default=5, help="most timed repetitions per layer and size")
+    p.add_argument("--profile-seconds", type=float, default=30.0,
+                   help="time budget of the timed repetitions (at least 2 run); 0: no budget")
     p.add_argument("--comm", default="measure", choices=("measure", "default", "none"))
     p.add_argument("--budget", help="memory budget, e.g. 16GiB (per rank on GPU, per node on CPU)")
     p.add_argument("--partition", default="runtime", choices=("runtime", "time", "memory"))
@@ -59,10 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
         _parser().error(f"unknown option(s) {bad}")
+    if args.reps < 1 or args.profile_seconds < 0:
+        _parser().error(f"--reps must be at least 1 and --profile-seconds at least 0 (0: no budget), "
+                        f"got {args.reps} and {args.profile_seconds}")
     from omegaconf import OmegaConf
 
     from pipeline_recipes.models.partition import format_partition_table
     from pipeline_recipes.planner.costs import format_bytes, parse_bytes
+    from pipeline_recipes.planner.estimate import with_run_memory
     from pipeline_recipes.planner.memory import device_budget
     from pipeline_recipes.planner.partition import partition_overrides, recommend_partition
     from pipeline_recipes.planner.profile import load_or_profile
@@ -78,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     costs = load_or_profile(cfg.model, cache_dir=args.cache, refresh=args.refresh, comm=args.comm,
                             batch_sizes=[int(b) for b in args.profile_batches.split(",")], reps=args.reps,
-                            device="cuda" if accelerator in ("gpu", "cuda") else "cpu", log=log)
+                            device="cuda" if accelerator in ("gpu", "cuda") else "cpu", log=log,
+                            budget_s=args.profile_seconds or None)
+    # the profile runs without autocast; a bf16-mixed run's activations and weight copies come from the estimate
+    costs = with_run_memory(costs, OmegaConf.to_container(cfg.model, resolve=True), precision=trainer.get("precision"),
+                            device="cuda" if accelerator in ("gpu", "cuda") else "cpu")
     budget = device_budget(accelerator, override=parse_bytes(args.budget) if args.budget else None,
                            process_bytes=costs.comm.process_bytes)
     plans = plan_all(costs, devices, global_batch, budget, ranks_per_node=per_node,

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     sim = simulate(schedule, args.t_f, args.t_b, t_w=args.t_w)
     if args.png:
         try:
-            save_png(sim, schedule, args.png)
+            save_png(sim, schedule, args.png, time_unit=f"cost units, t_f = {args.t_f:g}")
         except OSError as exc:
             reason = exc.strerror or exc
             print(f"error: --png cannot write {args.png!r}: {reason}; pick a writable path", file=sys.stderr)

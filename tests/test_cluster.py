@@ -76,7 +76,8 @@ def test_cpu_and_gpu_still_force_one() -> None:
     forced_cpu = resolve_accelerator(_trainer("cpu"), H100_NODE)
     assert forced_cpu.trainer["accelerator"] == "cpu" and forced_cpu.reason == "trainer.accelerator=cpu"
     forced_gpu = resolve_accelerator(_trainer("gpu"), H100_NODE)
-    assert forced_gpu.trainer == {**_trainer("gpu")}  # nothing of the gpu preset is changed
+    # nothing of the gpu preset is changed but its float32_matmul_precision=auto, which is TF32 on an H100
+    assert forced_gpu.trainer == {**_trainer("gpu"), "float32_matmul_precision": "high"}
     with pytest.raises(ConfigError, match="no native bf16 .* set trainer.precision=32-true"):
         resolve_accelerator(_trainer("gpu"), V100_NODE)
     with pytest.raises(ConfigError, match="this node has no CUDA device; use trainer=cpu"):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_recipes.recipe.results import (RESULT_KEYS, RunResult, find_results, read_results, summary_table,
-                                             write_results)
+from pipeline_recipes.recipe.results import (BUBBLE_NOTE, RESULT_KEYS, RunResult, find_results, read_results,
+                                             summary_table, write_results)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "compare.py"
@@ -92,7 +92,8 @@ def test_find_results_accepts_sweeps_jobs_and_files_in_a_stable_order(sweep: Pat
 
 def test_summary_table_sorts_fastest_first_then_skipped_then_failed(sweep: Path) -> None:
     lines = summary_table(find_results([sweep])).splitlines()
-    header, rule, rows = lines[0], lines[1], lines[2:]
+    header, rule, rows, note = lines[0], lines[1], lines[2:-1], lines[-1]
+    assert note == BUBBLE_NOTE
     assert header.split()[:5] == ["strategy", "W", "D", "B", "N"] and header.rstrip().endswith("status")
     assert set(rule.replace(" ", "")) == {"-"}
     speeds = [float(row.split()[5]) for row in rows[:10]]
@@ -107,7 +108,7 @@ def test_summary_table_sorts_fastest_first_then_skipped_then_failed(sweep: Path)
 def test_compare_script_prints_table_writes_png_and_json(sweep: Path, tmp_path: Path) -> None:
     proc = run_script(str(sweep), "--json", str(tmp_path / "rows.json"))
     assert proc.returncode == 0, proc.stderr
-    rows = [line for line in proc.stdout.splitlines()[2:] if not line.startswith("wrote ")]
+    rows = [line for line in proc.stdout.splitlines()[2:] if not line.startswith(("wrote ", "bubble meas/theory:"))]
     assert [row.split()[0] for row in rows[:4]] == ["ddp", "chimera", "dapple", "gpipe"]
     assert "skipped: chimera needs an even D" in rows[-2] and "failed: CUDA out of memory" in rows[-1]
     png = sweep / "compare.png"
@@ -135,3 +136,36 @@ def test_compare_script_errors_without_results(tmp_path: Path, make_path) -> Non
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def test_the_bubble_column_says_what_it_counts_under_the_table(sweep: Path) -> None:
+    """Under the table, one line defines both halves of ``bubble meas/theory`` as the same quantity (idle share
+    of the step) and says what the measured one includes and what the theory assumes."""
+    lines = summary_table(find_results([sweep])).splitlines()
+    assert "bubble meas/theory" in lines[0]
+    note = lines[-1]
+    assert note.startswith("bubble meas/theory:") and "1 - busy/(ranks x step span)" in note
+    assert "message waits" in note and "host-side stalls" in note
+    assert "measured action times" in note and "zero communication" in note
+    assert summary_table(find_results([sweep]), note=False).splitlines()[-1].startswith("gpipe")
+
+
+def test_chart_legend_covers_no_bar(sweep: Path) -> None:
+    """The legend sits outside every panel: its box on the canvas overlaps no bar's, the tallest included."""
+    import importlib.util
+
+    from matplotlib.patches import Rectangle
+
+    spec = importlib.util.spec_from_file_location("compare_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fig = module.chart(find_results([sweep]))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    box = legend.get_window_extent(renderer)
+    bars = [p for ax in fig.axes for p in ax.patches if isinstance(p, Rectangle)]
+    tallest = max(bars, key=lambda p: p.get_height())
+    assert tallest.get_height() == 30.0 and len(bars) == 10
+    assert not any(box.overlaps(bar.get_window_extent(renderer)) for bar in bars)
+    assert [t.get_text() for t in legend.get_texts()] == ["gpipe", "dapple", "chimera", "ddp"]

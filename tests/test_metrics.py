@@ -12,6 +12,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
@@ -176,3 +178,52 @@ def test_throughput_windows_count_the_replicas_and_only_rank_zero_measures(monke
     other.on_train_start(trainer, None)
     other.on_train_batch_end(SimpleNamespace(is_global_zero=False), None, None, batch, 0)
     assert other.history == []
+
+
+def _gpipe_2x2_rows(waits: float = 0.0) -> list[list[tuple[Any, float, float]]]:
+    """GPipe with D = 2, N = 2 as measured: per stage F of 1 s (stage 0 as 0.5 s and 1.5 s) and 2 s, B of
+    3 s (2.5 s and 3.5 s) and 4 s, one after the other on each rank with ``waits`` between the boxes."""
+    from pipeline_recipes.strategies.schedules import build_schedule
+
+    seconds = {(0, "F"): [0.5, 1.5], (0, "B"): [2.5, 3.5], (1, "F"): [2.0, 2.0], (1, "B"): [4.0, 4.0]}
+    rows = []
+    for actions in build_schedule("gpipe", 2, 2).workers:
+        row, t = [], 0.0
+        for a in actions:
+            duration = seconds[(a.stage, a.kind)][a.mbs[0]]
+            row.append((a, t, t + duration))
+            t += duration + waits
+        rows.append(row)
+    return rows
+
+
+def test_theory_bubble_is_the_measured_quantity_for_the_schedule_at_the_measured_action_times() -> None:
+    """Both ratios are 1 − Σ busy / (ranks × the longest span). By hand, GPipe D = 2, N = 2 at t_f = (1, 2),
+    t_b = (3, 4) (the measured per-stage means) without communication: P0 runs F0 [0,1] F1 [1,2], P1 F0 [1,3]
+    F1 [3,5] B0 [5,9] B1 [9,13], P0 B0 [9,12] B1 [13,16]: busy 8 and 12, spans 16 and 12, bubble
+    1 − 20 / (2 × 16) = 0.375, whatever the recorded boxes' own start times and waits."""
+    from pipeline_recipes.recipe.metrics import bubble_ratio, measured_costs, theory_bubble_ratio
+    from pipeline_recipes.strategies.schedules import build_schedule
+
+    gpipe = build_schedule("gpipe", 2, 2)
+    assert measured_costs(_gpipe_2x2_rows(), 2) == ([1.0, 2.0], [3.0, 4.0], None)
+    assert theory_bubble_ratio(gpipe, _gpipe_2x2_rows()) == pytest.approx(0.375)
+    assert theory_bubble_ratio(gpipe, _gpipe_2x2_rows(waits=5.0)) == pytest.approx(0.375)
+    # measured: busy 8 s and 12 s; with 1 s between boxes the spans are 11 s and 15 s
+    assert bubble_ratio([(8.0, 11.0), (12.0, 15.0)]) == pytest.approx(1 - 20 / 30)
+    assert bubble_ratio([(0.0, 0.0)]) == 0.0
+    # no timeline: t_b = 2·t_f, as Chimera §2 draws it: P0 F [0,2] B [5,9], P1 F [1,3] B [3,7]; busy 6 and 6,
+    # spans 9 and 6
+    assert theory_bubble_ratio(gpipe, None) == pytest.approx(1 - 12 / 18)
+
+
+def test_measured_costs_of_split_backwards_put_i_plus_w_into_t_b() -> None:
+    """A split backward costs t_b − t_w (I) and t_w (W) in the simulator: I of 3 s and W of 1 s per micro-batch
+    give t_b = 4, t_w = 1; a halved backward counts half a micro-batch."""
+    from pipeline_recipes.recipe.metrics import measured_costs
+    from pipeline_recipes.strategies.schedules import Action
+
+    row = [(Action("F", 0, 0, (0,)), 0.0, 1.0), (Action("I", 0, 0, (0,)), 1.0, 4.0),
+           (Action("W", 0, 0, (0,)), 4.0, 5.0), (Action("B", 0, 1, (0,), half=0), 0.0, 1.5),
+           (Action("F", 0, 1, (0, 1)), 2.0, 4.0)]
+    assert measured_costs([row], 2) == ([1.0, 1.0], [4.0, 3.0], [1.0, 1.0])

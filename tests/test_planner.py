@@ -376,6 +376,7 @@ def test_plan_script_json_keys(tmp_path: Path) -> None:
     assert all(r["predicted_iteration_s"] > 0 for r in rows)
     assert list((tmp_path / "cache").glob("profile-gpt2-tiny-*.json"))
     assert "best: python train.py" in proc.stdout
+    assert "profile: memory pass at B=2 done; timing about" in proc.stderr and "s left)" in proc.stderr
 
 
 def test_preflight_refuses_the_paper_gpt2_on_one_small_process() -> None:

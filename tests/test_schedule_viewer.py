@@ -236,3 +236,49 @@ def test_bad_sizes_of_the_new_schedules_exit_2_with_one_error_line(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(argv, capsys)
     assert (code, out, err) == (2, "", message)
+
+
+def test_png_tells_a_workers_two_chunks_apart_by_stage() -> None:
+    """ZBV with P = 2 puts stages 0 and 3 on P0: their boxes get different colours, the legend names each
+    chunk's stages and the row label the worker's; Chimera's two pipelines keep one colour family each."""
+    from matplotlib.colors import to_hex
+
+    from pipeline_recipes.strategies.schedules.render import timeline_figure
+    from pipeline_recipes.strategies.schedules.zero_bubble import zbv
+
+    schedule = zbv(2, 4)
+    ax = timeline_figure(simulate(schedule, 1.0, 2.0), schedule).axes[0]
+    colours = {bar.get_gid(): to_hex(bar.get_facecolor()) for bar in ax.patches}
+    assert colours["P0 stage 0 F0"] != colours["P0 stage 3 F0"]
+    assert colours["P0 stage 0 F0"] == colours["P1 stage 1 F0"]  # one colour per chunk on every worker
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "forward, stages 0, 1 (chunk 0)" in legend and "forward, stages 2, 3 (chunk 1)" in legend
+    assert not any("pipeline" in text for text in legend)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["P0 (stages 0, 3)", "P1 (stages 1, 2)"]
+    text = ascii_timeline(simulate(schedule, 1.0, 2.0), schedule)  # the text view names them too
+    assert "stages per worker (chunk 0 first" in text and text.count("P0=0,3  P1=1,2") == 1
+
+    chimera = build_schedule("chimera", 4, 4)
+    ax = timeline_figure(simulate(chimera, 1.0, 2.0), chimera).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "forward, pipeline 0", "backward, pipeline 0", "forward, pipeline 1", "backward, pipeline 1"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["P0", "P1", "P2", "P3"]
+    assert "stages per worker" not in ascii_timeline(simulate(chimera, 1.0, 2.0), chimera)
+
+
+def test_time_axes_name_their_unit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The viewer's simulated times are cost units (t_f sets the scale); a figure given a unit shows it."""
+    from pipeline_recipes.strategies.schedules.render import timeline_figure
+
+    drawn: list[str] = []
+
+    def save_png(timeline, schedule, path, *, title=None, time_unit=None) -> None:
+        drawn.append(timeline_figure(timeline, schedule, title=title, time_unit=time_unit).axes[0].get_xlabel())
+
+    monkeypatch.setattr(viewer, "save_png", save_png)
+    code, _, _ = run_main(["gpipe", "--stages", "2", "--micro-batches", "2", "--t-f", "2", "--png",
+                           str(tmp_path / "g.png")], capsys)
+    assert code == 0 and drawn == ["time (cost units, t_f = 2)"]
+    sim = simulate(build_schedule("gpipe", 2, 2), 1.0, 2.0)
+    assert timeline_figure(sim, time_unit="ms").axes[0].get_xlabel() == "time (ms)"

@@ -4,7 +4,9 @@
   extension) or a hub dataset (``Salesforce/wikitext``, ``wikimedia/wikipedia``) as an Arrow dataset of
   one ``text`` column. With ``streaming=True`` the rows are read as an ``IterableDataset`` and only the
   first ``max_rows`` are taken (``IterableDataset.take``) and written to Arrow: a large corpus is never
-  downloaded whole.
+  downloaded whole. A hub dataset is first looked up once with a short timeout and no retries
+  (:func:`hub_unreachable`): without an answer it is read from the local cache, or
+  :class:`DataUnavailable` says why and what to do, at once instead of after ``datasets``' retries.
 * :func:`tokenize_rows`: ``Dataset.map(batched=True, num_proc=…)`` with any ``transformers`` tokenizer.
   GPT-2 (causal LM): each non-blank line (``rows_are="lines"``) is tokenized with its line break, a
   blank line ends a document with the tokenizer's EOS (GPT-2's ``<|endoftext|>``; repeated blank lines
@@ -25,6 +27,7 @@ import os
 import random
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,9 @@ import numpy as np
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from .errors import DataError
 from .masking import SpecialIds, bert_example, sample_rng
+from .tokenizer import hub_unreachable, is_hub_id
 
 BUILDERS = {".txt": "text", ".raw": "text", ".tokens": "text", ".parquet": "parquet", ".json": "json",
             ".jsonl": "json", ".csv": "csv"}
@@ -41,6 +46,102 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 AUTO_NUM_PROC_ROWS = 10_000  # num_proc=None: one process below this many rows (a pool costs more than it saves)
 
 DataFiles = str | Sequence[str] | Mapping[str, str | Sequence[str]]
+
+
+class DataUnavailable(ConnectionError):
+    """A hub dataset that neither the hub (offline, or no answer) nor the local cache can give."""
+
+
+def _fixes(path: str, cache: str | None) -> str:
+    where = f" into {cache}" if cache else ""
+    return (f"Fixes: run once with network (and without data.offline) to download {path!r}{where}, after which "
+            "offline runs read it from there; or a local copy of its text: data.data_files=<file or list> (or "
+            "data=text data.data_files=<file>); or data=synthetic")
+
+
+def on_hub(path: str) -> bool:
+    """Whether ``datasets`` looks ``path`` up on the hub: a repo id (:func:`tokenizer.is_hub_id`), not a
+    builder or a local path (a missing local path is not asked about: ``datasets`` says it is missing)."""
+    from datasets import packaged_modules
+
+    builders = set(getattr(packaged_modules, "_PACKAGED_DATASETS_MODULES", {})) | set(BUILDERS.values())
+    return path not in builders and is_hub_id(path)
+
+
+def missing_column(text_column: str, columns: Sequence[str] | None) -> DataError:
+    """The error of a ``data.text_column`` that the data does not have, with the columns it has."""
+    columns = list(columns or [])
+    fix = f"data.text_column={columns[0]}" if len(columns) == 1 else f"data.text_column=<one of {columns}>"
+    return DataError(f"data.text_column={text_column}: column {text_column!r} not in the data's columns {columns}. "
+                     f"Fixes: {fix}; or data.data_files=<files with the column {text_column!r}>")
+
+
+def unknown_split(split: str, splits: Sequence[str], err: BaseException | None = None) -> DataError:
+    """The error of a split (``data.split`` / ``data.val_split``) that the data does not have."""
+    return DataError(f"split {split!r} (data.split / data.val_split) is not in the data, whose splits are "
+                     f"{list(splits)}{f' ({err})' if err is not None else ''}. Fixes: data.split / data.val_split="
+                     f"<one of {list(splits)}>, data.val_split=null (no validation set), or data.data_files="
+                     "{train: <files>, validation: <files>} (a split per key)")
+
+
+_UNKNOWN_SPLIT = re.compile(r'Unknown split "(?P<split>[^"]*)"\. Should be one of (?P<splits>\[.*\])')
+
+
+def _split_error(err: ValueError, split: str) -> DataError | None:
+    """``datasets``' ``Unknown split "x". Should be one of [...]`` as :func:`unknown_split`; None for another."""
+    import ast
+
+    found = _UNKNOWN_SPLIT.search(str(err))
+    if found is None:
+        return None
+    try:
+        splits = [str(s) for s in ast.literal_eval(found["splits"])]
+    except (ValueError, SyntaxError):
+        splits = [found["splits"]]
+    return unknown_split(found["split"] or split, splits)
+
+
+@contextmanager
+def _cache_only() -> Iterator[None]:
+    """``datasets`` and ``huggingface_hub`` read only their caches inside (this process, then restored)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    before = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = before
+
+
+def _load_dataset(path: str, name: str | None, kwargs: dict[str, Any]) -> Any:
+    """``datasets.load_dataset``; a hub dataset fails fast, naming the cause, when it cannot be had."""
+    import datasets
+    import datasets.config
+
+    if not on_hub(path):
+        return datasets.load_dataset(path, name, **kwargs)
+    cache = kwargs.get("cache_dir")
+    if datasets.config.HF_HUB_OFFLINE:
+        try:
+            return datasets.load_dataset(path, name, **kwargs)
+        except (ConnectionError, FileNotFoundError) as err:
+            raise DataUnavailable(
+                f"dataset {path!r} ({name}) is not in the local cache{f' {cache}' if cache else ''} and the hub is "
+                "off: offline mode (data.offline=true, or HF_HUB_OFFLINE / HF_DATASETS_OFFLINE / "
+                f"TRANSFORMERS_OFFLINE set) reads only the cache. {_fixes(path, cache)}") from err
+    unreachable = hub_unreachable(path)
+    if unreachable is None:
+        return datasets.load_dataset(path, name, **kwargs)
+    with _cache_only():  # datasets would find a cached copy too, but only after retrying for half a minute
+        try:
+            return datasets.load_dataset(path, name, **kwargs)
+        except (ConnectionError, FileNotFoundError) as err:
+            raise DataUnavailable(
+                f"couldn't reach the Hugging Face Hub ({datasets.config.HF_ENDPOINT}) for dataset {path!r}: "
+                f"{type(unreachable).__name__}: {unreachable}; and it is not in the local cache"
+                f"{f' {cache}' if cache else ''}. {_fixes(path, cache)}") from err
 
 
 def normalize_data_files(data_files: DataFiles | None) -> list[str] | dict[str, list[str]] | None:
@@ -103,10 +204,14 @@ def _stream_rows(path: str, name: str | None, kwargs: dict[str, Any], text_colum
                  max_rows: int | None) -> Iterator[dict[str, str]]:
     """The first ``max_rows`` rows of a streamed split (``IterableDataset.take``)."""
     import datasets
+    import datasets.config
 
+    if on_hub(path) and not datasets.config.HF_HUB_OFFLINE and (unreachable := hub_unreachable(path)) is not None:
+        raise DataUnavailable(f"couldn't reach the Hugging Face Hub ({datasets.config.HF_ENDPOINT}) to stream dataset "
+                              f"{path!r}: {type(unreachable).__name__}: {unreachable}. {_fixes(path, None)}")
     stream = datasets.load_dataset(path, name, streaming=True, **kwargs)
     if text_column not in (stream.column_names or [text_column]):
-        raise ValueError(f"column {text_column!r} not in {stream.column_names}")
+        raise missing_column(text_column, stream.column_names)
     if max_rows is not None:
         stream = stream.take(int(max_rows))
     for row in stream:
@@ -130,7 +235,7 @@ def load_text_dataset(path: str | None = None, name: str | None = None, data_fil
         ds = datasets.load_from_disk(str(Path(path).expanduser()))
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise ValueError(f"{path} holds the splits {sorted(ds)}, not {split!r}")
+                raise unknown_split(split, sorted(ds), f"{path} holds these")
             ds = ds[split]
         return _text_column(ds, text_column, max_rows)
     normalized = normalize_data_files(data_files)
@@ -142,7 +247,13 @@ def load_text_dataset(path: str | None = None, name: str | None = None, data_fil
         cache = kwargs.get("cache_dir")
         return datasets.Dataset.from_generator(_stream_rows, features=features, gen_kwargs=gen_kwargs,
                                                cache_dir=cache, fingerprint=fingerprint)
-    return _text_column(datasets.load_dataset(path, name, **kwargs), text_column, max_rows)
+    try:
+        ds = _load_dataset(path, name, kwargs)
+    except ValueError as err:  # datasets' unknown split: named by the settings that pick it
+        if (unknown := _split_error(err, split)) is not None:
+            raise unknown from err
+        raise
+    return _text_column(ds, text_column, max_rows)
 
 
 def _saved_to_disk(path: Path) -> bool:
@@ -159,7 +270,7 @@ def saved_dataset_key(path: str | os.PathLike[str]) -> str | None:
 
 def _text_column(ds: Any, text_column: str, max_rows: int | None) -> Any:
     if text_column not in ds.column_names:
-        raise ValueError(f"column {text_column!r} not in {ds.column_names}")
+        raise missing_column(text_column, ds.column_names)
     if max_rows is not None:
         ds = ds.select(range(min(int(max_rows), len(ds))))
     ds = ds.select_columns([text_column])
@@ -292,7 +403,9 @@ def group_blocks(tokens: Any, seq_len: int, rows_are: str, *, num_proc: int | No
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     n_blocks = int(offsets[-1]) // int(seq_len)
     if n_blocks == 0:
-        raise ValueError(f"the corpus has {int(offsets[-1])} tokens, fewer than one block of {seq_len}")
+        raise DataError(f"the corpus has {int(offsets[-1])} tokens, fewer than one block of {seq_len} (data.seq_len"
+                        "). Fixes: more text (data.data_files=<more files>, data.max_rows=null), a shorter "
+                        "model.seq_len (data.seq_len follows it), or data=synthetic")
     index = datasets.Dataset.from_dict({"block": np.arange(n_blocks, dtype=np.int64)})
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
     return index.map(_blocks_batch, batched=True, fn_kwargs={"tokens": tokens, "offsets": offsets, "seq_len": seq_len},

@@ -23,6 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
+from ..recipe.accelerator import cpus_per_rank, loader_settings
 from .factory import build_source, make_dataloader
 from .tokenizer import TOKENIZER_FILES_KEY, tokenizer_files
 
@@ -49,8 +50,8 @@ class PipelineDataModule(L.LightningDataModule):
     """Datasets of ``build_datasets(name, ...)`` served as DataLoaders of ``batch_size`` samples."""
 
     def __init__(self, name: str = "synthetic", *, family: str, seq_len: int, vocab_size: int,
-                 global_batch_size: int, batch_size: int | None = None, seed: int = 0, num_workers: int = 0,
-                 pin_memory: bool = False, **source: Any) -> None:
+                 global_batch_size: int, batch_size: int | None = None, seed: int = 0,
+                 num_workers: int | str | None = 0, pin_memory: bool | str | None = False, **source: Any) -> None:
         super().__init__()
         self.name, self.family, self.seq_len, self.vocab_size = name, family, int(seq_len), int(vocab_size)
         self.global_batch_size = int(global_batch_size)
@@ -58,7 +59,8 @@ class PipelineDataModule(L.LightningDataModule):
         if self.global_batch_size % self.batch_size:
             raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of the per-replica "
                              f"batch_size {self.batch_size}")
-        self.seed, self.num_workers, self.pin_memory = int(seed), int(num_workers), bool(pin_memory)
+        loader_settings(num_workers, pin_memory, cuda=False, cpus=1)  # a bad value fails here, not at the first batch
+        self.seed, self.num_workers, self.pin_memory = int(seed), num_workers, pin_memory
         self.source = dict(source)
         self.train_set: Any = None
         self.val_set: Any = None
@@ -101,14 +103,22 @@ class PipelineDataModule(L.LightningDataModule):
             return 1, 0
         return int(shard["num_replicas"]), int(shard["rank"])
 
+    def loader_args(self) -> dict[str, Any]:
+        """``num_workers`` and ``pin_memory`` of the loaders: as set, or under ``auto`` for this rank's
+        device (:func:`recipe.accelerator.loader_settings`: workers and pinned memory on CUDA only)."""
+        trainer = getattr(self, "trainer", None)
+        cuda = trainer is not None and trainer.strategy.root_device.type == "cuda"
+        processes = int(trainer.num_devices) if trainer is not None else 1
+        workers, pin = loader_settings(self.num_workers, self.pin_memory, cuda=cuda, cpus=cpus_per_rank(processes))
+        return {"num_workers": workers, "pin_memory": pin}
+
     def train_dataloader(self) -> DataLoader:
         self.setup()
         replicas, rank = self.replicas()
         # drop_last: every W keeps the same floor(n / B̂) global batches of the same permutation
         sampler = DistributedSampler(self.train_set, num_replicas=replicas, rank=rank, shuffle=True, seed=self.seed,
                                      drop_last=True)
-        return make_dataloader(self.train_set, self.batch_size, shuffle=True, seed=self.seed,
-                               num_workers=self.num_workers, pin_memory=self.pin_memory,
+        return make_dataloader(self.train_set, self.batch_size, shuffle=True, seed=self.seed, **self.loader_args(),
                                position=TrainingPosition(self, self.global_batch_size), sampler=sampler)
 
     def val_dataloader(self) -> DataLoader | list:
@@ -116,8 +126,7 @@ class PipelineDataModule(L.LightningDataModule):
         self.setup()
         if self.val_set is None:
             return []
-        return make_dataloader(self.val_set, self.batch_size, shuffle=False, num_workers=self.num_workers,
-                               pin_memory=self.pin_memory)
+        return make_dataloader(self.val_set, self.batch_size, shuffle=False, **self.loader_args())
 
 
 def build_datamodule(name: str = "synthetic", **kwargs: Any) -> PipelineDataModule:

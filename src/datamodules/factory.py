@@ -264,11 +264,17 @@ def make_dataloader(dataset: Dataset, batch_size: int, *, shuffle: bool, seed: i
 
 
 def build_dataloaders(name: str = "synthetic", *, family: str, seq_len: int, vocab_size: int,
-                      global_batch_size: int, batch_size: int | None = None, seed: int = 0, num_workers: int = 0,
+                      global_batch_size: int, batch_size: int | None = None, seed: int = 0,
+                      num_workers: int | str | None = 0, pin_memory: bool | str | None = False,
                       **kwargs: Any) -> tuple[DataLoader, DataLoader | None]:
-    """``build_datasets`` + ``make_dataloader`` without Lightning (batch size: ``batch_size`` or the global one)."""
+    """``build_datasets`` + ``make_dataloader`` without Lightning (batch size: ``batch_size`` or the global one;
+    ``auto`` loader settings for one process, on CUDA when it is available)."""
+    from ..recipe.accelerator import cpus_per_rank, loader_settings
+
+    workers, pin = loader_settings(num_workers, pin_memory, cuda=torch.cuda.is_available(), cpus=cpus_per_rank(1))
     train, val = build_datasets(name, family=family, seq_len=seq_len, vocab_size=vocab_size, seed=seed, **kwargs)
     bs = int(batch_size or global_batch_size)
-    train_dl = make_dataloader(train, bs, shuffle=True, seed=seed, num_workers=num_workers)
-    val_dl = make_dataloader(val, bs, shuffle=False, num_workers=num_workers) if val is not None else None
+    loader = {"num_workers": workers, "pin_memory": pin}
+    train_dl = make_dataloader(train, bs, shuffle=True, seed=seed, **loader)
+    val_dl = make_dataloader(val, bs, shuffle=False, **loader) if val is not None else None
     return train_dl, val_dl

@@ -12,6 +12,8 @@
 
 The hub is offline only when the user says so: ``data.offline=true`` or one of Hugging Face's own
 variables (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``, ``TRANSFORMERS_OFFLINE``); see :func:`hub_offline`.
+Otherwise a hub name is looked up once with a short timeout (:func:`hub_unreachable`); without an answer
+the local cache is read, or the error says so at once instead of after the libraries' retries.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from .errors import DataError
 from .masking import BERT_SPECIAL_TOKENS, GPT2_SPECIAL_TOKENS, SpecialIds
 
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -50,6 +53,48 @@ def hub_offline(offline: bool = False, environ: Mapping[str, str] | None = None)
     if environ is None:
         set_hub_offline()
     return True
+
+
+HUB_TIMEOUT_S = 10.0  # one look-up of a hub repository before loading from it (no retries)
+
+
+def hub_endpoint() -> str:
+    import huggingface_hub.constants
+
+    return str(huggingface_hub.constants.ENDPOINT)
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` is looked up on the hub: a repository id (``name`` or ``namespace/name``, by the
+    hub's own rule) that is not a path existing here. A path written as one (``/data/tok``, ``./tok``,
+    ``~/tok``, ``a/b/c``, a URL) is never a hub name: missing, it is a missing local path."""
+    if "://" in name or name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).expanduser().exists():
+        return False
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_unreachable(repo_id: str, repo_type: str = "dataset", timeout_s: float = HUB_TIMEOUT_S) -> Exception | None:
+    """One look-up of ``repo_id`` on the hub, with a timeout and no retries: the error when no answer
+    came (no network, no name resolution, a refused connection, a timeout); None when the hub answered,
+    also with "not found" or "gated" (the loader then says which), and for a name that is no repository
+    id (:func:`is_hub_id`: nothing was asked; the loader says what is wrong with it)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HFValidationError, HfHubHTTPError
+
+    try:
+        HfApi(endpoint=hub_endpoint()).repo_info(repo_id, repo_type=repo_type, timeout=timeout_s)
+    except (HfHubHTTPError, HFValidationError):  # an answer, or not a name the hub could be asked about
+        return None
+    except Exception as err:  # noqa: BLE001 - the transport's errors differ by huggingface_hub version
+        return err
+    return None
 
 
 def set_hub_offline() -> None:
@@ -140,17 +185,33 @@ def load_tokenizer(name_or_path: str, family: str, offline: bool = False) -> Any
     path = Path(str(name_or_path)).expanduser()
     if path.is_file():
         return wrap_tokenizer(Tokenizer.from_file(str(path)), family)
+    if not path.is_dir() and (path.suffix == ".json" or not is_hub_id(str(name_or_path))):
+        raise DataError(f"data.tokenizer={name_or_path}: FileNotFoundError: no such directory or file "
+                        f"{str(path.resolve())!r} (a relative path is read from the working directory {os.getcwd()}"
+                        "), and it is not a Hugging Face Hub name ('name' or 'namespace/name'). Fixes: "
+                        "data.tokenizer=<an existing directory written by save_pretrained, or a tokenizer.json>; "
+                        "or a hub name (data.tokenizer=gpt2); or data.tokenizer=null (a BPE trained offline on the "
+                        "corpus)")
     from transformers import AutoTokenizer
 
     local = hub_offline(offline)
+    if not local and not path.is_dir() and (unreachable := hub_unreachable(str(name_or_path), "model")) is not None:
+        try:  # the hub did not answer: a copy in the local cache will do (transformers would retry first)
+            return AutoTokenizer.from_pretrained(str(name_or_path), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise DataError(f"data.tokenizer={name_or_path}: couldn't reach the Hugging Face Hub ({hub_endpoint()}):"
+                            f" {type(unreachable).__name__}: {unreachable}; and it is not in the local cache. Fixes: "
+                            "run once with network to download it; or give a directory written by save_pretrained "
+                            "or a tokenizer.json; or data.tokenizer=null (a BPE trained offline on the corpus)"
+                            ) from err
     try:
         return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else str(name_or_path), local_files_only=local)
     except (OSError, ValueError) as err:
         where = "the local Hugging Face cache (offline)" if local else "the hub or the local cache"
-        raise ValueError(f"data.tokenizer={name_or_path}: no tokenizer found as a local directory or in {where}: "
-                         f"{err}. Give a directory written by save_pretrained, a tokenizer.json, or a hub name"
-                         + (" (with network: drop data.offline and the HF_*_OFFLINE variables)" if local else "")
-                         ) from err
+        raise DataError(f"data.tokenizer={name_or_path}: no tokenizer found as a local directory or in {where}: "
+                        f"{err}. Fixes: give a directory written by save_pretrained, a tokenizer.json, or a hub name"
+                        + (" (with network: drop data.offline and the HF_*_OFFLINE variables)" if local else "")
+                        + "; or data.tokenizer=null (a BPE trained offline on the corpus)") from err
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

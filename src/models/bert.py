@@ -1,9 +1,10 @@
 """BERT pre-training (Devlin et al., 2019) as a pipeline around ``transformers.BertForPreTraining``.
 
 Layers: ``[embeddings, encoder_layer_0 .. encoder_layer_{L-1}, heads (pooler + MLM + NSP)]``.
-The embeddings read ``batch["token_type_ids"]`` and every encoder layer rebuilds the padding mask from
-``batch["attention_mask"]`` with ``transformers.masking_utils.create_bidirectional_mask`` (additive
-float mask under ``eager``, boolean or none under ``sdpa``), as ``BertModel.forward`` does; both set
+The embeddings read ``batch["token_type_ids"]`` and the encoder layers get the padding mask of
+``batch["attention_mask"]`` from ``transformers.masking_utils.create_bidirectional_mask`` (additive
+float mask under ``eager``, boolean or none under ``sdpa``), as ``BertModel.forward`` builds it: once
+per stage forward, shared by the stage's layers (:class:`models.masks.MaskCache`); both set
 ``needs_batch = True``. The heads layer returns ``(mlm_logits, nsp_logits)``.
 
 The loss is HF's pre-training loss: MLM cross entropy over labels != -100 plus NSP cross entropy
@@ -28,6 +29,7 @@ from transformers.masking_utils import create_bidirectional_mask
 from pipeline_recipes.strategies.pipeline_model import Batch, TiedGroup
 
 from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
+from .masks import MaskCache
 
 IGNORE_INDEX = -100
 
@@ -46,17 +48,19 @@ class BertEmbeddingLayer(nn.Module):
 
 
 class BertEncoderLayer(nn.Module):
-    """One ``BertLayer`` with the padding mask HF would build from ``batch["attention_mask"]``."""
+    """One ``BertLayer`` with the padding mask HF would build from ``batch["attention_mask"]``; the layers
+    of one model share ``masks``, so a stage builds the mask once per forward."""
 
     needs_batch = True
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, masks: MaskCache | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.masks = MaskCache() if masks is None else masks
 
     def forward(self, hidden: Tensor, batch: Batch) -> Tensor:
-        mask = create_bidirectional_mask(config=self.layer.attention.self.config, inputs_embeds=hidden,
-                                         attention_mask=batch.get("attention_mask"))
+        mask = self.masks.get(create_bidirectional_mask, self.layer.attention.self.config, hidden,
+                              batch.get("attention_mask"))
         return self.layer(hidden, mask)
 
 
@@ -109,7 +113,8 @@ class BertPipelineModel(HFPipelineModel):
             raise ValueError("BERT pre-training needs the pooler (NSP head)")
         dedupe_decoder_bias(hf)
         self.layers.append(BertEmbeddingLayer(hf.bert.embeddings))
-        self.layers.extend(BertEncoderLayer(layer) for layer in hf.bert.encoder.layer)
+        masks = MaskCache()
+        self.layers.extend(BertEncoderLayer(layer, masks) for layer in hf.bert.encoder.layer)
         self.layers.append(BertHeads(hf.bert.pooler, hf.cls))
         self.layer_names_ = ["embeddings", *(f"layer.{i}" for i in range(len(hf.bert.encoder.layer))), "heads"]
         self.check_seq_len(self.seq_len)

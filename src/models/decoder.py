@@ -18,6 +18,8 @@ activation tensor travels between stages:
   Qwen's ``layer_types``), with the batch's 2-D ``attention_mask`` when it has one (padding). A bare
   decoder layer given no mask attends to the future under ``eager`` (no ``is_causal`` there);
   under ``sdpa`` the mask builder returns ``None`` and the kernel's ``is_causal`` applies, as in HF.
+  Each kind's mask is built once per stage forward and shared by the stage's layers
+  (:class:`models.masks.MaskCache`), as ``<Family>Model.forward`` builds one per kind.
 
 The loss is the causal-LM cross entropy of GPT-2's pipeline (:func:`models.gpt2.causal_lm_loss`,
 ``transformers.loss.loss_utils.ForCausalLMLoss``). Tied word embeddings (the small Llama 3.2 and
@@ -47,6 +49,7 @@ from pipeline_recipes.strategies.pipeline_model import Batch, TiedGroup
 
 from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
 from .gpt2 import IGNORE_INDEX, causal_lm_loss, shift_labels
+from .masks import MaskCache
 
 # model_type -> (config class, causal-LM class), names in ``transformers``
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -90,22 +93,23 @@ class DecoderEmbeddings(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One HF decoder layer with the rotary embeddings and causal mask its model would pass it."""
+    """One HF decoder layer with the rotary embeddings and causal mask its model would pass it; the
+    layers of one model share ``masks``, so a stage builds each kind's mask once per forward."""
 
     needs_batch = True  # the padding mask, when the batch has one
 
-    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, kind: str) -> None:
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, kind: str, masks: MaskCache | None = None) -> None:
         super().__init__()
         self.layer, self.rotary_emb, self.kind = layer, rotary_emb, kind
+        self.masks = MaskCache() if masks is None else masks
         self._mask_fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
 
     @override
     def forward(self, hidden: Tensor, batch: Batch) -> Tensor:
         position_ids = _positions(hidden)
         # The attention module's own config decides the kernel, hence the mask format.
-        mask = self._mask_fn(config=self.layer.self_attn.config, inputs_embeds=hidden,
-                             attention_mask=batch.get("attention_mask"), past_key_values=None,
-                             position_ids=position_ids)
+        mask = self.masks.get(self._mask_fn, self.layer.self_attn.config, hidden, batch.get("attention_mask"),
+                              position_ids)
         cos_sin = self.rotary_emb(hidden, position_ids=position_ids)
         return self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
 
@@ -137,7 +141,8 @@ class DecoderPipelineModel(HFPipelineModel):
         base = hf.model
         kinds = layer_kinds(hf.config)
         self.layers.append(DecoderEmbeddings(base.embed_tokens))
-        self.layers.extend(DecoderLayer(layer, base.rotary_emb, kinds[i]) for i, layer in enumerate(base.layers))
+        masks = MaskCache()
+        self.layers.extend(DecoderLayer(layer, base.rotary_emb, kinds[i], masks) for i, layer in enumerate(base.layers))
         self.layers.append(DecoderHead(base.norm, hf.lm_head))
         self.layer_names_ = ["embeddings", *(f"layer.{i}" for i in range(len(base.layers))), "head"]
         self.check_seq_len(self.seq_len)

@@ -1,9 +1,11 @@
 """GPT-2 (Radford et al., 2019) as a pipeline of layers around ``transformers.GPT2LMHeadModel``.
 
 Layers: ``[embeddings (wte + wpe + dropout), block_0 .. block_{L-1}, head (ln_f + lm_head)]``.
-Every block builds its causal mask with ``transformers.masking_utils.create_causal_mask`` for the
-configured attention implementation, exactly as ``GPT2Model.forward`` does: a standalone
-``GPT2Block`` given no mask is causal under ``sdpa`` but attends to the future under ``eager``.
+The blocks get the causal mask of ``transformers.masking_utils.create_causal_mask`` for the
+configured attention implementation, as ``GPT2Model.forward`` passes it: a standalone ``GPT2Block``
+given no mask is causal under ``sdpa`` but attends to the future under ``eager``. The mask is built
+once per stage forward and shared by the stage's blocks (:class:`models.masks.MaskCache`); under
+``sdpa`` it is ``None`` and the kernel's ``is_causal`` applies.
 
 The loss is the causal-LM cross entropy on shifted labels (``batch["labels"]``, else the inputs),
 averaged over the non-ignored tokens, i.e. ``transformers.loss.loss_utils.ForCausalLMLoss``.
@@ -24,6 +26,7 @@ from transformers.masking_utils import create_causal_mask
 from pipeline_recipes.strategies.pipeline_model import Batch, TiedGroup
 
 from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
+from .masks import MaskCache
 
 IGNORE_INDEX = -100
 
@@ -44,17 +47,18 @@ class GPT2Embeddings(nn.Module):
 
 
 class GPT2BlockLayer(nn.Module):
-    """One ``GPT2Block`` with the causal mask HF would pass it (no padding: LM batches are full)."""
+    """One ``GPT2Block`` with the causal mask HF would pass it (no padding: LM batches are full); the
+    blocks of one model share ``masks``, so a stage builds the mask once per forward."""
 
-    def __init__(self, block: nn.Module) -> None:
+    def __init__(self, block: nn.Module, masks: MaskCache | None = None) -> None:
         super().__init__()
         self.block = block
+        self.masks = MaskCache() if masks is None else masks
 
     def forward(self, hidden: Tensor) -> Tensor:
         position_ids = _positions(hidden)
         # The attention module's own config decides the kernel, hence the mask format.
-        mask = create_causal_mask(config=self.block.attn.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
+        mask = self.masks.get(create_causal_mask, self.block.attn.config, hidden, None, position_ids)
         return self.block(hidden, attention_mask=mask, position_ids=position_ids)
 
 
@@ -91,7 +95,8 @@ class GPT2PipelineModel(HFPipelineModel):
         super().__init__(hf, **kwargs)
         t = hf.transformer
         self.layers.append(GPT2Embeddings(t.wte, t.wpe, t.drop))
-        self.layers.extend(GPT2BlockLayer(block) for block in t.h)
+        masks = MaskCache()
+        self.layers.extend(GPT2BlockLayer(block, masks) for block in t.h)
         self.layers.append(GPT2Head(t.ln_f, hf.lm_head))
         self.layer_names_ = ["embeddings", *(f"block.{i}" for i in range(len(t.h))), "head"]
         self.check_seq_len(self.seq_len)

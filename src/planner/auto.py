@@ -26,6 +26,7 @@ def auto_overrides(overrides: Sequence[str], config_dir: str | Path, *, cache_di
 
     from pipeline_recipes.recipe.accelerator import choose_accelerator
 
+    from .estimate import with_run_memory
     from .memory import device_budget
     from .profile import load_or_profile
     from .recommend import best_config
@@ -37,6 +38,8 @@ def auto_overrides(overrides: Sequence[str], config_dir: str | Path, *, cache_di
     per_node, nodes = int(trainer.get("devices", 1)), int(trainer.get("num_nodes", 1))
     costs = load_or_profile(cfg.model, cache_dir=cache_dir, comm=comm, log=log,
                             device="cuda" if accelerator in ("gpu", "cuda") else "cpu")
+    costs = with_run_memory(costs, OmegaConf.to_container(cfg.model, resolve=True), precision=trainer.get("precision"),
+                            device="cuda" if accelerator in ("gpu", "cuda") else "cpu")  # the run's autocast
     budget = device_budget(accelerator, override=budget_bytes, process_bytes=costs.comm.process_bytes)
     best = best_config(costs, per_node * nodes, int(cfg.data.global_batch_size), budget, num_nodes=nodes)
     chosen = [o for o in best if o.startswith("strategy")]

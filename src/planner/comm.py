@@ -47,6 +47,7 @@ SAMPLE_QUANTILE = 0.25  # of the p2p and step repetitions, as the layer profile 
 ALLREDUCE_QUANTILE = 0.5  # see the module docstring
 EVICT_BYTES = 32 * 2**20  # written before each timed all-reduce: larger than the CPU caches
 COMM_VERSION = 6  # part of the cache key: bumped when the measurement changes
+MEASURE_S = 20.0  # about how long measure_comm takes on an idle machine (for the progress line)
 
 
 def _timed_samples(run: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> list[float]:
@@ -221,7 +222,11 @@ def load_or_measure_comm(cache_dir: Path, device: str, *, refresh: bool = False,
             log(f"comm: cached {path}")
         return CommCosts.from_json(json.loads(path.read_text()))
     if log:
-        log("comm: measuring p2p / all-reduce latency and bandwidth with 2 gloo processes ...")
+        log(f"comm: measuring p2p / all-reduce latency and bandwidth with 2 gloo processes (about {MEASURE_S:.0f} s "
+            "on an idle machine) ...")
+    start = time.perf_counter()
     comm = measure_comm()
     path.write_text(json.dumps(comm.to_json(), indent=1))
+    if log:
+        log(f"comm: measured in {time.perf_counter() - start:.0f} s, saved {path}")
     return comm

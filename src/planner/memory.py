@@ -13,6 +13,8 @@ count, :func:`worker_peak` walks the worker's actions in schedule order, as the 
   re-materialised. A split backward (Zero Bubble Pipeline Parallelism §2) walks twice: ``I`` keeps
   the graph, ``W`` makes the gradients appear and frees it. Which graphs an action keeps, walks
   and frees is :func:`strategies.schedules.effects.graph_effect`, the executor's own rule;
+* under mixed precision autocast's weight copies (``LayerCosts.cast_bytes``) count from the start:
+  one per weight and step, whatever the number of micro-batches in flight;
 * on gloo (CPU) a sent tensor stays referenced until the end of the step (:mod:`strategies.p2p`), so
   sent activations and activation gradients stay counted until the end (``keep_sends``);
 * where a stage has copies on other ranks, its gradients are views of its all-reduce bucket's flat
@@ -41,7 +43,8 @@ from .predict import Candidate, runtime_partition
 class WorkerMemory:
     peak: float
     states: float  # weights + gradients + optimizer state
-    activations: float  # the most activation bytes kept at once (the walk's peak minus states)
+    activations: float  # the most activation bytes kept at once (the walk's peak minus states and casts)
+    casts: float = 0.0  # autocast's half-precision weight copies, one per weight and step
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     states = params * (1 + ADAMW_STATES) + versions  # weights, AdamW moments; gradients appear on first backward
     recompute = cand.recompute_stages()
     halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}
+    casts = float(costs.cast_bytes(layers))  # made by the step's first forward, kept until its last backward
 
     def kept(s: int, mb: int) -> float:
         st = ranges[s]
@@ -118,7 +122,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
 
     synced = cand.W * len(schedule.placement) > 1  # every stage has copies on other ranks
     ahead = _received_ahead(costs, schedule, worker, ranges, B) if receive_ahead else None
-    live = states
+    live = states + casts
     grads_for: set[int] = set()  # layers whose gradients exist
     if synced:  # gradients are views of the all-reduce buckets' flat buffers, kept across steps
         grads_for = set(layers)
@@ -163,7 +167,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     live -= retained  # the messenger's flush at the end of the step
     peak = max(peak, live)
     held = params * (2 + ADAMW_STATES) + versions
-    return WorkerMemory(peak, held, peak - held)
+    return WorkerMemory(peak, held, peak - held - casts, casts)
 
 
 def predict_memory(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,

@@ -18,6 +18,10 @@ through two profiled sizes (CAPTURE §III-A2, §III-B2):
   (activation gradients, temporaries);
 * ``out_bytes``: the activation it sends to the next stage (Chimera §3.4's message size ``L``).
 
+``cast_bytes``: under mixed precision, autocast's cached half-precision copies of the layer's weights,
+made once per autocast region (a training step) and kept by every graph until its backward: bytes
+per rank and step, not per micro-batch ("Mixed Precision Training", Micikevicius et al., §3.1).
+
 Model states (weights, gradients and AdamW's two moments) follow from ``param_bytes``.
 """
 
@@ -45,10 +49,11 @@ class LayerCosts:
     transient: LinearFit = ZERO
     out_bytes: LinearFit = ZERO
     fwd_nograd: LinearFit = ZERO
+    cast_bytes: int = 0  # autocast's weight copies (see the module docstring)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "params": self.params, "param_bytes": self.param_bytes,
-                               "opt_s": self.opt_s}
+                               "opt_s": self.opt_s, "cast_bytes": self.cast_bytes}
         for key in ("fwd", "bwd", "stored_alone", "stored_added", "transient", "out_bytes", "fwd_nograd"):
             out[key] = getattr(self, key).to_json()
         return out
@@ -60,7 +65,7 @@ class LayerCosts:
         if "fwd_nograd" in data:
             fits["fwd_nograd"] = LinearFit.from_json(data["fwd_nograd"])
         return cls(str(data["name"]), int(data["params"]), int(data["param_bytes"]),
-                   opt_s=float(data.get("opt_s", 0.0)), **fits)
+                   opt_s=float(data.get("opt_s", 0.0)), cast_bytes=int(data.get("cast_bytes", 0)), **fits)
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,10 @@ class ModelCosts:
 
     def stage_in_bytes(self, stage: range, B: float) -> float:
         return self.layers[stage.start - 1].out_bytes.clamp(B) if stage.start > 0 else 0.0
+
+    def cast_bytes(self, layers: set[int]) -> int:
+        """Autocast's weight copies held for ``layers`` in one step."""
+        return sum(self.layers[i].cast_bytes for i in layers)
 
     def stage_params(self, stage: range) -> int:
         return sum(self.layers[i].params for i in stage)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Sequence
 
 from .memory import worker_peak
@@ -34,6 +35,18 @@ def time_costs(costs: ModelCosts, cand: Candidate) -> list[float]:
     """Per-layer forward + backward seconds at ``B`` (plus a forward under recomputation)."""
     extra = 1.0 if cand.recompute == "always" else 0.0
     return [layer.fwd.clamp(cand.B) * (1 + extra) + layer.bwd.clamp(cand.B) for layer in costs.layers]
+
+
+def layer_kinds(costs: ModelCosts) -> list[int]:
+    """Per layer, the index of the first layer with the same costs (names aside): the profiler gives
+    every member of a group of identical layers the same costs (:class:`planner.profile.DistinctLayers`)."""
+    first: dict[str, int] = {}
+    out = []
+    for i, layer in enumerate(costs.layers):
+        data = layer.to_json()
+        data.pop("name", None)
+        out.append(first.setdefault(json.dumps(data, sort_keys=True), i))
+    return out
 
 
 def rank_peaks(costs: ModelCosts, cand: Candidate, partition: Sequence[range], keep_sends: bool = True) -> list[float]:
@@ -57,8 +70,17 @@ def recommend_partition(costs: ModelCosts, cand: Candidate, objective: str = "ti
         keep_sends = not costs.device.startswith("cuda")
     schedule = cand.schedule()
     if schedule.pipelines == 1 and cand.S == cand.D:  # worker s holds stage s alone
+        kinds = layer_kinds(costs)
+        peaks: dict[tuple, float] = {}
+
         def cost(s: int, i: int, j: int) -> float:
-            return worker_peak(costs, cand, schedule, s, {s: range(i, j)}, keep_sends=keep_sends).peak
+            # a stage's peak depends on its layers' costs, its input (the previous layer's output) and
+            # where tied weights sit in it: stages of equal blocks at other offsets are computed once
+            key = (s, kinds[i - 1] if i > 0 else -1, tuple(kinds[i:j]),
+                   tuple(k - i if i <= k < j else -1 for a, b, _ in costs.tied for k in (a, b)))
+            if key not in peaks:
+                peaks[key] = worker_peak(costs, cand, schedule, s, {s: range(i, j)}, keep_sends=keep_sends).peak
+            return peaks[key]
 
         return minmax_partition(costs.num_layers, cand.D, cost)
     return _local_search(costs, cand, by_time, keep_sends)

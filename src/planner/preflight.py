@@ -1,11 +1,13 @@
 """Memory pre-flight: refuse a layout whose predicted peak per rank cannot fit, before launching.
 
 :func:`preflight` is cheap (no profiling, no process): it estimates the model's per-layer bytes on fake
-tensors (:mod:`planner.estimate`), predicts each rank's peak for the configured layout
-(:mod:`planner.memory`: weights, gradients, AdamW state, activations in flight under the schedule,
-recomputation) and compares it with the device budget (free host RAM shared by the CPU ranks of a
-node, or one GPU's memory per rank). When it does not fit it raises :class:`PreflightError` with the
-numbers and the layouts of the same devices and global batch that would fit.
+tensors under the run's precision and for the run's device (:mod:`planner.estimate`), predicts each
+rank's peak for the configured layout (:mod:`planner.memory`: weights, gradients, AdamW state,
+autocast's weight copies, activations in flight under the schedule, recomputation) and compares it
+with the device budget (free host RAM shared by the CPU ranks of a node, or one GPU's memory per
+rank). When it does not fit it raises :class:`PreflightError` with the numbers and the layouts of the
+same devices and global batch that would fit. :func:`predict_layout` gives the prediction alone
+(``preflight=report``), also for GPUs on a machine without any.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from typing import Any
 from pipeline_recipes.strategies.schedules import get_spec
 
 from .costs import format_bytes
-from .memory import Budget, device_budget, predict_memory
-from .predict import Candidate, candidates
+from .memory import Budget, MemoryPrediction, device_budget, predict_memory
+from .model_costs import ADAMW_STATES, ModelCosts
+from .predict import Candidate, candidates, runtime_partition
 
 BASELINES = ("ddp", "single")
+GPU_ACCELERATORS = ("gpu", "cuda")
+REPORT = "report"  # preflight=report: print the prediction as one JSON line, launch nothing
 
 
 class PreflightError(ValueError):
@@ -47,6 +52,53 @@ def candidate_from_config(cfg: Mapping[str, Any], layout: Any) -> Candidate:
                      strategy.get("chunks"))
 
 
+def run_precision(trainer: Mapping[str, Any]) -> tuple[str, str]:
+    """``(device, precision)`` the ranks run with: ``cuda`` for a GPU accelerator, else ``cpu``, and
+    ``trainer.precision`` (``auto``, which the launcher resolves first: ``bf16-mixed`` on a GPU, as on
+    every GPU with native bf16, else ``32-true``)."""
+    device = "cuda" if str(trainer.get("accelerator", "cpu")) in GPU_ACCELERATORS else "cpu"
+    precision = trainer.get("precision")
+    if precision in (None, "auto"):
+        precision = "bf16-mixed" if device == "cuda" else "32-true"
+    return device, str(precision)
+
+
+def _setup(cfg_dict: Mapping[str, Any], layout: Any) -> tuple[ModelCosts, Candidate, int, bool, str]:
+    from .estimate import estimate_costs
+
+    trainer = dict(_get(cfg_dict, "trainer", {}) or {})
+    device, precision = run_precision(trainer)
+    costs = estimate_costs(_get(cfg_dict, "model"), precision=precision, device=device)
+    cand = candidate_from_config(cfg_dict, layout)
+    per_node = min(int(trainer.get("devices", cand.world_size) or cand.world_size), cand.world_size)
+    return costs, cand, per_node, device == "cpu", precision  # gloo keeps sent tensors until the step ends
+
+
+def predict_layout(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | None = None) -> dict[str, Any]:
+    """The layout's prediction as a JSON-ready record (``preflight=report``): the peak bytes of every
+    rank (``predicted_peak_bytes_per_rank``, rank ``r`` = worker ``r % D`` of replica ``r // D``) and
+    of what it consists on the largest rank; ``budget_bytes``/``fits`` where this machine runs the
+    layout's device (``null`` otherwise, e.g. a GPU layout predicted on a machine without CUDA)."""
+    costs, cand, per_node, keep_sends, precision = _setup(cfg_dict, layout)
+    mem = predict_memory(costs, cand, keep_sends=keep_sends)
+    worst = max(mem.workers, key=lambda w: w.peak)
+    budget = _budget_or_none(costs.device, budget_bytes)
+    fits = None if budget is None else budget.fits(mem.per_rank, per_node)
+    return {"predicted_peak_bytes_per_rank": mem.per_rank, "model": costs.model, "device": costs.device,
+            "precision": precision, "strategy": str(_get(layout, "strategy", cand.strategy)),
+            "W": cand.W, "D": cand.D, "B": cand.B, "N": cand.N,
+            "states_bytes": int(worst.states), "autocast_weight_copies_bytes": int(worst.casts),
+            "activations_bytes": int(worst.activations), "ranks_per_node": per_node,
+            "budget_bytes": None if budget is None else budget.limit(), "fits": fits}
+
+
+def _budget_or_none(device: str, budget_bytes: int | None) -> Budget | None:
+    try:
+        return device_budget("gpu" if device == "cuda" else "cpu", override=budget_bytes)
+    except ValueError:  # no CUDA device here to measure
+        return None
+
+
 def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | None = None,
               budget: Budget | None = None, max_options: int = 5) -> None:
     """Raise :class:`PreflightError` if the layout's predicted peak memory per rank exceeds the device
@@ -56,17 +108,9 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
     ``layout``: :func:`recipe.layout.resolve_layout`'s result. ``budget_bytes`` overrides the
     measured budget (per rank on GPU, per node on CPU); ``budget`` replaces it entirely.
     """
-    from .estimate import estimate_costs
-
-    trainer = dict(_get(cfg_dict, "trainer", {}) or {})
-    accelerator = str(trainer.get("accelerator", "cpu"))
-    costs = estimate_costs(_get(cfg_dict, "model"))
-    cand = candidate_from_config(cfg_dict, layout)
+    costs, cand, per_node, keep_sends, _ = _setup(cfg_dict, layout)
     if budget is None:
-        budget = device_budget(accelerator, override=budget_bytes)
-    keep_sends = accelerator not in ("gpu", "cuda")
-    per_node = int(trainer.get("devices", cand.world_size) or cand.world_size)
-    per_node = min(per_node, cand.world_size)
+        budget = device_budget("gpu" if costs.device == "cuda" else "cpu", override=budget_bytes)
     mem = predict_memory(costs, cand, keep_sends=keep_sends)
     short = budget.shortfall(mem.per_rank, per_node)
     if short <= 0:
@@ -74,12 +118,13 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
     peaks = mem.per_rank
     worst = max(range(len(peaks)), key=lambda r: peaks[r])
     w = mem.workers[worst % cand.D]
+    casts = f" + {format_bytes(w.casts)} autocast weight copies" if w.casts else ""
     lines = [
         f"predicted memory does not fit: {cand.label()} W={cand.W} D={cand.D} B={cand.B} N={cand.N} of model "
         f"{costs.model} needs {format_bytes(budget.need(peaks, per_node))} against {budget.describe()} "
         f"(short by {format_bytes(short)}).",
-        f"largest rank {worst}: {format_bytes(w.peak)} = {format_bytes(w.states)} weights+gradients+AdamW state "
-        f"+ {format_bytes(w.activations)} activations and buffers; per rank: "
+        f"largest rank {worst}: {format_bytes(w.peak)} = {format_bytes(w.states)} weights+gradients+AdamW state"
+        f"{casts} + {format_bytes(w.activations)} activations and buffers; per rank: "
         + ", ".join(format_bytes(p) for p in peaks[: min(len(peaks), 8)]) + (" ..." if len(peaks) > 8 else ""),
     ]
     options = _fitting_options(costs, cand, budget, per_node, keep_sends, max_options)
@@ -92,13 +137,40 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
     raise PreflightError("\n".join(lines))
 
 
-def _fitting_options(costs: Any, cand: Candidate, budget: Budget, per_node: int, keep_sends: bool,
+def _states_bound(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int) -> float:
+    """A lower bound of what ``budget`` compares for ``cand``, from the model states alone: every
+    replica's ``D`` ranks hold each weight with its gradient and AdamW moments at least once, so the
+    largest rank holds at least ``1/D`` of them and a node's ``k`` largest ranks ``k/D``."""
+    if budget.per_rank is None and budget.host is None:
+        return 0.0
+    states = (sum(layer.param_bytes for layer in costs.layers) - sum(b for *_, b in costs.tied)) * (2 + ADAMW_STATES)
+    if budget.per_rank is not None:
+        return states / cand.D
+    k = min(per_node, cand.world_size)
+    return k * states / cand.D + budget.process_bytes * k
+
+
+def _fitting_options(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int, keep_sends: bool,
                      limit: int) -> list[tuple[Candidate, int]]:
-    """Fitting layouts, closest first: same schedule, then the largest B (fewest micro-batches)."""
-    found = []
-    for c in candidates(cand.world_size, cand.global_batch_size, costs.num_layers, grad_sync=cand.grad_sync):
-        mem = predict_memory(costs, c, keep_sends=keep_sends)
+    """Fitting layouts, closest first: same schedule, then the largest B (fewest micro-batches), then
+    the smallest peak. Layouts whose model states alone cannot fit are not walked, and the walk stops
+    once ``limit`` layouts fit and no later one can precede them in that order."""
+
+    def rank(c: Candidate) -> tuple:
+        return (c.strategy != cand.strategy, c.recompute != "none", -c.B)
+
+    found: list[tuple[Candidate, int]] = []
+    partitions: dict[int, list[range]] = {}  # by stage count: the split does not depend on the schedule
+    for c in sorted(candidates(cand.world_size, cand.global_batch_size, costs.num_layers, grad_sync=cand.grad_sync),
+                    key=rank):
+        if len(found) >= limit and rank(c) > rank(found[limit - 1][0]):
+            break
+        if _states_bound(costs, c, budget, per_node) > budget.limit():
+            continue
+        if c.S not in partitions:
+            partitions[c.S] = runtime_partition(costs, c.S)
+        mem: MemoryPrediction = predict_memory(costs, c, partitions[c.S], keep_sends=keep_sends)
         if budget.fits(mem.per_rank, per_node):
             found.append((c, mem.max_rank))
-    found.sort(key=lambda x: (x[0].strategy != cand.strategy, x[0].recompute != "none", -x[0].B, x[1]))
+            found.sort(key=lambda x: (*rank(x[0]), x[1]))
     return found[:limit]

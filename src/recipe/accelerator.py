@@ -6,6 +6,17 @@ available and CPU processes over gloo otherwise; ``trainer=cpu`` / ``trainer=gpu
 Lightning arguments plus the reason that is printed with the layout, e.g. ``accelerator: gpu × 8,
 bf16-mixed (auto: 8 CUDA devices found, NVIDIA H100 has bf16)``. Nothing here starts a process.
 
+Fewer GPUs than processes under ``trainer=auto`` (one GPU and the default Chimera D = 2): the ranks
+share the GPUs, local rank r on ``cuda:(r mod G)``, over gloo, since NCCL refuses two ranks on one
+device; the pipeline's messages are then staged through the host (:mod:`strategies.p2p`). Fine for
+trying schedules, not for speed. ``trainer=gpu`` with too few GPUs is refused instead
+(:func:`recipe.layout.check_devices`).
+
+fp32 matrix products on CUDA: TensorFloat-32 (``torch.set_float32_matmul_precision("high")``; TF32 as
+introduced in NVIDIA's "A100 Tensor Core GPU Architecture" whitepaper) unless
+``trainer.float32_matmul_precision`` says otherwise; applied in every worker before the model is built
+(:func:`apply_float32_matmul_precision`). The CPU keeps torch's default (``highest``).
+
 Precision under ``auto``: ``bf16-mixed`` where the GPU computes bf16 natively (Ampere and later),
 fp32 elsewhere. ``16-mixed`` is not chosen, and refused for the pipeline schedules: Lightning scales
 the loss for fp16 in its own backward, which the schedules replace by theirs (every backward runs
@@ -26,6 +37,12 @@ GPU_NAMES = ("gpu", "cuda")
 CPU_DEVICES = 2  # `trainer=auto` without CUDA and without trainer.devices: the README's 2-process CPU job
 FP16_MIXED = ("16-mixed", "16")  # Lightning's spellings of fp16 autocast with a GradScaler
 BASELINES = ("ddp", "single")
+CUDA_CONTEXT_BYTES = 512 * 2**20  # what one process's CUDA context and kernels hold outside torch's allocator
+MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's values
+MATMUL_KEY = "float32_matmul_precision"  # trainer.float32_matmul_precision: ours, not a Trainer argument
+CUDA_MATMUL_PRECISION = "high"  # TF32 products of fp32 matrices on CUDA
+_MATMUL_WORDS = {"highest": "full fp32", "high": "TF32", "medium": "bf16"}
+SHARED_NOTE = "fine for trying schedules, not for speed"
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,7 @@ class NodeDevices:
     bf16: bool = False
     gpu_name: str = ""
     launched_per_node: int | None = None
+    gpu_memory_bytes: int = 0  # the first GPU's total memory (0: not known)
 
 
 @dataclass(frozen=True)
@@ -48,14 +66,33 @@ class AcceleratorChoice:
     trainer: dict[str, Any]
     reason: str
     node: NodeDevices = NodeDevices()
+    shared_gpus: int = 0  # GPUs the processes of a node share (more processes than GPUs); 0: one GPU each, or CPU
 
     @property
     def accelerator(self) -> str:
         return str(self.trainer["accelerator"])
 
+    @property
+    def backend(self) -> str:
+        """The process group's backend: NCCL with one GPU per rank, gloo on CPU and on shared GPUs."""
+        return "nccl" if self.accelerator in GPU_NAMES and not self.shared_gpus else "gloo"
+
+    @property
+    def memory_per_rank(self) -> int | None:
+        """Bytes of GPU memory each rank may use when ranks share the GPUs (the GPU's memory less one CUDA
+        context per rank, over the ranks on it); None otherwise (the pre-flight measures one GPU per rank itself)."""
+        if not self.shared_gpus or not self.node.gpu_memory_bytes:
+            return None
+        ranks = -(-int(self.trainer["devices"]) // self.shared_gpus)
+        return (self.node.gpu_memory_bytes - ranks * CUDA_CONTEXT_BYTES) // ranks
+
     def describe(self) -> str:
         trainer = self.trainer
         precision = trainer.get("precision") or "32-true"
+        if self.shared_gpus:
+            gpus = f"{self.shared_gpus} GPU{'s' if self.shared_gpus > 1 else ''}"
+            return (f"accelerator: {self.accelerator} × {trainer['devices']} per node sharing {gpus} over gloo "
+                    f"({self.reason}; {SHARED_NOTE}), {precision}")
         return f"accelerator: {self.accelerator} × {trainer['devices']} per node, {precision} ({self.reason})"
 
 
@@ -79,7 +116,7 @@ def probe_node(env: Mapping[str, str] | None = None, *, cuda: bool = True) -> No
         return NodeDevices(launched_per_node=per_node)
     count = torch.cuda.device_count()
     return NodeDevices(count, bool(torch.cuda.is_bf16_supported(including_emulation=False)),
-                       torch.cuda.get_device_name(0), per_node)
+                       torch.cuda.get_device_name(0), per_node, int(torch.cuda.get_device_properties(0).total_memory))
 
 
 def _devices(value: Any, default: int, node: NodeDevices) -> Any:
@@ -90,18 +127,45 @@ def _devices(value: Any, default: int, node: NodeDevices) -> Any:
     return value
 
 
-def resolve_accelerator(trainer: Mapping[str, Any], node: NodeDevices) -> AcceleratorChoice:
+def layout_processes(strategy: Mapping[str, Any], num_nodes: Any = 1) -> int | None:
+    """Processes per node the strategy's layout needs at least: W·D over the nodes (``W`` null: one
+    replica). None when the settings are not numbers (:func:`recipe.layout.resolve_layout` says why)."""
+    D, W = strategy.get("D", 1), strategy.get("W") or 1
+    numbers = [v for v in (D, W, num_nodes) if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    if len(numbers) != 3:
+        return None
+    return -(-W * D // num_nodes)
+
+
+def shared_devices(processes: int, gpus: int) -> list[int] | None:
+    """The GPU of each local rank when ``processes`` ranks share ``gpus`` GPUs (rank r on GPU r mod
+    ``gpus``); None when every rank has a GPU of its own (or there is none)."""
+    if gpus < 1 or processes <= gpus:
+        return None
+    return [rank % gpus for rank in range(processes)]
+
+
+def resolve_accelerator(trainer: Mapping[str, Any], node: NodeDevices,
+                        processes: int | None = None) -> AcceleratorChoice:
     """The concrete ``trainer`` settings for this node and why.
 
-    - ``accelerator: auto``: ``gpu`` when the node has CUDA devices (``devices: auto`` = all of them),
-      else ``cpu`` (``devices: auto`` = 2 processes);
+    - ``accelerator: auto``: ``gpu`` when the node has CUDA devices (``devices: auto`` = all of them,
+      or the ``processes`` per node the layout needs when that is more: they share the GPUs), else
+      ``cpu`` (``devices: auto`` = 2 processes);
     - ``accelerator: cpu`` / ``gpu``: kept, the user asked for it;
-    - ``precision: auto``: ``bf16-mixed`` on a GPU with native bf16, else ``32-true``.
+    - ``precision: auto``: ``bf16-mixed`` on a GPU with native bf16, else ``32-true``;
+    - ``float32_matmul_precision: auto`` (or absent): ``high`` (TF32) on an Ampere or newer GPU, else
+      torch's ``highest``.
 
     A GPU asked for bf16 it lacks is refused here (:class:`ConfigError`), before any process starts.
     """
     out = dict(trainer)
     accelerator = str(out.get("accelerator", AUTO))
+    matmul = out.get(MATMUL_KEY, AUTO)
+    if matmul not in (AUTO, None, *MATMUL_PRECISIONS):
+        raise ConfigError(f"trainer.{MATMUL_KEY} = {matmul!r} is not a precision of "
+                          f"torch.set_float32_matmul_precision; set trainer.{MATMUL_KEY} to auto (TF32 on CUDA), "
+                          "highest, high or medium")
     if accelerator == AUTO:
         if node.cuda_devices > 0:
             out["accelerator"] = "gpu"
@@ -115,7 +179,14 @@ def resolve_accelerator(trainer: Mapping[str, Any], node: NodeDevices) -> Accele
     if gpu and node.cuda_devices == 0 and out.get("devices", AUTO) in (AUTO, None, -1):
         raise ConfigError(f"trainer.accelerator = {out['accelerator']} with trainer.devices = {out.get('devices')} but "
                           "this node has no CUDA device; use trainer=cpu (or trainer=auto, which picks the CPU here)")
-    out["devices"] = _devices(out.get("devices", AUTO), node.cuda_devices if gpu else CPU_DEVICES, node)
+    wanted = node.cuda_devices if gpu else CPU_DEVICES
+    if gpu and accelerator == AUTO and processes:  # fewer GPUs than the layout's processes: they share them
+        wanted = max(wanted, processes)
+    out["devices"] = _devices(out.get("devices", AUTO), wanted, node)
+    devices = out["devices"]
+    shared = 0
+    if gpu and accelerator == AUTO and isinstance(devices, int) and shared_devices(devices, node.cuda_devices):
+        shared = node.cuda_devices
     precision = out.get("precision", AUTO)
     if precision == AUTO or precision is None:
         bf16 = gpu and node.bf16
@@ -127,26 +198,100 @@ def resolve_accelerator(trainer: Mapping[str, Any], node: NodeDevices) -> Accele
         raise ConfigError(f"trainer.precision = {precision} but {node.gpu_name or 'this GPU'} has no native bf16 "
                           "(it needs compute capability 8.0 or newer); set trainer.precision=32-true "
                           "(or trainer.precision=auto)")
-    return AcceleratorChoice(out, why, node)
+    if matmul in (AUTO, None):  # TF32 exists from Ampere on, as native bf16 does
+        out[MATMUL_KEY] = CUDA_MATMUL_PRECISION if gpu and node.bf16 else MATMUL_PRECISIONS[0]
+        if gpu and node.bf16:
+            why += f", {_matmul_words(out[MATMUL_KEY])}"
+    elif gpu or matmul != MATMUL_PRECISIONS[0]:
+        why += f", {_matmul_words(matmul)}"
+    return AcceleratorChoice(out, why, node, shared)
 
 
-def choose_accelerator(trainer: Mapping[str, Any]) -> AcceleratorChoice:
-    """:func:`resolve_accelerator` for this node. Only ``auto`` and GPU runs pay for importing torch
-    (to look at the node's GPUs); ``trainer=cpu`` needs nothing."""
+def _matmul_words(precision: str) -> str:
+    return f"fp32 matmuls in {_MATMUL_WORDS[precision]} (trainer.{MATMUL_KEY}={precision})"
+
+
+def choose_accelerator(trainer: Mapping[str, Any], processes: int | None = None) -> AcceleratorChoice:
+    """:func:`resolve_accelerator` for this node (``processes``: per node, what the layout needs). Only
+    ``auto`` and GPU runs pay for importing torch (to look at the node's GPUs); ``trainer=cpu`` needs nothing."""
     accelerator = trainer.get("accelerator", AUTO)
-    return resolve_accelerator(trainer, probe_node(cuda=accelerator == AUTO or accelerator in GPU_NAMES))
+    return resolve_accelerator(trainer, probe_node(cuda=accelerator == AUTO or accelerator in GPU_NAMES), processes)
+
+
+def matmul_precision(trainer: Mapping[str, Any]) -> str:
+    """``trainer.float32_matmul_precision`` as torch takes it: as set, or under ``auto`` (a job file
+    written without the launcher's choice) ``high`` on a GPU and ``highest`` elsewhere."""
+    value = trainer.get(MATMUL_KEY, AUTO)
+    if value in (AUTO, None):
+        return CUDA_MATMUL_PRECISION if trainer.get("accelerator") in GPU_NAMES else MATMUL_PRECISIONS[0]
+    if value not in MATMUL_PRECISIONS:
+        raise ConfigError(f"trainer.{MATMUL_KEY} = {value!r}; set it to auto, highest, high or medium")
+    return str(value)
+
+
+LOADER_WORKERS_CUDA = 4  # data.num_workers=auto on CUDA: at most this many loader processes per rank
+
+
+def cpus_per_rank(processes: int) -> int:
+    """This process's CPUs (its affinity where the OS tells it) shared by ``processes`` ranks of the node."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus // max(processes, 1)
+
+
+def loader_settings(num_workers: Any, pin_memory: Any, *, cuda: bool, cpus: int) -> tuple[int, bool]:
+    """``data.num_workers`` and ``data.pin_memory`` as the loader takes them: as set, or under ``auto``
+    (or null) on CUDA min(4, ``cpus`` per rank) loader processes and pinned host memory (the copy to the
+    GPU can overlap), on CPU none and no pinning. The sampler stays in the rank's own process, so the
+    batches and their order do not depend on the workers."""
+    if num_workers in (AUTO, None):
+        workers = min(LOADER_WORKERS_CUDA, max(cpus, 0)) if cuda else 0
+    elif isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers >= 0:
+        workers = num_workers
+    else:
+        raise ConfigError(f"data.num_workers = {num_workers!r} is neither auto nor a number of loader processes; "
+                          "set data.num_workers=auto (on CUDA up to 4 per rank, 0 on CPU) or a number ≥ 0")
+    if pin_memory in (AUTO, None):
+        pin = cuda
+    elif isinstance(pin_memory, bool):
+        pin = pin_memory
+    else:
+        raise ConfigError(f"data.pin_memory = {pin_memory!r} must be auto, true or false; set data.pin_memory=auto "
+                          "(pinned on CUDA)")
+    return workers, pin
+
+
+def resolve_loader(data: Mapping[str, Any], choice: AcceleratorChoice, cpus: int | None = None) -> dict[str, Any]:
+    """The data loader's settings for the chosen accelerator (:func:`loader_settings`; ``cpus``: per
+    rank, default this node's CPUs over its processes)."""
+    devices = choice.trainer.get("devices")
+    per_rank = cpus if cpus is not None else cpus_per_rank(devices if isinstance(devices, int) else 1)
+    workers, pin = loader_settings(data.get("num_workers", AUTO), data.get("pin_memory", AUTO),
+                                   cuda=choice.accelerator in GPU_NAMES, cpus=per_rank)
+    return {"num_workers": workers, "pin_memory": pin}
+
+
+def apply_float32_matmul_precision(trainer: Mapping[str, Any]) -> str:
+    """Set this process's fp32 matmul precision from ``trainer`` (:func:`matmul_precision`); a worker
+    calls it before building the model. Returns the precision set."""
+    import torch
+
+    precision = matmul_precision(trainer)
+    torch.set_float32_matmul_precision(precision)
+    return precision
 
 
 def check_precision(strategy: str, trainer: Mapping[str, Any], optim: Mapping[str, Any] | None = None) -> None:
     """fp16 autocast with a GradScaler (``16-mixed``) cannot run under the pipeline schedules (see
-    the module docstring); bf16 needs no scaler. Under a baseline, Lightning cannot clip the gradients
-    of a fused optimizer with a GradScaler (the fused step unscales them itself)."""
+    the module docstring); bf16 needs no scaler. Nor can any strategy clip the gradients of a fused
+    optimizer under a GradScaler: they carry the loss scale until the fused step unscales them itself.
+    Without a scaler (bf16, fp32) every optimizer is clipped (strategies/precision.py)."""
     precision = str(trainer.get("precision"))
     if precision in FP16_MIXED and (optim or {}).get("fused") and trainer.get("gradient_clip_val"):
         raise ConfigError(f"trainer.precision = {precision} with optim.fused = true and trainer.gradient_clip_val = "
-                          f"{trainer.get('gradient_clip_val')}: Lightning cannot clip gradients that a fused optimizer "
-                          "unscales inside its step; set optim.fused=null (torch's default AdamW), "
-                          "trainer.gradient_clip_val=null, or trainer.precision=bf16-mixed")
+                          f"{trainer.get('gradient_clip_val')}: under fp16 the gradients carry the GradScaler's loss "
+                          "scale until the fused optimizer step removes it, so they cannot be clipped before it; set "
+                          "trainer.precision=bf16-mixed (no scaler: clipping works with the fused optimizer), "
+                          "optim.fused=null (torch's default implementation), or trainer.gradient_clip_val=null")
     if strategy not in BASELINES and precision in FP16_MIXED:
         raise ConfigError(f"trainer.precision = {precision} (fp16 with loss scaling) is not supported by "
                           f"strategy={strategy}: the pipeline runs every backward itself, so Lightning's loss "

@@ -41,6 +41,10 @@ class BackgroundWandbLogger(WandbLogger):
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
         super().__init__(*args, **kwargs)
+        if self._wandb_init.get("anonymous", "unset") is None:
+            # Lightning passes anonymous=None when not asked for and wandb (0.31) warns about any value given
+            # ("The anonymous setting has no effect"): an unset one is not passed at all.
+            del self._wandb_init["anonymous"]
 
     @property
     @override

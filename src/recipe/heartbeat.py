@@ -4,16 +4,22 @@ A rank that stops answering while alive (stopped, deadlocked, stuck in one opera
 touching its file. :func:`recipe.launch.launch_workers` ends the job when a heartbeat is older than
 ``strategy.timeout_s`` and names that rank, also when a peer's wait timed out first (a gloo
 collective's timeout names no peer).
+
+A rank that raises writes its first exception (type and message) next to its heartbeat
+(``rank<r>.error``, :func:`record_error`) before it exits, so the launcher names the exception that
+ended the job rather than a later one: a teardown's, or a peer's that was waiting on it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 HEARTBEAT_ENV = "PIPELINE_HEARTBEAT_FILE"
+ERROR_SUFFIX = ".error"  # beside rank<r>.heartbeat: the rank's first exception
 INTERVAL_S = 1.0
 SILENT_S = 3 * INTERVAL_S  # older than this: the rank is not answering right now
 
@@ -37,5 +43,56 @@ def heartbeat_age(path: Path, now: float | None = None) -> float | None:
     """Seconds since ``path`` was last touched; None before the first beat."""
     try:
         return (time.time() if now is None else now) - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def error_path(heartbeat: str | os.PathLike[str]) -> Path:
+    """Where the rank of ``heartbeat`` records its first exception: ``rank<r>.error`` beside it."""
+    return Path(heartbeat).with_suffix(ERROR_SUFFIX)
+
+
+def first_exception(err: BaseException) -> BaseException:
+    """The exception that started ``err``'s chain: raised while another was being handled (a teardown
+    after a failure), ``err`` is a consequence, so the implicit context is followed back to the first.
+    An explicit ``raise ... from`` is the message its author chose and is kept."""
+    seen = {id(err)}
+    while (err.__cause__ is None and not err.__suppress_context__ and err.__context__ is not None
+           and id(err.__context__) not in seen):
+        err = err.__context__
+        seen.add(id(err))
+    return err
+
+
+def describe_exception(err: BaseException) -> str:
+    """``Type: message`` of ``err``'s first exception (:func:`first_exception`)."""
+    first = first_exception(err)
+    message = str(first)
+    return f"{type(first).__name__}: {message}" if message else type(first).__name__
+
+
+def record_error(path: str | os.PathLike[str], err: BaseException) -> None:
+    """Write :func:`describe_exception` of ``err`` to ``path`` (whole or not at all), unless an earlier
+    exception of this rank is there already: the first one stays."""
+    target = Path(path)
+    if target.exists():
+        return
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(describe_exception(err))
+    os.replace(tmp, target)
+
+
+def record_handled_error() -> None:
+    """In a worker, while an exception is being handled (a teardown after a failed step): record it
+    now, before closing the process group lets the peers fail too and record theirs."""
+    err = sys.exc_info()[1]
+    if isinstance(err, Exception) and os.environ.get(HEARTBEAT_ENV):
+        record_error(error_path(os.environ[HEARTBEAT_ENV]), err)
+
+
+def read_error(path: Path) -> tuple[float, str] | None:
+    """(when it was written, the exception) of an error file; None when the rank recorded none."""
+    try:
+        return path.stat().st_mtime, path.read_text(errors="replace").strip()
     except FileNotFoundError:
         return None

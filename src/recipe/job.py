@@ -9,6 +9,8 @@ derived layout and the W&B group, so a worker needs no Hydra context.
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,17 @@ from omegaconf import OmegaConf
 from .layout import Layout
 
 JOB_FILE = "job.yaml"
+LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"  # Lightning 2.6's advert, logged by every Trainer
+
+
+def quiet_library_notices() -> None:
+    """Drop two library messages that say nothing about this run, each matched by its text:
+    Lightning's own use of torch's deprecated ``LeafSpec`` (a ``FutureWarning`` from its ``_pytree``
+    module) and its litlogger tip (an INFO record of its rank-zero logger)."""
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith(LITLOGGER_TIP))
 
 
 @dataclass(frozen=True)
@@ -139,14 +152,17 @@ def resolve_ckpt_path(value: str | None, pipeline: bool = True) -> str | None:
     return str(path)
 
 
+RECIPE_TRAINER_KEYS = ("peak_tflops", "float32_matmul_precision")  # trainer.* keys of ours, not Trainer arguments
+
+
 def trainer_kwargs(trainer_cfg: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
     """``Trainer`` arguments: the recipe's (strategy, loggers, callbacks, output directory, no progress
-    bar) overridden by every ``trainer.*`` key the user set; ``trainer.callbacks`` (Hydra configs or
-    callbacks) are added to the recipe's. ``trainer.strategy`` is refused: the ``strategy`` group
-    derives the layout."""
+    bar) overridden by every ``trainer.*`` key the user set except the recipe's own
+    (``RECIPE_TRAINER_KEYS``); ``trainer.callbacks`` (Hydra configs or callbacks) are added to the
+    recipe's. ``trainer.strategy`` is refused: the ``strategy`` group derives the layout."""
     from hydra.utils import instantiate
 
-    user = dict(trainer_cfg)
+    user = {k: v for k, v in trainer_cfg.items() if k not in RECIPE_TRAINER_KEYS}
     if user.get("strategy") is not None:
         raise ValueError(f"trainer.strategy={user['strategy']!r} is not a setting of this recipe: choose the "
                          "strategy with the strategy group (strategy=gpipe, strategy=ddp, ...)")
@@ -158,15 +174,54 @@ def trainer_kwargs(trainer_cfg: dict[str, Any], recipe: dict[str, Any]) -> dict[
     return kwargs
 
 
+def place_ranks(strategy: Any, trainer_cfg: dict[str, Any], gpus: int | None = None) -> list[int] | None:
+    """More processes per node than GPUs (``trainer=auto``, checked by the launcher): the ranks share the
+    node's ``gpus`` (default: the visible ones) over gloo, and Lightning's ``devices`` becomes the GPUs
+    used (it checks they exist; the processes come from the strategy). Returns each local rank's GPU, or
+    None when every rank has its own."""
+    from .accelerator import GPU_NAMES, shared_devices
+
+    if trainer_cfg.get("accelerator") not in GPU_NAMES or not isinstance(trainer_cfg.get("devices"), int):
+        return None
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    gpu_of_rank = shared_devices(trainer_cfg["devices"], gpus)
+    if gpu_of_rank is not None:
+        from pipeline_recipes.strategies.lightning import share_gpus
+
+        share_gpus(strategy, gpu_of_rank)
+        trainer_cfg["devices"] = len(set(gpu_of_rank))
+    return gpu_of_rank
+
+
+def stage_table(model: Any, config: Any, replicas: int) -> str:
+    """The partition table of the S stages that train (``model.partition(S)``, as the strategy splits the
+    model; S = v·D) and the worker holding each stage, from the topology the engine builds for ``config``
+    (a :class:`~strategies.engine.PipelineConfig`): the data of the strategy's ``rank r: … stages […]`` line."""
+    from pipeline_recipes.strategies.topology import Topology
+
+    topology = Topology.from_schedule(config.build(config.smallest_micro_batches), replicas)
+    holders = [sorted({row[s] for row in topology.placement}) for s in range(topology.stages)]
+    placement = ", ".join(f"stage {s} → worker{'s' if len(ws) > 1 else ''} {' and '.join(map(str, ws))}"
+                          for s, ws in enumerate(holders))
+    return (f"{model.partition_table(model.partition(topology.stages))}\nplacement: {placement} "
+            f"(worker w is rank w + {topology.workers}·r of replica r)")
+
+
 def run_job(spec: JobSpec) -> float | None:
     """Train as configured; return the final training loss (every rank) or None."""
+    quiet_library_notices()
     import lightning.pytorch as pl
     import torch
     from hydra.utils import instantiate
     from lightning.pytorch.loggers import WandbLogger
 
     from pipeline_recipes.strategies.lightning import PipelineModule, PipelineStrategy
+    from pipeline_recipes.strategies.precision import with_precision_plugin
 
+    from .accelerator import apply_float32_matmul_precision
     from .background_logger import BackgroundWandbLogger
     from .flops import model_flops_per_token
     from .metrics import PipelineMetrics, ReplicaThroughputMonitor
@@ -177,15 +232,17 @@ def run_job(spec: JobSpec) -> float | None:
     peak_tflops = trainer_cfg.pop("peak_tflops", None)  # ours, not a Trainer argument
     if trainer_cfg.get("accelerator") == "cpu":
         torch.set_num_threads(1)
+    apply_float32_matmul_precision(trainer_cfg)  # before any matmul of the model
     strategy = instantiate(cfg["strategy"], **({"micro_batch_size": layout.B}
                                                 if cfg["strategy"].get("micro_batch_size", 0) is None else {}))
+    place_ranks(strategy, trainer_cfg)
     pipeline = isinstance(strategy, PipelineStrategy)
     pl.seed_everything(cfg["seed"], workers=True, verbose=False)  # same seed everywhere: identical stage copies
     # A pipeline builds on the meta device and materialises only this rank's layers (PipelineEngine): no
     # rank holds the whole model. Baselines build it whole, from the same per-module init streams.
     model = instantiate(cfg["model"], **({"device": "meta"} if pipeline else {}))
-    if is_rank_zero() and layout.D > 1:
-        print(model.partition_table(model.partition(layout.D)), flush=True)
+    if is_rank_zero() and pipeline and strategy.S > 1:
+        print(stage_table(model, strategy.pipeline_config, layout.W), flush=True)
     data = instantiate(cfg["data"], batch_size=layout.global_batch_size // layout.W)
     optim = dict(cfg.get("optim") or {})
     # conf/optim and conf/scheduler are _partial_: the module completes them with its parameter groups
@@ -205,11 +262,12 @@ def run_job(spec: JobSpec) -> float | None:
                               peak_tflops=peak_tflops)
     progress = ProgressLine(metrics, layout.W, min_interval_s=float(metrics_cfg.get("progress_interval_s", 1.0)))
     loggers = build_loggers(spec)
-    trainer = pl.Trainer(**trainer_kwargs(trainer_cfg, {
+    # bf16-mixed as a plugin that also clips a fused optimizer (Lightning's refuses: strategies/precision.py)
+    trainer = pl.Trainer(**with_precision_plugin(trainer_kwargs(trainer_cfg, {
         "strategy": strategy, "logger": loggers or False, "default_root_dir": spec.out_dir,
         "callbacks": [throughput, metrics, progress, *checkpointing],
         "enable_progress_bar": False,
-    }))
+    })))
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     finally:

@@ -3,12 +3,16 @@
 Every job of a ``-m`` sweep gets its own fresh processes (``python -m recipe.worker``, one per
 local rank, with the environment Lightning's own launcher would set), so nothing leaks from one
 job to the next and no child re-runs the sweep (the failure of Lightning's script re-launcher
-under Hydra, Lightning #15737 and #18175). The parent never imports Lightning or torch.
+under Hydra, Lightning #15737 and #18175). The parent never imports Lightning.
 
 * A job whose settings break a layout rule stops before any process starts: a single run exits
   with status 2 and the message; in a sweep the job is recorded as ``skipped`` and the sweep goes on.
+  So does data that cannot be had; the rest is downloaded and prepared here, once per node, and the
+  ranks read the cache (:mod:`datamodules.prepare`).
 * A rank that dies ends the job: the others are stopped, the job is recorded as ``failed`` with
-  the rank, its exit code and the tail of its log (``logs/rank<r>.log``).
+  the first exception a rank raised (``rank <r> raised <Type>: <message>``, the job's last line; not a
+  teardown's or a waiting peer's), or else the rank, its exit code and the tail of its log
+  (``logs/rank<r>.log``).
 * A rank that hangs ends it too: its heartbeat (:mod:`recipe.heartbeat`) older than
   ``strategy.timeout_s`` names it, also when a peer's timed-out wait ended first.
 * Under an external launcher (torchrun, SLURM) the processes already exist: the job runs in-process
@@ -19,6 +23,7 @@ under Hydra, Lightning #15737 and #18175). The parent never imports Lightning or
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -32,11 +37,16 @@ from typing import IO, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from .accelerator import GPU_NAMES, AcceleratorChoice, check_precision, choose_accelerator
+from .accelerator import (
+    GPU_NAMES, AcceleratorChoice, check_precision, choose_accelerator, layout_processes, resolve_loader,
+)
 from .cluster import Launch, detect_launch, is_global_zero, worker_env
-from .heartbeat import HEARTBEAT_ENV, SILENT_S, heartbeat_age
+from .heartbeat import HEARTBEAT_ENV, SILENT_S, describe_exception, error_path, heartbeat_age, read_error
 from .job import JobSpec
-from .layout import ConfigError, Layout, check_devices, check_drain_timeout, check_model, resolve_layout
+from .layout import (
+    ConfigError, DataError, Layout, check_devices, check_drain_timeout, check_fixed_settings, check_model,
+    resolve_layout,
+)
 from .results import read_results, summary_table, write_results
 
 GRACE_S = 10.0  # how long the other ranks get to exit on their own after one died
@@ -95,6 +105,7 @@ def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path, 
             rank = node_rank * devices + local_rank
             beats.append(log_dir / f"rank{rank}.heartbeat")
             beats[-1].unlink(missing_ok=True)
+            error_path(beats[-1]).unlink(missing_ok=True)
             env = {**worker_env(base_env, launch, layout.world_size, devices, local_rank, port),
                    HEARTBEAT_ENV: str(beats[-1])}
             proc = subprocess.Popen([sys.executable, "-m", module, str(job_file)], env=env, text=True,
@@ -112,32 +123,49 @@ def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path, 
             pump.join(timeout=5)
 
 
+def _silent(codes: list[int | None], beats: list[Path]) -> dict[int, float]:
+    """Ranks alive whose heartbeat is older than ``SILENT_S`` and that recorded no exception (one that
+    raised may fall silent while it exits): index -> seconds of silence."""
+    return {i: age for i, (code, beat) in enumerate(zip(codes, beats))
+            if code is None and (age := heartbeat_age(beat)) is not None and age > SILENT_S
+            and read_error(error_path(beat)) is None}
+
+
+def _failure(codes: list[int | None], logs: list[Path], beats: list[Path], first_rank: int,
+             silent: dict[int, float]) -> str:
+    """Why the job failed: a rank silent without an exception (hung or stopped; a peer's timed-out wait
+    is its consequence), else the first exception a rank recorded (one line: not a teardown's, nor a
+    waiting peer's), else the first rank that died, how, and its log's last lines."""
+    errors = {i: error for i, beat in enumerate(beats) if (error := read_error(error_path(beat))) is not None}
+    if errors and not silent:
+        i = min(errors, key=lambda j: errors[j][0])
+        return f"rank {first_rank + i} raised {errors[i][1]}"
+    died = [i for i, code in enumerate(codes) if code not in (None, 0)]
+    failure = "".join(f"rank {first_rank + i} stopped answering: no heartbeat for {age:.0f}s (hung, stopped or stuck "
+                      f"in one operation){', then' if died else ''}; last lines of {logs[i]}:\n{_tail(logs[i], 8)}"
+                      for i, age in silent.items())
+    if died:
+        i, code = died[0], codes[died[0]]
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        failure += f"rank {first_rank + i} ended with {how}; last lines of {logs[i]}:\n" + _tail(logs[i])
+    return failure
+
+
 def _watch(procs: list[subprocess.Popen], logs: list[Path], beats: list[Path], first_rank: int, grace_s: float,
            hang_s: float | None) -> Outcome:
-    failure: str | None = None
-    failed_at = 0.0
+    """Wait for the workers; once one dies or hangs, give the others ``grace_s`` to end, then say why."""
+    failed_at: float | None = None
     while True:
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
             return Outcome(True)
-        if failure is None:
-            silent = {i: age for i, (code, beat) in enumerate(zip(codes, beats))
-                      if code is None and (age := heartbeat_age(beat)) is not None and age > SILENT_S}
-            died = [i for i, code in enumerate(codes) if code not in (None, 0)]
-            hung = [i for i, age in silent.items() if hang_s is not None and age > hang_s]
+        if failed_at is None:
+            died = any(code not in (None, 0) for code in codes)
+            hung = hang_s is not None and any(age > hang_s for age in _silent(codes, beats).values())
             if died or hung:
                 failed_at = time.monotonic()
-                failure = "".join(
-                    f"rank {first_rank + i} stopped answering: no heartbeat for {age:.0f}s (hung, stopped or stuck "
-                    f"in one operation){'' if hung else ', then'}; last lines of {logs[i]}:\n{_tail(logs[i], 8)}"
-                    for i, age in silent.items()
-                )
-                if died:
-                    i, code = died[0], codes[died[0]]
-                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                    failure += f"rank {first_rank + i} ended with {how}; last lines of {logs[i]}:\n" + _tail(logs[i])
-        if failure is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > grace_s):
-            return Outcome(False, failure)
+        if failed_at is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > grace_s):
+            return Outcome(False, _failure(codes, logs, beats, first_rank, _silent(codes, beats)))
         time.sleep(0.1)
 
 
@@ -156,8 +184,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _gpus(choice: AcceleratorChoice) -> int | None:
-    """GPUs of this node when the job runs on GPUs (probed by :func:`choose_accelerator`)."""
-    return choice.node.cuda_devices if choice.accelerator in GPU_NAMES else None
+    """GPUs of this node when the job runs one process per GPU (probed by :func:`choose_accelerator`)."""
+    return choice.node.cuda_devices if choice.accelerator in GPU_NAMES and not choice.shared_gpus else None
 
 
 def _group(cfg: DictConfig, multirun: bool, sweep_dir: str) -> str:
@@ -184,10 +212,23 @@ def run(cfg: DictConfig) -> float | None:
     launch: Launch | None = None
     choice: AcceleratorChoice | None = None
     try:
-        choice = choose_accelerator(OmegaConf.to_container(cfg.trainer, resolve=True))
+        check_fixed_settings(cfg)  # strategy.grad_sync=eagr, checkpoint.keep=…: one message, not a traceback per rank
+        mode = cfg.get("preflight", True)
+        if mode not in (True, False, "report"):
+            raise ConfigError(f"preflight = {mode!r}: it is true (predict the peak memory per rank and refuse a layout "
+                              "that cannot fit), false (skip it) or report (print the prediction as one JSON line "
+                              "and launch nothing); set preflight=true, preflight=false or preflight=report")
+        if cfg.data.get("name", "synthetic") != "synthetic":  # its local files exist (prepared below)
+            from pipeline_recipes.datamodules.prepare import check_data, prepare_data
+
+            check_data(OmegaConf.to_container(cfg.data, resolve=True))
+        trainer_asked = OmegaConf.to_container(cfg.trainer, resolve=True)
+        choice = choose_accelerator(trainer_asked, layout_processes(OmegaConf.to_container(cfg.strategy, resolve=True),
+                                                                    trainer_asked.get("num_nodes", 1)))
         trainer_cfg = choice.trainer
         with open_dict(cfg):  # every later reader (pre-flight, workers, W&B config) sees the concrete trainer
             cfg.trainer = trainer_cfg
+            cfg.data.update(resolve_loader(cfg.data, choice))  # data.num_workers / pin_memory for this accelerator
         layout = resolve_layout(OmegaConf.to_container(cfg.strategy, resolve=True), trainer_cfg,
                                 cfg.data.global_batch_size, num_layers(cfg.model))
         check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True))
@@ -195,24 +236,37 @@ def run(cfg: DictConfig) -> float | None:
             from pipeline_recipes.datamodules.tokenizer import check_tokenizer_config
 
             check_tokenizer_config(OmegaConf.to_container(cfg.data, resolve=True))
-        check_devices(trainer_cfg, _gpus(choice))
+        if mode != "report":  # preflight=report predicts for GPUs this node may lack
+            check_devices(trainer_cfg, _gpus(choice))
         check_precision(layout.strategy, trainer_cfg, OmegaConf.to_container(cfg.optim, resolve=True)
                         if cfg.get("optim") is not None else None)
         if cfg.get("logger") is not None and cfg.logger.get("drain_timeout_s") is not None:
             check_drain_timeout(cfg.logger.drain_timeout_s)
         launch = detect_launch(os.environ, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
-        if cfg.get("preflight", True):
-            from pipeline_recipes.planner.preflight import preflight  # estimates on fake tensors: no memory is allocated
+        if cfg.data.get("name", "synthetic") != "synthetic" and mode != "report":  # once on the node, before the ranks
+            prepare_data(OmegaConf.to_container(cfg.data, resolve=True))
+        if mode == "report":  # estimates on fake tensors: no memory is allocated, no GPU needed
+            from pipeline_recipes.planner.preflight import predict_layout
 
-            preflight(OmegaConf.to_container(cfg, resolve=True), layout)
+            report = predict_layout(OmegaConf.to_container(cfg, resolve=True), layout,
+                                    budget_bytes=choice.memory_per_rank)
+        elif mode:
+            from pipeline_recipes.planner.preflight import preflight
+
+            preflight(OmegaConf.to_container(cfg, resolve=True), layout, budget_bytes=choice.memory_per_rank)
     except ValueError as err:  # ConfigError, or the planner's PreflightError (does not fit in memory)
-        chosen = f"\n({choice.describe()})" if choice is not None else ""
+        # a DataError's cause and fixes end the message: nothing after it (no import here: a layout error stays light)
+        chosen = f"\n({choice.describe()})" if choice is not None and not isinstance(err, DataError) else ""
         if not multirun:
             print(f"error: {err}{chosen}", file=sys.stderr)
             sys.exit(2)
         if launch.is_global_zero if launch is not None else is_global_zero():
             write_results(out_dir, **_skipped_fields(cfg, str(err)))
         print(f"skipped {out_dir}: {err}{chosen}", flush=True)
+        return None
+    if mode == "report":
+        if launch.is_global_zero:
+            print(json.dumps(report), flush=True)
         return None
     if launch.is_global_zero:
         several = launch.external or int(trainer_cfg.get("num_nodes", 1)) > 1
@@ -227,7 +281,7 @@ def run(cfg: DictConfig) -> float | None:
             run_job(spec)
         except Exception as err:  # record it (global rank 0, once), then let the launcher see the failure
             if launch.is_global_zero:
-                reason = f"rank {launch.rank} raised {type(err).__name__}: {err}"
+                reason = f"rank {launch.rank} raised {describe_exception(err)}"
                 write_results(out_dir, status="failed", reason=reason, **layout.result_fields())
             raise
         outcome = Outcome(True)

@@ -1,17 +1,27 @@
 """The run's layout (Chimera Table 1: W, D, B, N, B̂), derived once and checked before launch.
 
 Every rule names the settings, their values and a fix, so a bad combination stops with one
-message before any process starts.
+message before any process starts. Settings whose values are a fixed set are listed once, in
+:func:`fixed_settings`, and a near miss gets "did you mean" (:func:`did_you_mean`, also used for
+misspelled keys by ``train.py``).
 """
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 
 class ConfigError(ValueError):
     """An invalid combination of settings, explained."""
+
+
+class DataError(ConfigError):
+    """The job's data cannot be had (no such file, offline with an empty cache, no answer from the hub): the
+    message names the setting, the cause and the fixes (last). Defined here, not in :mod:`datamodules`, so
+    that the launcher tells it apart without importing ``datasets`` or torch."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,75 @@ class Layout:
             + (f"; {self.pipelines} pipelines" if self.pipelines > 1 else "")
             + (f"; concat=auto → {self.concat}" if self.concat_auto else "")
         )
+
+
+def did_you_mean(value: Any, options: Iterable[Any]) -> str | None:
+    """The option closest to a misspelled ``value`` (difflib's ratio ≥ 0.6), or None."""
+    close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
+    return close[0] if close else None
+
+
+GRAD_SYNC = ("end", "eager", "eager_opt")  # strategies.grad_sync.GRAD_SYNC_MODES (that module imports torch)
+RECOMPUTE = ("none", "except_last", "always")  # strategies.recompute.RECOMPUTE_MODES
+NONFINITE_LOSS = ("stop", "skip")  # strategies.lightning.PipelineModule
+CHECKPOINT_KEEP = ("latest", "all")  # recipe.job.checkpoint_callbacks
+LOGGER_KINDS = ("wandb", "csv", "none")  # recipe.job.build_loggers
+SYNTHETIC_STRUCTURES = ("bigram", "uniform")  # datamodules.synthetic.STRUCTURES
+
+
+@dataclass(frozen=True)
+class FixedSetting:
+    """A setting whose values are a fixed set: its key, the values, what it chooses; ``nullable``: null
+    (the default) is allowed too."""
+
+    key: str
+    values: tuple[str, ...]
+    meaning: str
+    nullable: bool = False
+
+    def error(self, value: Any) -> str | None:
+        """The message for ``value`` (the key, the value, the allowed values, a near miss, the fix), or None."""
+        if (value is None and self.nullable) or (isinstance(value, str) and value in self.values):
+            return None
+        allowed = ", ".join(self.values) + (" or null" if self.nullable else "")
+        close = did_you_mean(value, self.values)
+        fix = f"did you mean {close!r}? set {self.key}={close}" if close else f"set {self.key} to one of them"
+        return f"{self.key} = {value!r} is not one of {allowed} ({self.meaning}); {fix}"
+
+
+def fixed_settings() -> tuple[FixedSetting, ...]:
+    """Every setting of the config whose values are a fixed set, checked before launch (the runtime checks
+    them again). The schedule's name and ``strategy.concat`` are the schedule registry's rules, checked
+    with the layout (:func:`resolve_layout`)."""
+    return (
+        FixedSetting("strategy.grad_sync", GRAD_SYNC, "when stage gradients are all-reduced, Chimera §3.2"),
+        FixedSetting("strategy.recompute", RECOMPUTE, "which stage forwards the backward recomputes, GPipe §2.3"),
+        FixedSetting("nonfinite_loss", NONFINITE_LOSS, "what a NaN/inf training loss does"),
+        FixedSetting("checkpoint.keep", CHECKPOINT_KEEP, "which checkpoints stay on disk"),
+        FixedSetting("logger.kind", LOGGER_KINDS, "the logger; or choose one with logger=wandb|csv|none"),
+        FixedSetting("data.structure", SYNTHETIC_STRUCTURES, "how synthetic tokens are drawn"),
+    )
+
+
+_ABSENT = object()
+
+
+def _lookup(config: Mapping[str, Any], key: str) -> Any:
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+def check_fixed_settings(config: Mapping[str, Any]) -> None:
+    """Refuse a value outside its fixed set (``strategy.grad_sync=eagr``) for every key of
+    :func:`fixed_settings` that ``config`` (the whole config, or ``{"strategy": ...}``) has."""
+    for setting in fixed_settings():
+        value = _lookup(config, setting.key)
+        if value is not _ABSENT and (message := setting.error(value)) is not None:
+            raise ConfigError(message)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -108,6 +187,7 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
     from pipeline_recipes.strategies.schedules import CONFIG, Settings, resolve_concat
 
     name, spec = _schedule_spec(strategy)
+    check_fixed_settings({"strategy": strategy})
     _check_trainer_keys(trainer)
     devices = trainer.get("devices", 1)
     if devices == "auto" or devices == -1:
@@ -147,10 +227,7 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
                 f"D ≤ {num_layers // per}" + (", or fewer strategy.chunks" if spec.chunks.choosable else "")
                 if per > 1 else f"D ≤ {num_layers}"))
     if global_batch_size % (W * B):
-        raise ConfigError(
-            f"data.global_batch_size = {global_batch_size} is not divisible by W·B = {W}·{B} = {W * B}; "
-            f"use a multiple of {W * B} (N = global_batch_size / (W·B) micro-batches per step)"
-        )
+        raise ConfigError(_batch_error(global_batch_size, W, B, world, D, strategy.get("W") is not None))
     N = global_batch_size // (W * B)
     settings = Settings(name, D, N, B, strategy.get("pipelines"), strategy.get("concat"), strategy.get("chunks"),
                         grad_sync=strategy.get("grad_sync", "end"), recompute=strategy.get("recompute", "none"),
@@ -164,6 +241,25 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
     _check_schedule(spec, D, N, B, pipelines, concat, settings.chunks)
     return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, spec, pipelines, concat),
                   concat, requested == "auto", S if S != D else None)
+
+
+def _batch_error(global_batch_size: int, W: int, B: int, world: int, D: int, w_set: bool) -> str:
+    """N = B̂ / (W·B) must be whole: name both settings, where W comes from, and the values that work."""
+    step = W * B
+    origin = (f"strategy.W = {W}" if w_set else
+              f"{W} replicas: trainer.devices × trainer.num_nodes = {world} processes / strategy.D = {D}")
+    below, above = global_batch_size // step * step, (global_batch_size // step + 1) * step
+    batches = " or ".join(str(v) for v in (below, above) if v > 0)
+    head = (f"data.global_batch_size = {global_batch_size} is not divisible by W·B = {W}·{B} = {step} "
+            f"(W = {origin}; B = strategy.micro_batch_size = {B}): N = data.global_batch_size / (W·B) "
+            f"micro-batches per step must be whole; set data.global_batch_size to a multiple of {step} "
+            f"(e.g. {batches})")
+    if global_batch_size % W:
+        return head + f"; no strategy.micro_batch_size helps while data.global_batch_size is not a multiple of W = {W}"
+    per_replica = global_batch_size // W
+    sizes = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
+    return head + (f", or strategy.micro_batch_size to one of {sizes} (the divisors of data.global_batch_size / W "
+                   f"= {per_replica})")
 
 
 def _check_trainer_keys(trainer: dict[str, Any]) -> None:
@@ -221,15 +317,20 @@ def check_model(model: dict[str, Any], data: dict[str, Any]) -> None:
 
 
 def check_devices(trainer: dict[str, Any], available_gpus: int | None) -> None:
-    """More GPUs per node than this node has (CPU processes are not limited)."""
+    """More GPUs per node than this node has (CPU processes are not limited; ``available_gpus`` None:
+    not checked, e.g. under ``trainer=auto``, whose processes share the GPUs then)."""
     if trainer.get("accelerator") in ("gpu", "cuda") and available_gpus is not None:
         devices = int(trainer.get("devices", 1))
         if devices > available_gpus == 0:
             raise ConfigError(f"trainer.devices = {devices} GPUs but this node has no GPU; use trainer=cpu")
         if devices > available_gpus:
-            raise ConfigError(f"trainer.devices = {devices} GPUs per node but this node has {available_gpus}; "
-                              f"set trainer.devices ≤ {available_gpus} (and trainer.num_nodes for more nodes), "
-                              "or trainer=cpu")
+            gpus = f"{available_gpus} GPU{'s' if available_gpus > 1 else ''}"
+            raise ConfigError(
+                f"trainer.accelerator = {trainer['accelerator']} with trainer.devices = {devices} processes per node, "
+                f"but this node has {gpus} (one GPU per process); either run fewer processes: "
+                f"trainer.devices ≤ {available_gpus} with strategy.D (× strategy.W) to match, and trainer.num_nodes "
+                f"for more nodes; or use trainer=auto to run the {devices} processes sharing the {gpus} over gloo "
+                "(fine for trying schedules, not for speed)")
 
 
 def check_drain_timeout(drain_timeout_s: Any) -> float:

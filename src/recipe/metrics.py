@@ -2,10 +2,16 @@
 
 * Throughput is rank 0's, over windows of steps (:class:`ReplicaThroughputMonitor`), counting the W
   data-parallel replicas that consume distinct samples, not the W·D processes.
-* The measured bubble ratio follows Chimera §2's definition (idle time / (workers × iteration
-  time)) from the per-action times every rank's executor records (:mod:`strategies.timing`: wall
-  clock on CPU, CUDA events on GPUs); the theoretical one is the
-  simulator's for the schedule that was executed (t_b = 2·t_f).
+* Bubble ratios follow Chimera §2's definition, idle time / (workers × iteration time), computed one
+  way for both figures (:func:`bubble_ratio`): 1 − Σ busy / (ranks × the longest rank's span from
+  its first action's start to its last one's end). *Measured*: busy is the per-action times every
+  rank's executor records (:mod:`strategies.timing`: wall clock on CPU, CUDA events on GPUs; an
+  action starts once its inputs arrived), so waiting on messages and host-side stalls between
+  actions count as idle; the median over the steps after warm-up. *Theory*: the schedule that was
+  executed, simulated with the last step's measured per-stage action times and no communication
+  (:func:`theory_bubble_ratio`), i.e. the bubble the schedule's order alone leaves at this run's
+  compute times. Their difference is what communication and the host cost. Without a recorded
+  timeline the simulation takes t_b = 2·t_f.
 * Peak memory per rank: CUDA max allocated on GPU, the process's peak RSS on CPU.
 * The learning rate of every step (a logger row per step, written in bursts on reporting steps; kept
   as ``lr_history``) and the model FLOPs
@@ -21,6 +27,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +39,8 @@ from lightning.pytorch.loggers import WandbLogger
 from typing_extensions import override
 
 from pipeline_recipes.strategies.lightning import PipelineStrategy, reporting_step
-from pipeline_recipes.strategies.schedules import simulate
+from pipeline_recipes.strategies.schedules import Action, Schedule, simulate
+from pipeline_recipes.strategies.schedules.actions import KINDS
 
 from .flops import Utilisation, resolve_utilisation
 from .layout import Layout
@@ -61,6 +69,68 @@ def busy_and_span(record: Any) -> tuple[float, float]:
     if not timeline:
         return 0.0, 0.0
     return sum(end - start for _, start, end in timeline), timeline[-1][2] - timeline[0][1]
+
+
+def bubble_ratio(busy_and_spans: Sequence[tuple[float, float]]) -> float:
+    """1 − Σ busy / (ranks × the longest span) over ``(busy, span)`` per rank (:func:`busy_and_span`):
+    the share of the ranks' time in the step that no action ran; 0 when nothing ran."""
+    longest = max((span for _, span in busy_and_spans), default=0.0)
+    if longest <= 0:
+        return 0.0
+    return 1.0 - sum(busy for busy, _ in busy_and_spans) / (len(busy_and_spans) * longest)
+
+
+def measured_costs(rows: Iterable[Iterable[tuple[Action, float, float]]], stages: int,
+                   ) -> tuple[list[float], list[float], list[float] | None]:
+    """Per stage, the measured ``(t_f, t_b, t_w)`` of one micro-batch (the simulator's costs, see
+    :func:`strategies.schedules.simulate.action_cost`) from timeline boxes: each kind's total time over
+    its total micro-batch units (a doubled forward is two, a halved backward one half), so the
+    simulated actions add up to the measured busy time. ``t_w`` is ``None`` without ``W`` boxes;
+    ``t_b`` of a split backward is its ``I`` plus its ``W``. A stage without boxes of a kind gets the
+    mean of the other stages' (t_b = 2·t_f, 1 and 2 when none has any)."""
+    total = {(s, k): [0.0, 0.0] for s in range(stages) for k in KINDS}
+    for row in rows:
+        for action, start, end in row:
+            units = len(action.mbs) if action.kind == "F" else (0.5 if action.half is not None else 1.0)
+            cell = total[(action.stage, action.kind)]
+            cell[0] += end - start
+            cell[1] += units
+
+    def per_unit(stage: int, kind: str) -> float | None:
+        seconds, units = total[(stage, kind)]
+        return seconds / units if units else None
+
+    def filled(values: list[float | None], default: list[float]) -> list[float]:
+        known = [v for v in values if v is not None]
+        return [v if v is not None else (sum(known) / len(known) if known else d) for v, d in zip(values, default)]
+
+    t_f = filled([per_unit(s, "F") for s in range(stages)], [1.0] * stages)
+    has_w = any(total[(s, "W")][1] for s in range(stages))
+    t_w = filled([per_unit(s, "W") for s in range(stages)], t_f) if has_w else None
+    t_b_raw: list[float | None] = []
+    for s in range(stages):
+        (b_sec, b_units), (i_sec, i_units) = total[(s, "B")], total[(s, "I")]
+        w = t_w[s] if t_w is not None else 0.0
+        # a whole backward costs t_b; a split one I + W (I alone costs t_b − t_w)
+        t_b_raw.append((b_sec + i_sec + w * i_units) / (b_units + i_units) if b_units + i_units else None)
+    t_b = filled(t_b_raw, [2 * f for f in t_f])
+    if t_w is not None:
+        t_w = [min(w, b) for w, b in zip(t_w, t_b)]
+    return t_f, t_b, t_w
+
+
+def theory_bubble_ratio(schedule: Schedule, rows: Sequence[Sequence[tuple[Action, float, float]]] | None) -> float:
+    """:func:`bubble_ratio` of ``schedule`` simulated without communication at the per-stage action
+    times measured in ``rows`` (one timeline per rank, :func:`measured_costs`); ``rows`` ``None`` or
+    empty: at t_b = 2·t_f. The measured ratio of the same step minus this one is what waiting on
+    messages and host-side stalls cost."""
+    if rows and any(rows):
+        t_f, t_b, t_w = measured_costs(rows, schedule.stages)
+        sim = simulate(schedule, t_f=t_f, t_b=t_b, t_w=t_w)
+    else:
+        sim = simulate(schedule, t_f=1.0, t_b=2.0)
+    return bubble_ratio([(sum(t.end - t.start for t in row), row[-1].end - row[0].start if row else 0.0)
+                         for row in sim.timeline])
 
 
 def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:
@@ -231,7 +301,7 @@ class PipelineMetrics(Callback):
         for i, (_, _, step) in enumerate(pending):
             self._record_loss(float(mean_losses[i]), engine, step)
             if engine is not None and engine.last_record is not None and float(spans[:, i, 1].max()) > 0:
-                self.bubbles.append(1.0 - float(spans[:, i, 0].sum()) / (len(gathered) * float(spans[:, i, 1].max())))
+                self.bubbles.append(bubble_ratio([(float(b), float(t)) for b, t in spans[:, i].tolist()]))
         self.peak_memory = [int(m) for m in gathered[:, -1]]
 
     @override
@@ -247,11 +317,15 @@ class PipelineMetrics(Callback):
         index = getattr(self, "_first_step", 0) + (engine.loss_step if step is None else step)
         self.loss_history[index:index + 1] = [value]
 
-    def theory_bubble_ratio(self, trainer: pl.Trainer) -> float:
+    def theory_bubble_ratio(self, trainer: pl.Trainer, rows: list | None = None) -> float:
+        """:func:`theory_bubble_ratio` of what ran, at the action times of ``rows`` (the last step's
+        timelines of all ranks), else of this rank's last step; 0 without a pipeline."""
         engine = self._engine(trainer)
         if engine is None:
             return 0.0
-        return simulate(engine.whole_run(self.layout.N), t_f=1.0, t_b=2.0).bubble_ratio
+        if rows is None and engine.last_record is not None:
+            rows = [engine.last_record.timeline]
+        return theory_bubble_ratio(engine.whole_run(self.layout.N), rows)
 
     def _gather_timeline(self, trainer: pl.Trainer) -> list | None:
         engine = self._engine(trainer)
@@ -277,8 +351,9 @@ class PipelineMetrics(Callback):
             from pipeline_recipes.strategies.schedules.render import save_png
 
             picture = self.out_dir / "timeline.png"
-            save_png(rows, self._engine(trainer).last_executed(self.layout.N), str(picture),
-                     title=f"{self.layout.run_name}: measured step (rows = ranks)")
+            save_png([[(a, start * 1e3, end * 1e3) for a, start, end in row] for row in rows],
+                     self._engine(trainer).last_executed(self.layout.N), str(picture),
+                     title=f"{self.layout.run_name}: measured step (rows = ranks)", time_unit="ms")
         warm = self.bubbles[self.warmup_steps:] or self.bubbles
         tokens_per_s = self.throughput.median("tokens_per_s", self.warmup_steps)
         summary = {
@@ -286,7 +361,7 @@ class PipelineMetrics(Callback):
             "tokens_per_s": tokens_per_s,
             "iteration_s": self.throughput.median("iteration_s", self.warmup_steps),
             "bubble_ratio_measured": statistics.median(warm) if warm else None,
-            "bubble_ratio_theory": self.theory_bubble_ratio(trainer),
+            "bubble_ratio_theory": self.theory_bubble_ratio(trainer, rows),
             "tflops_per_device": self.utilisation.tflops_per_device(tokens_per_s),
             "mfu": self.utilisation.mfu(tokens_per_s),
         }

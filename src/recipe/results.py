@@ -6,7 +6,10 @@ Every job (one Hydra job; a multirun sweep puts them in ``<sweep_dir>/<job_num>/
 - ``status`` ("ok" | "skipped" | "failed") and ``reason`` (empty when ok);
 - the layout: ``strategy``, ``W``, ``D``, ``B``, ``N``, ``global_batch_size``, ``world_size``;
 - medians after warm-up: ``samples_per_s``, ``tokens_per_s``, ``iteration_s``;
-- ``bubble_ratio_measured`` and ``bubble_ratio_theory``;
+- ``bubble_ratio_measured`` and ``bubble_ratio_theory``: both 1 − Σ busy / (ranks × the longest rank's
+  span of the step), measured from the recorded action times (waiting on messages and host-side stalls
+  count as idle), and for the executed schedule simulated at those measured action times with no
+  communication (:mod:`recipe.metrics`); the table says so under its rows (:data:`BUBBLE_NOTE`);
 - ``tflops_per_device`` (model FLOPs achieved per device, median) and ``mfu`` (that over the device's
   peak; null where the peak is unknown, e.g. on CPUs);
 - ``peak_memory_bytes`` (one int per rank), ``loss_history`` (loss per optimizer step), ``final_loss``,
@@ -228,9 +231,15 @@ def table_row(result: RunResult) -> list[str]:
     ]
 
 
-def summary_table(results: Iterable[RunResult]) -> str:
+BUBBLE_NOTE = ("bubble meas/theory: idle share of the step, 1 - busy/(ranks x step span); meas: the recorded "
+               "action times (message waits and host-side stalls count as idle); theory: the executed schedule "
+               "simulated at the measured action times with zero communication")
+
+
+def summary_table(results: Iterable[RunResult], note: bool = True) -> str:
     """A plain-text table, one line per run in :func:`sort_results` order, columns :data:`COLUMNS`
-    (text left-aligned, numbers right-aligned; "-" where a value is missing)."""
+    (text left-aligned, numbers right-aligned; "-" where a value is missing), and with ``note`` the
+    bubble column's definition (:data:`BUBBLE_NOTE`) on the line under it."""
     rows = [list(COLUMNS)] + [table_row(result) for result in sort_results(results)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     left = {0, len(COLUMNS) - 1}
@@ -239,4 +248,5 @@ def summary_table(results: Iterable[RunResult]) -> str:
         padded = (c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
         return "  ".join(padded).rstrip()
 
-    return "\n".join([line(rows[0]), line(["-" * w for w in widths]), *map(line, rows[1:])])
+    return "\n".join([line(rows[0]), line(["-" * w for w in widths]), *map(line, rows[1:]),
+                      *([BUBBLE_NOTE] if note else [])])

@@ -2,7 +2,8 @@
 
 :mod:`recipe.launch` starts one per rank with Lightning's environment variables (``LOCAL_RANK``,
 ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning joins them instead
-of re-launching the script, which is what breaks Hydra multiruns (Lightning #15737, #18175).
+of re-launching the script, which is what breaks Hydra multiruns (Lightning #15737, #18175). A rank
+that raises records its first exception for the launcher (:func:`recipe.heartbeat.record_error`).
 """
 
 from __future__ import annotations
@@ -12,16 +13,23 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from .heartbeat import HEARTBEAT_ENV, start_heartbeat
+    from .heartbeat import HEARTBEAT_ENV, error_path, record_error, start_heartbeat
 
-    if os.environ.get(HEARTBEAT_ENV):  # before the slow imports: the launcher watches it from the start
-        start_heartbeat(os.environ[HEARTBEAT_ENV])
-    from .job import JobSpec, run_job
+    heartbeat = os.environ.get(HEARTBEAT_ENV)
+    if heartbeat:  # before the slow imports: the launcher watches it from the start
+        error_path(heartbeat).unlink(missing_ok=True)
+        start_heartbeat(heartbeat)
+    try:
+        from .job import JobSpec, run_job
 
-    if len(argv) != 1:
-        print("usage: python -m pipeline_recipes.recipe.worker <job.yaml>", file=sys.stderr)
-        return 2
-    run_job(JobSpec.load(argv[0]))
+        if len(argv) != 1:
+            print("usage: python -m pipeline_recipes.recipe.worker <job.yaml>", file=sys.stderr)
+            return 2
+        run_job(JobSpec.load(argv[0]))
+    except Exception as err:
+        if heartbeat:  # the launcher names this exception (its first, not a teardown's) as the job's failure
+            record_error(error_path(heartbeat), err)
+        raise
     return 0
 
 

@@ -27,12 +27,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from ..recipe.heartbeat import record_handled_error
 from . import checkpoint as ckpt
 from .engine import PipelineConfig, PipelineEngine
 from .executor import loss_counts, micro_batch_loss
@@ -99,6 +102,19 @@ class PipelineStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.W, "rank": self.replica}
+
+    @override
+    def setup_distributed(self) -> None:
+        """Lightning's, except for ranks sharing a GPU over gloo (:func:`share_gpus`): their group is bound
+        to no device, as ``tests/test_gpu.py`` runs them. Bound (Lightning passes the rank's GPU as
+        ``device_id``), every ``new_group`` of the pipeline would be split from the default gloo group."""
+        if self._get_process_group_backend() != "gloo" or self.root_device.type == "cpu":
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = "gloo"
+        _init_dist_connection(self.cluster_environment, "gloo", timeout=self._timeout)
 
     @override
     def setup_environment(self) -> None:
@@ -246,7 +262,16 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            super().teardown()
+        else:  # the job failed before setup built this rank's layers: Lightning's move of the module to the
+            self._lightning_module = None  # CPU would raise on its meta tensors and hide the error that ended it
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+        record_handled_error()  # a failed step: its exception is this rank's first, named by the launcher
         end_process_group()
 
 
@@ -403,6 +428,17 @@ def last_step(trainer: pl.Trainer, step: int) -> bool:
 
 def _batch_size(batch: Batch) -> int:
     return next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
+
+
+def share_gpus(strategy: DDPStrategy, gpu_of_rank: list[int]) -> None:
+    """Run a node's ranks on shared GPUs (more processes than GPUs, :func:`recipe.accelerator.shared_devices`):
+    local rank r on ``cuda:gpu_of_rank[r]``, over gloo, since NCCL refuses two ranks on one GPU; the
+    pipeline stages its messages through the host then (:mod:`strategies.p2p`). Call it before the
+    ``Trainer`` is built: Lightning keeps a strategy's own ``parallel_devices``."""
+    if not isinstance(strategy, DDPStrategy):
+        raise TypeError(f"{type(strategy).__name__} runs one process; only DDP-style strategies share GPUs")
+    strategy.parallel_devices = [torch.device("cuda", index) for index in gpu_of_rank]
+    strategy._process_group_backend = "gloo"  # DDPStrategy's process_group_backend argument, set after construction
 
 
 def register_strategies() -> None:

@@ -3,7 +3,8 @@
 Chimera (Li & Hoefler, SC '21) draws a schedule as one row per worker with time flowing to the
 right: one box per forward or backward pass, labelled with its micro-batch, colored by pipeline
 (Figure 3 merges the down and up pipelines), and the gaps between boxes are the bubbles
-(Figure 2 compares GPipe, DAPPLE, GEMS and Chimera that way).
+(Figure 2 compares GPipe, DAPPLE, GEMS and Chimera that way). Where a worker holds several stages
+of one pipeline (interleaved 1F1B, ZBV), the PNG also colours each of its chunks apart.
 
 Anything with per-worker start and end times can be drawn, so the same functions show a
 simulated schedule and, later, one measured by the runtime. A *timeline* is one of:
@@ -165,6 +166,10 @@ def ascii_timeline(timeline: Timeline, schedule: Schedule | None = None, *, widt
     if isinstance(timeline, Simulation):
         makespan, ratio = timeline.makespan, timeline.bubble_ratio
     parts = [ascii_chart(rows, width=width), "", f"makespan: {_fmt(makespan)}", f"bubble ratio: {ratio:.1%}"]
+    held = _stages_held(timeline)
+    if any(len(stages) > 1 for stages in held):  # a worker's chunks draw alike: say which stages it runs
+        parts.append("stages per worker (chunk 0 first; a box names its micro-batch, the actions below its stage): "
+                     + "  ".join(f"P{w}={','.join(map(str, stages))}" for w, stages in enumerate(held)))
     if schedule is not None:
         peaks = timeline.peak_activations if isinstance(timeline, Simulation) else peak_activations(schedule)
         parts.append(
@@ -174,9 +179,45 @@ def ascii_timeline(timeline: Timeline, schedule: Schedule | None = None, *, widt
     return "\n".join(parts)
 
 
-def save_png(timeline: Timeline, schedule: Schedule | None, path: str, *, title: str | None = None) -> None:
-    """Draw ``timeline`` to a PNG at ``path``: rows = workers, one color family per pipeline
-    (lighter for forwards, darker for backwards), micro-batch labels in the boxes."""
+def _stages(timeline: Timeline) -> list[list[int | None]]:
+    """Per worker, the stage of each box of :func:`to_spans` (``None`` for a :class:`Span`, which has none)."""
+    rows = timeline.timeline if isinstance(timeline, Simulation) else timeline
+    out = []
+    for row in rows:
+        stages: list[int | None] = []
+        for item in row:
+            action = item.action if isinstance(item, TimedAction) else item[0]
+            stages.append(action.stage if isinstance(action, Action) else None)
+        out.append(stages)
+    return out
+
+
+def _stages_held(timeline: Timeline) -> list[list[int]]:
+    """Per worker, the stages of one pipeline it runs, when some worker runs several (else one each)."""
+    chunks = chunk_of(timeline)
+    if not any(chunks.values()):
+        return []
+    return [sorted({st for st in row if st is not None}) for row in _stages(timeline)]
+
+
+def chunk_of(timeline: Timeline) -> dict[tuple[int, int], int]:
+    """``(pipe, stage) -> chunk``: the stage's place among its worker's stages of that pipeline (0 for the
+    first). Schedules with several stages of one pipeline per worker (interleaved 1F1B, ZBV) run a
+    worker's chunks one after the other; chunk 0 holds the stages nearest the input."""
+    held: dict[tuple[int, int], set[int]] = {}
+    for w, (spans, stages) in enumerate(zip(to_spans(timeline), _stages(timeline))):
+        for span, stage in zip(spans, stages):
+            if stage is not None:
+                held.setdefault((w, span.pipe), set()).add(stage)
+    return {(pipe, stage): c for (_, pipe), stages in held.items() for c, stage in enumerate(sorted(stages))}
+
+
+def timeline_figure(timeline: Timeline, schedule: Schedule | None = None, *, title: str | None = None,
+                    time_unit: str | None = None) -> Any:
+    """``timeline`` as a matplotlib ``Figure``: rows = workers, one colour family per pipeline and, where
+    a worker holds several stages of one pipeline, per chunk (so a worker's two chunks differ; the
+    legend and the row labels name their stages), lighter for forwards, darker for backwards,
+    micro-batch labels in the boxes. ``time_unit`` goes on the time axis, e.g. ``"ms"``."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -191,28 +232,63 @@ def save_png(timeline: Timeline, schedule: Schedule | None, path: str, *, title:
         if schedule is not None:
             extra = f", {schedule.pipelines} pipelines" if schedule.pipelines > 1 else ""
             title = f"{schedule.name}: {schedule.describe_size().replace(' = ', '=')}{extra}, " + title
+    chunks = chunk_of(timeline)
+    by_chunk = any(chunks.values())  # some worker holds two or more stages of one pipeline
+    stages = _stages(timeline)
+    pipes = sorted({s.pipe for row in rows for s in row})
 
-    def color(kind: str, pipe: int) -> Any:
-        return colormaps[_COLOR_FAMILIES[pipe % len(_COLOR_FAMILIES)]](_SHADE.get(kind, 0.75))
+    def group(pipe: int, stage: int | None) -> tuple[int, int]:
+        return pipe, chunks.get((pipe, stage), 0) if by_chunk and stage is not None else 0
+
+    families = {g: i for i, g in enumerate(sorted({group(s.pipe, st) for row, sts in zip(rows, stages)
+                                                  for s, st in zip(row, sts)}))}
+
+    def color(kind: str, g: tuple[int, int]) -> Any:
+        return colormaps[_COLOR_FAMILIES[families[g] % len(_COLOR_FAMILIES)]](_SHADE.get(kind, 0.75))
 
     shortest = min((s.end - s.start for row in rows for s in row if s.end > s.start), default=1.0)
     fig_w = min(max(0.35 * (makespan or 1.0) / shortest + 1.5, 6.0), 40.0)
     fig = Figure(figsize=(fig_w, 0.5 * len(rows) + 1.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for w, row in enumerate(rows):
-        for s in row:
-            ax.barh(w, s.end - s.start, left=s.start, height=0.8, color=color(s.kind, s.pipe),
-                    edgecolor="black", linewidth=0.5)
+    for w, (row, sts) in enumerate(zip(rows, stages)):
+        for s, st in zip(row, sts):
+            ax.barh(w, s.end - s.start, left=s.start, height=0.8, color=color(s.kind, group(s.pipe, st)),
+                    edgecolor="black", linewidth=0.5, gid=f"P{w} stage {st} {s.kind}{s.label}")
             ax.text((s.start + s.end) / 2, w, s.label, ha="center", va="center", fontsize=8,
                     color="black" if _SHADE.get(s.kind, 0.75) < 0.5 else "white", clip_on=True)
-    ax.set_yticks(range(len(rows)), [f"P{w}" for w in range(len(rows))])
+
+    def row_label(w: int) -> str:
+        held = sorted({st for st in stages[w] if st is not None})
+        return f"P{w} (stages {', '.join(map(str, held))})" if by_chunk and len(held) > 1 else f"P{w}"
+
+    ax.set_yticks(range(len(rows)), [row_label(w) for w in range(len(rows))])
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, makespan or 1.0)
-    ax.set_xlabel("time")
+    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
     ax.set_title(title)
-    used = sorted({(s.pipe, s.kind) for row in rows for s in row}, key=lambda k: (k[0], "FBIW".index(k[1])))
     names = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
-    handles = [Patch(color=color(k, p), label=f"{names[k]}, pipeline {p}") for p, k in used]
+    used = sorted({(group(s.pipe, st), s.kind) for row, sts in zip(rows, stages) for s, st in zip(row, sts)},
+                  key=lambda k: (k[0], "FBIW".index(k[1])))
+    members: dict[tuple[int, int], list[int]] = {}
+    for (pipe, stage), c in sorted(chunks.items()):
+        members.setdefault((pipe, c), []).append(stage)
+
+    def group_name(g: tuple[int, int]) -> str:
+        pipe, c = g
+        name = f"pipeline {pipe}" if len(pipes) > 1 or not by_chunk else ""
+        if by_chunk:
+            held = members.get(g, [])
+            noun = "stage" if len(held) == 1 else "stages"
+            name += (", " if name else "") + f"{noun} {', '.join(map(str, held))} (chunk {c})"
+        return name
+
+    handles = [Patch(color=color(k, g), label=f"{names[k]}, {group_name(g)}") for g, k in used]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return fig
+
+
+def save_png(timeline: Timeline, schedule: Schedule | None, path: str, *, title: str | None = None,
+             time_unit: str | None = None) -> None:
+    """Draw ``timeline`` to a PNG at ``path`` (:func:`timeline_figure`)."""
+    timeline_figure(timeline, schedule, title=title, time_unit=time_unit).savefig(path, dpi=120, bbox_inches="tight")

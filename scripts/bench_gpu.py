@@ -1,0 +1,585 @@
+#!/usr/bin/env python
+"""The GPU benchmark: the project's D = 1 stage path against two in-run anchors on one GPU.
+
+    python scripts/bench.py --parts gpu                                         # benchmarks/bench_gpu.json
+    python scripts/bench.py --parts gpu --device cpu --tiny --out /tmp/g.json   # smoke run on the CPU
+
+For ``model=gpt2`` (the Chimera paper's 1.39 B GPT-2, Li & Hoefler, SC'21, Table 2) and ``model=llama3-1b``
+at 16 samples per step split as micro-batch 16 × 1 and 4 × 4, in one process and one run:
+
+* ``stage``: the project's pipeline engine at D = 1 (one stage, DAPPLE's one-forward-one-backward order,
+  i.e. gradient accumulation), ``eager``. Compiled stages and CUDA graphs do not exist in this version:
+  their rows (``compiled``, ``eager+cuda_graphs``, ``compiled+cuda_graphs``) are listed with the status
+  ``not available in this version`` and no figures.
+* ``transformers``: the plain loop of ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (the same config and
+  weights, ``sdpa`` attention): forward with ``labels``, backward of the loss over the micro-batches.
+* ``handwritten``: a nanoGPT-style model of the same shape written here (Karpathy's nanoGPT ``model.py``):
+  fused QKV projection, ``scaled_dot_product_attention(is_causal=True)``; GPT-2's tanh GELU MLP and
+  LayerNorm; for Llama grouped-query attention, rotary position embeddings (Su et al., "RoFormer", §3.4;
+  the frequencies of the transformers model, so Llama 3's scaling too), SwiGLU (Shazeer, "GLU Variants
+  Improve Transformer", §2) and RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", §4).
+  ``tests/test_gpu_check.py`` checks on the CPU that it computes the transformers model's loss and gradients.
+
+Every row trains in bf16 autocast with fp32 weights and one fused AdamW step per mini-batch. The rows
+share one set of weights (the hand-written Llama adds its fused QKV matrices) and one optimizer state:
+three 1.2–1.4 B models with their AdamW states would not fit one GPU side by side, and sharing changes
+no shape and no amount of work. A row's gradients are released after its step.
+
+Measured per row: the step's wall time (the device synchronised before and after, optimizer step
+included) in ``rounds`` interleaved rounds after ``warmup`` steps (one step of every row per round, the
+order rotating; medians reported), tokens/s, model FLOPs utilisation with the project's FLOP count
+(:mod:`recipe.flops`: ``6·N + 12·L·d·T`` per token, PaLM's Appendix B; the device's dense bf16 peak),
+forward and backward time (CUDA events: the stage path's measured timeline, the anchors' events around
+each forward and backward; summed over the micro-batches) and the peak reserved memory of one more
+step (``torch.cuda.max_memory_reserved``, the caching allocator emptied and the peaks reset before each
+row). A row that runs out of memory is kept with its error as its status. ``--tiny`` (``gpt2-tiny``,
+``llama-tiny``; no warm-up, 2 rounds) is the smoke run of the same code; on a CPU the times are host
+times and there is no MFU or memory figure.
+
+JSON: ``{"rows": [...], "models": {name: sizes and FLOPs per token}, "settings": {...}, "meta": {...}}``;
+a row: ``model``, ``micro_batch`` ("16x1"), ``system``, ``mode``, ``status``, and where it ran ``step_s``,
+``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``forward_s``, ``backward_s``, ``peak_reserved_bytes``,
+``peak_allocated_bytes``, ``times_s`` (every round). ``python scripts/bench_gpu.py --summary OUT_DIR
+tests=RC bench=RC`` writes ``scripts/gpu_check.sh``'s ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "bench_gpu.json"
+MODELS = ("gpt2", "llama3-1b")
+TINY_MODELS = ("gpt2-tiny", "llama-tiny")
+SAMPLES = 16  # per step
+MICRO_BATCHES = ((16, 1), (4, 4))  # (micro-batch size, micro-batches)
+SCHEDULE = "dapple"  # at D = 1: forward, backward, forward, backward, ... (gradient accumulation)
+STAGE_MODES = ("eager", "compiled", "eager+cuda_graphs", "compiled+cuda_graphs")
+NOT_AVAILABLE = "not available in this version"
+PRECISION = "bf16-mixed"
+LR, WEIGHT_DECAY = 1e-5, 0.1
+
+
+# -- the hand-written models -------------------------------------------------------------------------
+
+
+def _affine(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """``x @ weight + bias`` with ``weight`` stored (in, out), as GPT-2's checkpoints store it."""
+    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[-1])
+
+
+class HandGPT2Block(nn.Module):
+    """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))`` (pre-LayerNorm, nanoGPT's ``Block``)."""
+
+    def __init__(self, hf_block: nn.Module, config: Any) -> None:
+        super().__init__()
+        a, m = hf_block.attn, hf_block.mlp
+        self.ln_1_w, self.ln_1_b, self.ln_2_w, self.ln_2_b = (hf_block.ln_1.weight, hf_block.ln_1.bias,
+                                                              hf_block.ln_2.weight, hf_block.ln_2.bias)
+        self.qkv_w, self.qkv_b = a.c_attn.weight, a.c_attn.bias  # one (d, 3d) matrix: fused QKV
+        self.proj_w, self.proj_b = a.c_proj.weight, a.c_proj.bias
+        self.fc_w, self.fc_b, self.out_w, self.out_b = m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias
+        self.heads, self.eps = int(config.n_head), float(config.layer_norm_epsilon)
+        self.attn_p, self.resid = float(config.attn_pdrop), nn.Dropout(float(config.resid_pdrop))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, d = x.shape
+        h = F.layer_norm(x, (d,), self.ln_1_w, self.ln_1_b, self.eps)
+        q, k, v = (t.view(B, T, self.heads, d // self.heads).transpose(1, 2)
+                   for t in _affine(h, self.qkv_w, self.qkv_b).split(d, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.attn_p if self.training else 0.0)
+        x = x + self.resid(_affine(y.transpose(1, 2).reshape(B, T, d), self.proj_w, self.proj_b))
+        h = F.layer_norm(x, (d,), self.ln_2_w, self.ln_2_b, self.eps)
+        h = F.gelu(_affine(h, self.fc_w, self.fc_b), approximate="tanh")
+        return x + self.resid(_affine(h, self.out_w, self.out_b))
+
+
+class HandGPT2(nn.Module):
+    """GPT-2 written out (nanoGPT's ``GPT``) on the parameters of a ``GPT2LMHeadModel``: ``input_ids -> logits``."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        t, config = hf.transformer, hf.config
+        self.wte, self.wpe, self.lm_head = t.wte.weight, t.wpe.weight, hf.lm_head.weight
+        self.ln_f_w, self.ln_f_b, self.eps = t.ln_f.weight, t.ln_f.bias, float(config.layer_norm_epsilon)
+        self.drop = nn.Dropout(float(config.embd_pdrop))
+        self.blocks = nn.ModuleList(HandGPT2Block(block, config) for block in t.h)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.drop(F.embedding(input_ids, self.wte) + F.embedding(positions, self.wpe))
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(F.layer_norm(x, (x.shape[-1],), self.ln_f_w, self.ln_f_b, self.eps), self.lm_head)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in float32, cast back before the gain (as Llama's reference code)."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of ``x`` (B, heads, T, hd): the two halves of each head rotated by the position's angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class HandLlamaBlock(nn.Module):
+    """``x + attn(rms(x))`` with GQA and RoPE, then ``x + swiglu(rms(x))``."""
+
+    def __init__(self, hf_layer: nn.Module, config: Any) -> None:
+        super().__init__()
+        a, m = hf_layer.self_attn, hf_layer.mlp
+        if a.o_proj.bias is not None or m.gate_proj.bias is not None:
+            raise ValueError("the hand-written Llama has no output-projection or MLP biases (attention_bias on "
+                             "o_proj, mlp_bias); benchmark a config without them")
+        self.heads, self.kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        self.head_dim = int(a.head_dim)
+        with torch.no_grad():  # one (q + 2 kv heads) × d matrix: the only weights this model does not share
+            self.qkv_w = nn.Parameter(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            self.qkv_b = nn.Parameter(torch.cat(biases)) if all(b is not None for b in biases) else None
+        self.o_w = a.o_proj.weight
+        self.gate_w, self.up_w, self.down_w = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
+        self.norm_1, self.norm_2 = hf_layer.input_layernorm.weight, hf_layer.post_attention_layernorm.weight
+        self.eps = float(config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        hd, sizes = self.head_dim, (self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                    self.kv_heads * self.head_dim)
+        q, k, v = F.linear(_rms_norm(x, self.norm_1, self.eps), self.qkv_w, self.qkv_b).split(sizes, dim=-1)
+        q, k, v = (t.view(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        x = x + F.linear(y.transpose(1, 2).reshape(B, T, -1), self.o_w)
+        h = _rms_norm(x, self.norm_2, self.eps)
+        return x + F.linear(F.silu(F.linear(h, self.gate_w)) * F.linear(h, self.up_w), self.down_w)
+
+
+class HandLlama(nn.Module):
+    """Llama written out on the parameters of a ``LlamaForCausalLM``: ``input_ids -> logits``."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        base, config = hf.model, hf.config
+        self.embed, self.lm_head = base.embed_tokens.weight, hf.lm_head.weight  # one Parameter when tied
+        self.norm, self.eps = base.norm.weight, float(config.rms_norm_eps)
+        self.register_buffer("inv_freq", base.rotary_emb.inv_freq, persistent=False)
+        self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
+        self.blocks = nn.ModuleList(HandLlamaBlock(layer, config) for layer in base.layers)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        x = F.embedding(input_ids, self.embed)
+        angles = torch.arange(input_ids.shape[1], device=x.device, dtype=torch.float32)[:, None] * self.inv_freq.float()
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = ((angles.cos() * self.rope_scale).to(x.dtype), (angles.sin() * self.rope_scale).to(x.dtype))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return F.linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+
+
+def handwritten(hf: nn.Module) -> nn.Module:
+    """The hand-written twin of a transformers GPT-2 or Llama model, on its weights."""
+    kind = hf.config.model_type
+    if kind == "gpt2":
+        return HandGPT2(hf)
+    if kind == "llama":
+        return HandLlama(hf)
+    raise ValueError(f"no hand-written model for model_type={kind!r}; the GPU benchmark has gpt2 and llama")
+
+
+# -- rows ----------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Marks:
+    """Points in one step: CUDA events on a GPU (execution, not launch, times), host times on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.points: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    def seconds(self, i: int, j: int) -> float:
+        """From point ``i`` to point ``j`` (after the device finished both)."""
+        a, b = self.points[i], self.points[j]
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+Step = Callable[[], Callable[[], tuple[float, float]]]  # runs one step; returns its (forward_s, backward_s) reader
+
+
+@dataclass
+class Row:
+    """One system at one micro-batch split; ``step`` is None for a row that does not run."""
+
+    model: str
+    micro_batch_size: int
+    micro_batches: int
+    system: str
+    mode: str = "eager"
+    step: Step | None = None
+    status: str = "ok"
+    times_s: list[float] = field(default_factory=list)
+    forward_s: list[float] = field(default_factory=list)
+    backward_s: list[float] = field(default_factory=list)
+    peak_reserved_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.micro_batch_size}x{self.micro_batches} {self.system}:{self.mode}"
+
+
+def _loop_step(forward: Callable[[Tensor], Tensor], batches: list[Tensor], optimizer: torch.optim.Optimizer,
+               autocast: Callable[[], AbstractContextManager], device: torch.device) -> Step:
+    """A plain training step: forward and backward of each micro-batch (the loss averaged over them), then
+    the optimizer; events around every forward and backward."""
+
+    def step() -> Callable[[], tuple[float, float]]:
+        marks = _Marks(device)
+        for ids in batches:
+            marks.mark()
+            with autocast():
+                loss = forward(ids)
+            marks.mark()
+            (loss / len(batches)).backward()
+            marks.mark()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        n = len(batches)
+        return lambda: (sum(marks.seconds(3 * i, 3 * i + 1) for i in range(n)),
+                        sum(marks.seconds(3 * i + 1, 3 * i + 2) for i in range(n)))
+
+    return step
+
+
+def _stage_step(engine: Any, batch: dict[str, Tensor], optimizer: torch.optim.Optimizer,
+                autocast: Callable[[], AbstractContextManager]) -> Step:
+    """The engine's step, then the optimizer; forward and backward from the engine's measured timeline."""
+
+    def step() -> Callable[[], tuple[float, float]]:
+        with autocast():
+            engine.train_step(batch)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        record = engine.last_record
+
+        def read() -> tuple[float, float]:
+            boxes = record.timeline
+            return (sum(end - start for action, start, end in boxes if action.kind == "F"),
+                    sum(end - start for action, start, end in boxes if action.kind != "F"))
+
+        return read
+
+    return step
+
+
+def _out_of_memory(err: BaseException) -> BaseException | None:
+    """The out-of-memory error behind ``err`` (the engine wraps an action's error in a ``StepError``)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, torch.OutOfMemoryError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _run(row: Row, device: torch.device, params: list[nn.Parameter]) -> bool:
+    """One timed step of ``row``; False (and the row's status says why) when it ran out of memory."""
+    _sync(device)
+    start = time.perf_counter()
+    try:
+        read = row.step()
+        _sync(device)
+    except Exception as err:  # noqa: BLE001 - out of memory ends the row; anything else is a bug
+        oom = _out_of_memory(err)
+        if oom is None:
+            raise
+        row.status = "out of memory: " + str(oom).splitlines()[0]
+        row.step = None
+        del oom
+    else:
+        row.times_s.append(time.perf_counter() - start)
+        fwd, bwd = read()
+        row.forward_s.append(fwd)
+        row.backward_s.append(bwd)
+        return True
+    for p in params:  # outside the handler: the exception's frames hold the failed step's tensors
+        p.grad = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return False
+
+
+def _measure(rows: list[Row], device: torch.device, params: list[nn.Parameter], warmup: int, rounds: int) -> None:
+    """Warm-up steps, then ``rounds`` rounds of one step per row in a rotating order (the machine's drift
+    spreads over every row), then, on a GPU, one step per row for its peak memory."""
+    def running() -> list[Row]:
+        return [row for row in rows if row.step is not None]
+
+    for row in running():
+        for _ in range(warmup):
+            if not _run(row, device, params):
+                print(f"[gpu bench] {row.label}: {row.status}", file=sys.stderr, flush=True)
+                break
+        row.times_s, row.forward_s, row.backward_s = [], [], []
+    for r in range(rounds):
+        active = running()
+        for row in active[r % len(active):] + active[:r % len(active)] if active else []:
+            if not _run(row, device, params):
+                print(f"[gpu bench] {row.label}: {row.status}", file=sys.stderr, flush=True)
+    if device.type != "cuda":
+        return
+    for row in running():
+        times = list(row.times_s), list(row.forward_s), list(row.backward_s)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        if _run(row, device, params):
+            row.peak_reserved_bytes = int(torch.cuda.max_memory_reserved(device))
+            row.peak_allocated_bytes = int(torch.cuda.max_memory_allocated(device))
+        row.times_s, row.forward_s, row.backward_s = times  # the memory step is not a timed round
+
+
+def _model_rows(name: str, device: torch.device, warmup: int, rounds: int) -> tuple[list[dict], dict[str, Any]]:
+    """Every row of one model (see the module docstring), measured together, and the model's sizes."""
+    from pipeline_recipes.models import build_model
+    from pipeline_recipes.models.gpt2 import causal_lm_loss
+    from pipeline_recipes.models.registry import preset
+    from pipeline_recipes.recipe.flops import flops_per_token, matmul_parameters, resolve_utilisation, transformer_shape
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+
+    model = build_model(name, init_seed=0, device="meta")
+    seq_len, vocab = model.seq_len, int(model.config.vocab_size)
+    engines = {(mbs, n): PipelineEngine(model, PipelineConfig(SCHEDULE, 1, mbs), 1, device) for mbs, n in MICRO_BATCHES}
+    model.train()
+    hf = model.reference()  # the transformers model on the same parameters
+    hand = handwritten(hf).to(device).train()
+    params = list({id(p): p for m in (model, hand) for p in m.parameters() if p.requires_grad}.values())
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    flops = flops_per_token(matmul_parameters(hf), *transformer_shape(preset(name)), seq_len)
+    utilisation = resolve_utilisation(flops, 1, device, PRECISION)  # one device; its dense bf16 peak
+    ids = torch.randint(0, vocab, (SAMPLES, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def autocast() -> AbstractContextManager:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+
+    rows = []
+    for mbs, n in MICRO_BATCHES:
+        batches = list(ids.split(mbs))
+        for mode in STAGE_MODES:
+            step = _stage_step(engines[(mbs, n)], {"input_ids": ids}, optimizer, autocast) if mode == "eager" else None
+            rows.append(Row(name, mbs, n, "stage", mode, step, "ok" if step else NOT_AVAILABLE))
+        rows.append(Row(name, mbs, n, "transformers", "eager",
+                        _loop_step(lambda x: hf(input_ids=x, labels=x).loss, batches, optimizer, autocast, device)))
+        rows.append(Row(name, mbs, n, "handwritten", "eager",
+                        _loop_step(lambda x: causal_lm_loss(hand(x), x), batches, optimizer, autocast, device)))
+    _measure(rows, device, params, warmup, rounds)
+    out = []
+    for row in rows:
+        entry: dict[str, Any] = {"model": name, "micro_batch": f"{row.micro_batch_size}x{row.micro_batches}",
+                                 "micro_batch_size": row.micro_batch_size, "micro_batches": row.micro_batches,
+                                 "system": row.system, "mode": row.mode, "status": row.status}
+        if row.status == "ok" and row.times_s:
+            step_s = statistics.median(row.times_s)
+            tokens_per_s = SAMPLES * seq_len / step_s
+            entry.update({"step_s": step_s, "tokens_per_s": tokens_per_s,
+                          "tflops_per_device": utilisation.tflops_per_device(tokens_per_s),
+                          "mfu": utilisation.mfu(tokens_per_s),
+                          "forward_s": statistics.median(row.forward_s),
+                          "backward_s": statistics.median(row.backward_s),
+                          "peak_reserved_bytes": row.peak_reserved_bytes,
+                          "peak_allocated_bytes": row.peak_allocated_bytes,
+                          "times_s": row.times_s})
+        out.append(entry)
+    shared = {id(p) for p in model.parameters()}
+    info = {"seq_len": seq_len, "tokens_per_step": SAMPLES * seq_len, "flops_per_token": flops,
+            "parameters": model.num_parameters(),
+            "handwritten_own_parameters": sum(p.numel() for p in hand.parameters() if id(p) not in shared)}
+    return out, info
+
+
+def _init_world(device: torch.device) -> None:
+    """A process group of one rank (the engine's collectives): NCCL on a GPU, gloo on a CPU."""
+    import torch.distributed as dist
+
+    from pipeline_recipes.strategies.spawn import free_port
+
+    if dist.is_initialized():
+        return
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, device_id=device if cuda else None)
+
+
+def run(out: Path, *, device: str = "cuda", tiny: bool = False, warmup: int | None = None,
+        rounds: int | None = None, command: str = "", machine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure every row, write ``out`` (JSON) after each model, print the table; return the record."""
+    import torch.distributed as dist
+
+    from pipeline_recipes.recipe.flops import resolve_utilisation
+
+    target = torch.device(device)
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"the GPU benchmark needs CUDA, but torch {torch.__version__} sees no GPU; run "
+                               "it on a GPU machine (bash scripts/gpu_check.sh OUT), or --device cpu --tiny for the "
+                               "smoke run")
+        target = torch.device("cuda", torch.cuda.current_device() if target.index is None else target.index)
+        torch.cuda.set_device(target)
+    warmup = (0 if tiny else 2) if warmup is None else warmup
+    rounds = (2 if tiny else 5) if rounds is None else rounds
+    began = time.perf_counter()
+    peak = resolve_utilisation(None, 1, target, PRECISION)
+    record: dict[str, Any] = {
+        "rows": [],
+        "models": {},
+        "settings": {"models": list(TINY_MODELS if tiny else MODELS), "samples_per_step": SAMPLES,
+                     "micro_batches": [f"{m}x{n}" for m, n in MICRO_BATCHES], "stage_schedule": SCHEDULE,
+                     "stage_modes": list(STAGE_MODES), "precision": PRECISION,
+                     "optimizer": f"AdamW(fused=True, lr={LR}, weight_decay={WEIGHT_DECAY})",
+                     "warmup": warmup, "rounds": rounds, "device": str(target), "tiny": tiny},
+        "meta": {**(machine or {}), "command": command, "device_name": torch.cuda.get_device_name(target)
+                 if target.type == "cuda" else platform.processor() or platform.machine(),
+                 "cuda": torch.version.cuda, "transformers": _version("transformers"),
+                 "peak_tflops": peak.peak_tflops, "peak_label": peak.peak_label,
+                 "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+    }
+    _init_world(target)
+    try:
+        for name in record["settings"]["models"]:
+            start = time.perf_counter()
+            print(f"[gpu bench] {name} ...", file=sys.stderr, flush=True)
+            rows, record["models"][name] = _model_rows(name, target, warmup, rounds)
+            record["rows"] += rows
+            gc.collect()  # the model, its optimizer state and its rows' closures are gone: free their memory
+            if target.type == "cuda":
+                torch.cuda.empty_cache()
+            record["meta"].setdefault("model_wall_s", {})[name] = round(time.perf_counter() - start, 1)
+            record["meta"]["wall_s"] = round(time.perf_counter() - began, 1)
+            _write(out, record)
+    finally:
+        dist.destroy_process_group()
+    print(markdown_table(record))
+    return record
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _write(out: Path, record: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def markdown_table(record: dict[str, Any]) -> str:
+    """The rows as BENCHMARKS.md shows them."""
+
+    def num(value: Any, scale: float = 1.0, digits: int = 1) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return ""
+        return f"{value * scale:.{digits}f}"
+
+    lines = ["| model | micro-batch | system | mode | tokens/s | MFU % | step ms | forward ms | backward ms "
+             "| peak reserved GiB | status |", "|" + "---|" * 11]
+    for r in record["rows"]:
+        lines.append(f"| {r['model']} | {r['micro_batch']} | {r['system']} | {r['mode']} "
+                     f"| {num(r.get('tokens_per_s'), 1, 0)} | {num(r.get('mfu'), 100)} "
+                     f"| {num(r.get('step_s'), 1e3)} | {num(r.get('forward_s'), 1e3)} "
+                     f"| {num(r.get('backward_s'), 1e3)} "
+                     f"| {num(r.get('peak_reserved_bytes'), 2**-30, 2)} "
+                     f"| {'' if r['status'] == 'ok' else r['status']} |")
+    return "\n".join(lines)
+
+
+# -- the one-command GPU check's summary ---------------------------------------------------------------
+
+
+def junit_counts(path: Path) -> dict[str, Any]:
+    """Counts and failures of a pytest JUnit XML report (``--junitxml``)."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    failed = []
+    for case in root.iter("testcase"):
+        for kind in ("failure", "error"):
+            node = case.find(kind)
+            if node is not None:
+                failed.append({"test": f"{case.get('classname')}::{case.get('name')}", "kind": kind,
+                               "message": (node.get("message") or "")[:500]})
+    return {**counts, "failed": failed}
+
+
+def summarize(out_dir: Path, exit_codes: dict[str, int], wall_s: float | None = None) -> dict[str, Any]:
+    """``summary.json`` of ``scripts/gpu_check.sh``: the pytest outcome and the benchmark's record."""
+    junit, bench = out_dir / "pytest.xml", out_dir / "bench_gpu.json"
+    tests = junit_counts(junit) if junit.exists() else None
+    record = json.loads(bench.read_text()) if bench.exists() else None
+    ok = (exit_codes.get("tests") == 0 and tests is not None and not tests["failed"] and tests["tests"] > 0
+          and exit_codes.get("bench") == 0 and record is not None)
+    return {"ok": ok, "exit_codes": exit_codes, "wall_s": wall_s,
+            "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "tests": tests if tests is not None else "no report (pytest did not finish: see gpu_check.log)",
+            "bench": record if record is not None else "no record (the benchmark did not finish: see gpu_check.log)"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--summary OUT_DIR tests=RC bench=RC [wall_s=S]``: write OUT_DIR/summary.json (used by gpu_check.sh)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2 or args[0] != "--summary":
+        print("usage: bench_gpu.py --summary OUT_DIR tests=RC bench=RC [wall_s=S]; the benchmark itself runs as "
+              "python scripts/bench.py --parts gpu", file=sys.stderr)
+        return 2
+    out_dir = Path(args[1])
+    values = dict(a.split("=", 1) for a in args[2:])
+    wall = float(values.pop("wall_s")) if "wall_s" in values else None
+    summary = summarize(out_dir, {k: int(v) for k, v in values.items()}, wall)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    tests = summary["tests"]
+    print(f"summary: ok={summary['ok']}; tests: " + (f"{tests['passed']} passed, {len(tests['failed'])} failed, "
+          f"{tests['skipped']} skipped" if isinstance(tests, dict) else tests))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
