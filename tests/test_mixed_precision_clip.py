@@ -4,10 +4,6 @@ included, for every strategy; fp16 with a scaler and a fused optimizer is refuse
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +13,7 @@ from torch import nn
 from pipeline_recipes.recipe.accelerator import check_precision
 from pipeline_recipes.recipe.layout import ConfigError
 from pipeline_recipes.strategies.precision import ClippingMixedPrecision, with_precision_plugin
+from train_jobs import run_train_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16_LOSS_TOL = 2e-3  # the same run under another layout: bf16 roundings of ~2^-9 relative, averaged in the loss
@@ -121,17 +118,7 @@ def test_baselines_and_pipelines_clip_alike_under_bf16(tmp_path: Path) -> None:
             "gpipe": ["strategy=gpipe", "strategy.D=2", "trainer.devices=2"],
             "dapple": ["strategy=dapple", "strategy.D=2", "trainer.devices=2"],
             "unclipped": ["strategy=single", "trainer.devices=1", "trainer.gradient_clip_val=null"]}
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    procs = {}
-    for name, args in jobs.items():  # together: most of each run is importing Lightning
-        (tmp_path / name).mkdir()
-        procs[name] = subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / name}",
-                                        *common, *args], cwd=tmp_path / name, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
-    for name, proc in procs.items():
-        assert proc.returncode == 0, outputs[name][-3000:]
-    losses = {name: json.loads((tmp_path / name / "results.json").read_text())["loss_history"] for name in jobs}
+    losses = {name: result["loss_history"] for name, result in run_train_jobs(tmp_path, common, jobs)[0].items()}
     reference = losses["single"]
     assert len(reference) == 4
     for name in ("ddp", "gpipe", "dapple"):

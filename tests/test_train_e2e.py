@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
+from train_jobs import run_train_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,17 +129,7 @@ def test_every_strategy_sees_the_same_batches(tmp_path: Path) -> None:
             "ddp": ["strategy=ddp", "strategy.D=1", "trainer.devices=2"],
             "gpipe": ["strategy=gpipe", "strategy.D=2", "trainer.devices=2"],
             "dapple": ["strategy=dapple", "strategy.D=1", "trainer.devices=2"]}
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    procs = {}
-    for name, args in jobs.items():  # together: most of each run is importing Lightning
-        (tmp_path / name).mkdir()
-        procs[name] = subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / name}",
-                                        *common, *args], cwd=tmp_path / name, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
-    for name, proc in procs.items():
-        assert proc.returncode == 0, outputs[name][-3000:]
-    results = {name: json.loads((tmp_path / name / "results.json").read_text()) for name in jobs}
+    results, outputs = run_train_jobs(tmp_path, common, jobs)
     reference = results["single"]
     assert len(reference["loss_history"]) == len(reference["lr_history"]) == 3
     for name, result in results.items():
