@@ -207,24 +207,10 @@ def test_profile_rounds_interleave_batch_sizes(monkeypatch: pytest.MonkeyPatch) 
     """Every round times each layer at every batch size back to back, so a slow spell of a shared
     machine moves the fitted line's level, not its slope (sizes profiled one after the other once
     read a 3× slope)."""
-    import torch
-
     import pipeline_recipes.planner.profile as prof
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
+    from test_planner_speed import emulated_timing_runs
 
-    model = EmulatedPipeline(3, t_f=0.0, activation_numel=4, param_numel=4)
-    runner = prof._LayerRunner(model, torch.device("cpu"))
-    runs = [prof._prepare_size(runner, model.batch(size)) for size in (1, 2)]
-    size_of = {id(run.batch): size for run, size in zip(runs, (1, 2))}
-    order: list[tuple[int, int]] = []
-    forward = runner.forward
-
-    def recording(first: int, last: int, x: object, batch: dict) -> tuple:
-        order.append((first, size_of[id(batch)]))
-        return forward(first, last, x, batch)
-
-    monkeypatch.setattr(runner, "forward", recording)
-    monkeypatch.setattr(prof, "MIN_SECONDS", 0.0)
+    _, runner, runs, order = emulated_timing_runs(monkeypatch, 3)
     monkeypatch.setattr(prof, "MIN_SAMPLES", 1)
     prof._time_layers(runner, runs, reps=2, warmup=0)
     assert order == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2)] * 2

@@ -17,7 +17,15 @@ def tiny_gpt2(n_layer: int) -> dict[str, Any]:
     return {**preset("gpt2-tiny"), "n_layer": n_layer, "init_seed": 0}
 
 
-def _record_order(monkeypatch: pytest.MonkeyPatch, runner: prof._LayerRunner, size_of: dict[int, int]) -> list:
+def emulated_timing_runs(monkeypatch: pytest.MonkeyPatch, layers: int) -> tuple[Any, Any, list, list]:
+    """An emulated pipeline of ``layers`` layers prepared at batch sizes 1 and 2, with every layer
+    forward the timing rounds make recorded as ``(first layer, batch size)``, and no minimum time."""
+    from pipeline_recipes.strategies.emulated import EmulatedPipeline
+
+    model = EmulatedPipeline(layers, t_f=0.0, activation_numel=4, param_numel=4)
+    runner = prof._LayerRunner(model, torch.device("cpu"))
+    runs = [prof._prepare_size(runner, model.batch(size)) for size in (1, 2)]
+    size_of = {id(run.batch): size for run, size in zip(runs, (1, 2))}
     order: list[tuple[int, int]] = []
     forward = runner.forward
 
@@ -26,18 +34,13 @@ def _record_order(monkeypatch: pytest.MonkeyPatch, runner: prof._LayerRunner, si
         return forward(first, last, x, batch)
 
     monkeypatch.setattr(runner, "forward", recording)
-    return order
+    monkeypatch.setattr(prof, "MIN_SECONDS", 0.0)
+    return model, runner, runs, order
 
 
 def test_timed_rounds_run_one_layer_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """Five emulated layers: first, three identical middle ones, last. Only layers 0, 1 and 4 are timed."""
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
-
-    model = EmulatedPipeline(5, t_f=0.0, activation_numel=4, param_numel=4)
-    runner = prof._LayerRunner(model, torch.device("cpu"))
-    runs = [prof._prepare_size(runner, model.batch(size)) for size in (1, 2)]
-    order = _record_order(monkeypatch, runner, {id(run.batch): size for run, size in zip(runs, (1, 2))})
-    monkeypatch.setattr(prof, "MIN_SECONDS", 0.0)
+    model, runner, runs, order = emulated_timing_runs(monkeypatch, 5)
     prof._time_layers(runner, runs, reps=3, warmup=0)
     assert order == [(0, 1), (0, 2), (1, 1), (1, 2), (4, 1), (4, 2)] * 3
     for run in runs:
@@ -45,13 +48,7 @@ def test_timed_rounds_run_one_layer_per_group(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_time_budget_stops_after_the_minimum_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
-
-    model = EmulatedPipeline(3, t_f=0.0, activation_numel=4, param_numel=4)
-    runner = prof._LayerRunner(model, torch.device("cpu"))
-    runs = [prof._prepare_size(runner, model.batch(size)) for size in (1, 2)]
-    order = _record_order(monkeypatch, runner, {id(run.batch): size for run, size in zip(runs, (1, 2))})
-    monkeypatch.setattr(prof, "MIN_SECONDS", 0.0)
+    model, runner, runs, order = emulated_timing_runs(monkeypatch, 3)
     prof._time_layers(runner, runs, reps=10, warmup=0, budget_s=0.0)  # any round overruns a zero budget
     assert Counter(order) == {(i, b): prof.MIN_ROUNDS for i in range(3) for b in (1, 2)}
     with pytest.raises(ValueError, match="reps >= 1"):
