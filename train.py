@@ -172,11 +172,21 @@ def _unknown_key(argv: list[str]) -> str | None:
 def _compose_or_explain(args: Any, probe: list[tuple[str, Any]]) -> tuple[DictConfig | None, str | None]:
     """The composed config, or None and the message for the first override of a key it lacks; any
     other composition error is raised."""
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    from pipeline_recipes.strategies.schedules.rules import did_you_mean
 
     lines = [line for line, _ in probe]
     try:
         return _compose(args, lines), None
+    except MissingConfigException as err:  # an option of a config group that has no such file
+        group, _, value = str(err.missing_cfg_file or "").rpartition("/")
+        options = sorted(err.options or ())
+        if not group or not options:
+            raise
+        close = did_you_mean(value, options)
+        return None, (f"{group}={value}: config group '{group}' has no option {value!r}; choose one of "
+                      f"{', '.join(options)}" + (f"; did you mean {group}={close}?" if close else ""))
     except ConfigCompositionException as err:
         failed = [(line, o) for line, o in probe if str(err).startswith(f"Could not override '{o.key_or_group}'.")]
         if not failed:

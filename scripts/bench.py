@@ -7,10 +7,11 @@
 
 Parts (``--parts``, comma-separated; default all):
 
-* ``efficiency``: GPipe, DAPPLE, GEMS, Chimera and PipeDream-2BW on emulated-compute stages
-  (:mod:`strategies.emulated`: forward ``t_f``, backward ``2 t_f`` of sleep, real p2p tensors and
-  all-reduces) at D ∈ {2, 4, 8}, N ∈ {D, 2D}, and PipeDream at N = 1: median measured step time ÷
-  simulated makespan (:func:`strategies.schedules.simulate`; the asynchronous ones: their steady
+* ``efficiency``: every schedule of the registry on emulated-compute stages
+  (:mod:`pipeline_recipes.strategies.emulated`: forward ``t_f``, backward ``2 t_f`` of sleep, real p2p tensors and
+  all-reduces) at D ∈ {2, 4, 8} (those with several stages per worker or split backwards at D ∈ {2, 4}),
+  N ∈ {D, 2D} where its rules allow, and PipeDream at N = 1: median measured step time ÷
+  simulated makespan (:func:`pipeline_recipes.strategies.schedules.simulate`; the asynchronous ones: their steady
   no-flush step, each rank timing its own steps in a barrier-free stream, the slowest rank counted), and
   Chimera ÷ DAPPLE measured vs in theory.
 * ``vs_torch``: the same GPT-2, split, micro-batches and D = 2 CPU ranks (one thread each) under
@@ -52,6 +53,7 @@ from typing import Any
 import torch
 
 from bench_e2e import TORCH_STAGES  # torch's classes and the stages each rank holds: one table for both parts
+from pipeline_recipes.strategies.schedules import specs
 from pipeline_recipes.strategies.spawn import run_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +127,7 @@ def _gpt2(size: dict[str, int]) -> Any:
     torch.manual_seed(0)
     return build_model("gpt2-tiny", n_layer=size["layers"], n_embd=size["hidden"], n_head=size["heads"],
                        vocab_size=size["vocab"], n_positions=size["seq"], seq_len=size["seq"],
-                       tie_word_embeddings=False)
+                       tie_word_embeddings=False, loss_chunk_tokens=None)  # torch's loss_fn takes logits
 
 
 def _gpt2_batch(size: dict[str, int], samples: int) -> dict[str, torch.Tensor]:
@@ -176,8 +178,14 @@ class _Stream(_Step):
         return float(value)
 
 
-MODERN = ("interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "chimera_zb")  # after Chimera: split backwards, chunks
-MODERN_DEPTHS = (2, 4)  # the efficiency part runs them at these D (8 ranks on 2 cores would double its time)
+MODERN_DEPTHS = (2, 4)  # schedules with several stages per worker or split backwards run at these D only
+# (8 ranks on 2 cores would double the part's time)
+
+
+def efficiency_schedules(N: int) -> tuple[str, ...]:
+    """The registry's schedules the efficiency part runs at N micro-batches per update: at N = 1 those
+    that fix one per update (PipeDream), otherwise every schedule that leaves N free."""
+    return tuple(s.name for s in specs() if (s.fixed_micro_batches == 1 if N == 1 else s.fixed_micro_batches is None))
 
 
 def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: int, warmup: int,
@@ -188,14 +196,14 @@ def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: 
 
     rows = []
     for N in [*Ns, 1]:  # N = 1: PipeDream (one micro-batch per update)
-        names = ("pipedream",) if N == 1 else ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw",
-                                                *(MODERN if world in MODERN_DEPTHS else ()))
         runners, simulated, stage_t_f = {}, {}, {}
-        for name in names:
+        for name in efficiency_schedules(N):
             config = PipelineConfig(name, world, 1)
             try:
                 split = any(a.kind in "IW" for row in config.build(N).workers for a in row)
             except ScheduleError:  # N outside the schedule's rules (DualPipeV: N >= 2D)
+                continue
+            if (split or config.num_stages > world) and world not in MODERN_DEPTHS:
                 continue
             chunks = config.num_stages // world  # a worker's compute is t_f + t_b per micro-batch whatever its chunks
             stage_t_f[name] = t_f / chunks
@@ -428,7 +436,9 @@ def part_recompute(quick: bool) -> dict[str, list[dict]]:
     return {"recompute": rows}
 
 
-E2E_SCHEDULES = ("gpipe", "dapple", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "chimera", "chimera_zb")
+def e2e_schedules() -> tuple[str, ...]:
+    """Every synchronous schedule of the registry: ``train.py strategy=<name>`` for each."""
+    return tuple(s.name for s in specs() if not s.asynchronous)
 
 
 def part_e2e(quick: bool) -> dict[str, Any]:
@@ -436,7 +446,7 @@ def part_e2e(quick: bool) -> dict[str, Any]:
 
     if quick:
         return run_e2e(quick, ours=("dapple",), theirs=("ScheduleGPipe", "Schedule1F1B"))
-    return run_e2e(quick, ours=E2E_SCHEDULES, without_logger=("dapple",))
+    return run_e2e(quick, ours=e2e_schedules(), without_logger=("dapple",))
 
 
 RUNNERS = {"efficiency": part_efficiency, "vs_torch": part_vs_torch, "overhead": part_overhead,

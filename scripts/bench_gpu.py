@@ -8,17 +8,31 @@ For ``model=gpt2`` (the Chimera paper's 1.39 B GPT-2, Li & Hoefler, SC'21, Table
 at 16 samples per step split as micro-batch 16 × 1 and 4 × 4, in one process and one run:
 
 * ``stage``: the project's pipeline engine at D = 1 (one stage, DAPPLE's one-forward-one-backward order,
-  i.e. gradient accumulation), ``eager``. Compiled stages and CUDA graphs do not exist in this version:
-  their rows (``compiled``, ``eager+cuda_graphs``, ``compiled+cuda_graphs``) are listed with the status
+  i.e. gradient accumulation) on the model as ``conf/model`` builds it: GPT-2's MLP with the one-op tanh
+  GELU (``gelu_pytorch_tanh``), the causal mask left to SDPA's ``is_causal``, and the LM loss with
+  ``loss_chunk_tokens`` (4096) tokens' logits at a time (:mod:`pipeline_recipes.models.lm_loss`: no fp32
+  logits of the whole micro-batch, the head's product done twice). ``eager``; ``compiled``: the same
+  path with every repeated block compiled by
+  :func:`pipeline_recipes.strategies.compile.compile_blocks`, the function training's ``model.compile``
+  calls, with its default backend (inductor). CUDA graphs do not exist in this version: the rows
+  ``eager+cuda_graphs`` and ``compiled+cuda_graphs`` are listed with the status
   ``not available in this version`` and no figures.
 * ``transformers``: the plain loop of ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (the same config and
-  weights, ``sdpa`` attention): forward with ``labels``, backward of the loss over the micro-batches.
+  weights, so the same GELU; ``sdpa`` attention): forward with ``labels``, i.e. the whole micro-batch's
+  logits upcast to fp32 and ``ForCausalLMLoss``, backward of the loss over the micro-batches.
 * ``handwritten``: a nanoGPT-style model of the same shape written here (Karpathy's nanoGPT ``model.py``):
   fused QKV projection, ``scaled_dot_product_attention(is_causal=True)``; GPT-2's tanh GELU MLP and
   LayerNorm; for Llama grouped-query attention, rotary position embeddings (Su et al., "RoFormer", §3.4;
   the frequencies of the transformers model, so Llama 3's scaling too), SwiGLU (Shazeer, "GLU Variants
-  Improve Transformer", §2) and RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", §4).
+  Improve Transformer", §2) and RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", §4);
+  its loss is the stage's chunked one (same ``loss_chunk_tokens``), so the two differ in their blocks
+  only. ``eager``; ``compiled``: each block through its own ``torch.compile`` (same backend).
   ``tests/test_gpu_check.py`` checks on the CPU that it computes the transformers model's loss and gradients.
+
+Compiling happens in a compiled row's warm-up steps (at least ``COMPILE_WARMUP``, also under ``--tiny``),
+never in a timed round: ``models[name]["graphs_compiled_in_timed_rounds"]`` counts TorchDynamo's graphs
+compiled during the rounds (0 when so). The compiled stage shares its block modules with the eager stage
+and the transformers rows, so its compiled calls are switched on only during its own steps.
 
 Every row trains in bf16 autocast with fp32 weights and one fused AdamW step per mini-batch. The rows
 share one set of weights (the hand-written Llama adds its fused QKV matrices) and one optimizer state:
@@ -28,15 +42,17 @@ no shape and no amount of work. A row's gradients are released after its step.
 Measured per row: the step's wall time (the device synchronised before and after, optimizer step
 included) in ``rounds`` interleaved rounds after ``warmup`` steps (one step of every row per round, the
 order rotating; medians reported), tokens/s, model FLOPs utilisation with the project's FLOP count
-(:mod:`recipe.flops`: ``6·N + 12·L·d·T`` per token, PaLM's Appendix B; the device's dense bf16 peak),
+(:mod:`pipeline_recipes.recipe.flops`: ``6·N + 12·L·d·T`` per token, PaLM's Appendix B; the device's dense bf16 peak),
 forward and backward time (CUDA events: the stage path's measured timeline, the anchors' events around
 each forward and backward; summed over the micro-batches) and the peak reserved memory of one more
 step (``torch.cuda.max_memory_reserved``, the caching allocator emptied and the peaks reset before each
-row). A row that runs out of memory is kept with its error as its status. ``--tiny`` (``gpt2-tiny``,
-``llama-tiny``; no warm-up, 2 rounds) is the smoke run of the same code; on a CPU the times are host
-times and there is no MFU or memory figure.
+row). A row that runs out of memory is kept with its error as its status, a compiled row where the
+compiler cannot run with ``not compiled: `` and the reason. ``--tiny`` (``gpt2-tiny``,
+``llama-tiny``; no warm-up but the compiled rows', 2 rounds) is the smoke run of the same code; on a
+CPU the times are host times and there is no MFU or memory figure.
 
-JSON: ``{"rows": [...], "models": {name: sizes and FLOPs per token}, "settings": {...}, "meta": {...}}``;
+JSON: ``{"rows": [...], "models": {name: sizes, FLOPs per token, loss_chunk_tokens,
+graphs_compiled_in_timed_rounds}, "settings": {...}, "meta": {...}}``;
 a row: ``model``, ``micro_batch`` ("16x1"), ``system``, ``mode``, ``status``, and where it ran ``step_s``,
 ``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``forward_s``, ``backward_s``, ``peak_reserved_bytes``,
 ``peak_allocated_bytes``, ``times_s`` (every round). ``python scripts/bench_gpu.py --summary OUT_DIR
@@ -54,8 +70,8 @@ import statistics
 import sys
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +89,8 @@ MICRO_BATCHES = ((16, 1), (4, 4))  # (micro-batch size, micro-batches)
 SCHEDULE = "dapple"  # at D = 1: forward, backward, forward, backward, ... (gradient accumulation)
 STAGE_MODES = ("eager", "compiled", "eager+cuda_graphs", "compiled+cuda_graphs")
 NOT_AVAILABLE = "not available in this version"
+COMPILE_BACKEND = "inductor"  # torch.compile's default, as model.compile uses it
+COMPILE_WARMUP = 2  # warm-up steps of a compiled row at least: the first compiles, the second runs the graphs
 PRECISION = "bf16-mixed"
 LR, WEIGHT_DECAY = 1e-5, 0.1
 
@@ -122,12 +140,16 @@ class HandGPT2(nn.Module):
         self.drop = nn.Dropout(float(config.embd_pdrop))
         self.blocks = nn.ModuleList(HandGPT2Block(block, config) for block in t.h)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def hidden(self, input_ids: Tensor, blocks: Sequence[Callable[..., Tensor]] | None = None) -> Tensor:
+        """The final LayerNorm's output; ``blocks``: callables to run instead of ``self.blocks`` (compiled ones)."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.drop(F.embedding(input_ids, self.wte) + F.embedding(positions, self.wpe))
-        for block in self.blocks:
+        for block in self.blocks if blocks is None else blocks:
             x = block(x)
-        return F.linear(F.layer_norm(x, (x.shape[-1],), self.ln_f_w, self.ln_f_b, self.eps), self.lm_head)
+        return F.layer_norm(x, (x.shape[-1],), self.ln_f_w, self.ln_f_b, self.eps)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return F.linear(self.hidden(input_ids), self.lm_head)
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -187,14 +209,36 @@ class HandLlama(nn.Module):
         self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
         self.blocks = nn.ModuleList(HandLlamaBlock(layer, config) for layer in base.layers)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def hidden(self, input_ids: Tensor, blocks: Sequence[Callable[..., Tensor]] | None = None) -> Tensor:
+        """The final RMSNorm's output; ``blocks``: callables to run instead of ``self.blocks`` (compiled ones)."""
         x = F.embedding(input_ids, self.embed)
         angles = torch.arange(input_ids.shape[1], device=x.device, dtype=torch.float32)[:, None] * self.inv_freq.float()
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = ((angles.cos() * self.rope_scale).to(x.dtype), (angles.sin() * self.rope_scale).to(x.dtype))
-        for block in self.blocks:
+        for block in self.blocks if blocks is None else blocks:
             x = block(x, cos, sin)
-        return F.linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+        return _rms_norm(x, self.norm, self.eps)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return F.linear(self.hidden(input_ids), self.lm_head)
+
+
+def handwritten_loss(hand: HandGPT2 | HandLlama, input_ids: Tensor, chunk: int | None,
+                     blocks: Sequence[Callable[..., Tensor]] | None = None) -> Tensor:
+    """The next-token loss of ``hand`` on ``input_ids`` (the mean over the predicted tokens), its head
+    projected ``chunk`` tokens at a time as the project's models do (``model.loss_chunk_tokens``:
+    :func:`pipeline_recipes.models.lm_loss.linear_cross_entropy`; ``None``: the whole logits)."""
+    from pipeline_recipes.models.gpt2 import IGNORE_INDEX, shift_labels
+    from pipeline_recipes.models.lm_loss import linear_cross_entropy
+
+    targets = shift_labels(input_ids)
+    losses = linear_cross_entropy(hand.hidden(input_ids, blocks), hand.lm_head, None, targets, chunk)
+    return losses.sum() / (targets != IGNORE_INDEX).sum()
+
+
+def compiled_blocks(hand: HandGPT2 | HandLlama, backend: str) -> list[Callable[..., Tensor]]:
+    """Each block of ``hand`` through ``torch.compile`` (its own wrapper: ``hand`` itself stays eager)."""
+    return [torch.compile(block, backend=backend, dynamic=False) for block in hand.blocks]
 
 
 def handwritten(hf: nn.Module) -> nn.Module:
@@ -250,6 +294,7 @@ class Row:
     mode: str = "eager"
     step: Step | None = None
     status: str = "ok"
+    min_warmup: int = 0  # a compiled row compiles in its warm-up steps, never in a timed round
     times_s: list[float] = field(default_factory=list)
     forward_s: list[float] = field(default_factory=list)
     backward_s: list[float] = field(default_factory=list)
@@ -285,11 +330,13 @@ def _loop_step(forward: Callable[[Tensor], Tensor], batches: list[Tensor], optim
 
 
 def _stage_step(engine: Any, batch: dict[str, Tensor], optimizer: torch.optim.Optimizer,
-                autocast: Callable[[], AbstractContextManager]) -> Step:
-    """The engine's step, then the optimizer; forward and backward from the engine's measured timeline."""
+                autocast: Callable[[], AbstractContextManager],
+                blocks: Callable[[], AbstractContextManager] = nullcontext) -> Step:
+    """The engine's step (inside ``blocks()``: the compiled blocks switched on), then the optimizer;
+    forward and backward from the engine's measured timeline."""
 
     def step() -> Callable[[], tuple[float, float]]:
-        with autocast():
+        with blocks(), autocast():
             engine.train_step(batch)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -303,6 +350,42 @@ def _stage_step(engine: Any, batch: dict[str, Tensor], optimizer: torch.optim.Op
         return read
 
     return step
+
+
+def compile_stage(model: Any, device: torch.device,
+                  backend: str) -> tuple[Callable[[], AbstractContextManager] | None, str]:
+    """Compile the repeated blocks of ``model``'s layers as training does
+    (:func:`pipeline_recipes.strategies.compile.compile_blocks`), then switch them back to eager: the
+    eager stage row and the transformers row run the very same block modules. Returns a context manager
+    factory under which the blocks run compiled (None where the compiler cannot run) and the log line.
+
+    ``nn.Module.compile`` stores the compiled call in the module's ``_compiled_call_impl`` (torch ≥ 2.2),
+    which ``nn.Module.__call__`` uses when set; switching it keeps the compiled code and its caches."""
+    from pipeline_recipes.strategies.compile import compile_blocks, compile_target, repeated_blocks
+
+    layers = model.pipeline_layers()
+    indices = repeated_blocks(layers)
+    done = compile_blocks(layers, indices, device, backend=backend)
+    if done.fallback is not None:
+        return None, done.describe()
+    targets = [compile_target(layers[i]) for i in indices]
+    calls = [target._compiled_call_impl for target in targets]
+    if any(call is None for call in calls):
+        raise RuntimeError("compile_blocks left a repeated block uncompiled; the compiled stage row cannot run")
+    for target in targets:
+        target._compiled_call_impl = None
+
+    @contextmanager
+    def compiled() -> Iterator[None]:
+        for target, call in zip(targets, calls):
+            target._compiled_call_impl = call
+        try:
+            yield
+        finally:
+            for target in targets:
+                target._compiled_call_impl = None
+
+    return compiled, done.describe()
 
 
 def _out_of_memory(err: BaseException) -> BaseException | None:
@@ -344,25 +427,38 @@ def _run(row: Row, device: torch.device, params: list[nn.Parameter]) -> bool:
     return False
 
 
-def _measure(rows: list[Row], device: torch.device, params: list[nn.Parameter], warmup: int, rounds: int) -> None:
+def _graphs() -> int:
+    """Graphs TorchDynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _measure(rows: list[Row], device: torch.device, params: list[nn.Parameter], warmup: int, rounds: int) -> int:
     """Warm-up steps, then ``rounds`` rounds of one step per row in a rotating order (the machine's drift
-    spreads over every row), then, on a GPU, one step per row for its peak memory."""
+    spreads over every row), then, on a GPU, one step per row for its peak memory. Returns the graphs
+    compiled during the timed rounds (0: compiling was all done in the warm-up steps)."""
     def running() -> list[Row]:
         return [row for row in rows if row.step is not None]
 
     for row in running():
-        for _ in range(warmup):
+        for _ in range(max(warmup, row.min_warmup)):
             if not _run(row, device, params):
                 print(f"[gpu bench] {row.label}: {row.status}", file=sys.stderr, flush=True)
                 break
         row.times_s, row.forward_s, row.backward_s = [], [], []
+    graphs = _graphs()
     for r in range(rounds):
         active = running()
         for row in active[r % len(active):] + active[:r % len(active)] if active else []:
             if not _run(row, device, params):
                 print(f"[gpu bench] {row.label}: {row.status}", file=sys.stderr, flush=True)
+    graphs = _graphs() - graphs
+    if graphs:
+        print(f"[gpu bench] {graphs} graphs compiled during the timed rounds: their rows' times include compiling",
+              file=sys.stderr, flush=True)
     if device.type != "cuda":
-        return
+        return graphs
     for row in running():
         times = list(row.times_s), list(row.forward_s), list(row.backward_s)
         gc.collect()
@@ -372,12 +468,14 @@ def _measure(rows: list[Row], device: torch.device, params: list[nn.Parameter], 
             row.peak_reserved_bytes = int(torch.cuda.max_memory_reserved(device))
             row.peak_allocated_bytes = int(torch.cuda.max_memory_allocated(device))
         row.times_s, row.forward_s, row.backward_s = times  # the memory step is not a timed round
+    return graphs
 
 
-def _model_rows(name: str, device: torch.device, warmup: int, rounds: int) -> tuple[list[dict], dict[str, Any]]:
-    """Every row of one model (see the module docstring), measured together, and the model's sizes."""
+def _model_rows(name: str, device: torch.device, warmup: int, rounds: int,
+                backend: str = COMPILE_BACKEND) -> tuple[list[dict], dict[str, Any]]:
+    """Every row of one model (see the module docstring), measured together, and the model's sizes;
+    ``backend``: ``torch.compile``'s for the compiled rows."""
     from pipeline_recipes.models import build_model
-    from pipeline_recipes.models.gpt2 import causal_lm_loss
     from pipeline_recipes.models.registry import preset
     from pipeline_recipes.recipe.flops import flops_per_token, matmul_parameters, resolve_utilisation, transformer_shape
     from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
@@ -397,17 +495,37 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int) -> tu
     def autocast() -> AbstractContextManager:
         return torch.autocast(device.type, dtype=torch.bfloat16)
 
+    compiled, line = compile_stage(model, device, backend)
+    print(f"[gpu bench] {name}: {line}", file=sys.stderr, flush=True)
+    hand_blocks = compiled_blocks(hand, backend) if compiled is not None else None
+    not_compiled = f"not compiled: {line}"
+    chunk = model.loss_chunk_tokens
+
+    def hand_loss(blocks: list[Callable[..., Tensor]] | None) -> Callable[[Tensor], Tensor]:
+        return lambda x: handwritten_loss(hand, x, chunk, blocks)
+
     rows = []
     for mbs, n in MICRO_BATCHES:
         batches = list(ids.split(mbs))
+        engine, batch = engines[(mbs, n)], {"input_ids": ids}
         for mode in STAGE_MODES:
-            step = _stage_step(engines[(mbs, n)], {"input_ids": ids}, optimizer, autocast) if mode == "eager" else None
-            rows.append(Row(name, mbs, n, "stage", mode, step, "ok" if step else NOT_AVAILABLE))
+            if mode == "eager":
+                rows.append(Row(name, mbs, n, "stage", mode, _stage_step(engine, batch, optimizer, autocast)))
+            elif mode == "compiled" and compiled is not None:
+                rows.append(Row(name, mbs, n, "stage", mode, _stage_step(engine, batch, optimizer, autocast, compiled),
+                                min_warmup=COMPILE_WARMUP))
+            else:
+                status = not_compiled if mode == "compiled" else NOT_AVAILABLE
+                rows.append(Row(name, mbs, n, "stage", mode, None, status))
         rows.append(Row(name, mbs, n, "transformers", "eager",
                         _loop_step(lambda x: hf(input_ids=x, labels=x).loss, batches, optimizer, autocast, device)))
         rows.append(Row(name, mbs, n, "handwritten", "eager",
-                        _loop_step(lambda x: causal_lm_loss(hand(x), x), batches, optimizer, autocast, device)))
-    _measure(rows, device, params, warmup, rounds)
+                        _loop_step(hand_loss(None), batches, optimizer, autocast, device)))
+        rows.append(Row(name, mbs, n, "handwritten", "compiled",
+                        _loop_step(hand_loss(hand_blocks), batches, optimizer, autocast, device)
+                        if hand_blocks is not None else None,
+                        "ok" if hand_blocks is not None else not_compiled, min_warmup=COMPILE_WARMUP))
+    graphs_in_rounds = _measure(rows, device, params, warmup, rounds)
     out = []
     for row in rows:
         entry: dict[str, Any] = {"model": name, "micro_batch": f"{row.micro_batch_size}x{row.micro_batches}",
@@ -428,7 +546,8 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int) -> tu
     shared = {id(p) for p in model.parameters()}
     info = {"seq_len": seq_len, "tokens_per_step": SAMPLES * seq_len, "flops_per_token": flops,
             "parameters": model.num_parameters(),
-            "handwritten_own_parameters": sum(p.numel() for p in hand.parameters() if id(p) not in shared)}
+            "handwritten_own_parameters": sum(p.numel() for p in hand.parameters() if id(p) not in shared),
+            "loss_chunk_tokens": chunk, "graphs_compiled_in_timed_rounds": graphs_in_rounds}
     return out, info
 
 
@@ -446,8 +565,11 @@ def _init_world(device: torch.device) -> None:
 
 
 def run(out: Path, *, device: str = "cuda", tiny: bool = False, warmup: int | None = None,
-        rounds: int | None = None, command: str = "", machine: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Measure every row, write ``out`` (JSON) after each model, print the table; return the record."""
+        rounds: int | None = None, command: str = "", machine: dict[str, Any] | None = None,
+        compile_backend: str = COMPILE_BACKEND) -> dict[str, Any]:
+    """Measure every row, write ``out`` (JSON) after each model, print the table; return the record.
+    ``compile_backend``: ``torch.compile``'s backend of the compiled rows (the CPU test's cheaper
+    ``aot_eager`` traces the same graphs without generating kernels)."""
     import torch.distributed as dist
 
     from pipeline_recipes.recipe.flops import resolve_utilisation
@@ -469,7 +591,7 @@ def run(out: Path, *, device: str = "cuda", tiny: bool = False, warmup: int | No
         "models": {},
         "settings": {"models": list(TINY_MODELS if tiny else MODELS), "samples_per_step": SAMPLES,
                      "micro_batches": [f"{m}x{n}" for m, n in MICRO_BATCHES], "stage_schedule": SCHEDULE,
-                     "stage_modes": list(STAGE_MODES), "precision": PRECISION,
+                     "stage_modes": list(STAGE_MODES), "compile_backend": compile_backend, "precision": PRECISION,
                      "optimizer": f"AdamW(fused=True, lr={LR}, weight_decay={WEIGHT_DECAY})",
                      "warmup": warmup, "rounds": rounds, "device": str(target), "tiny": tiny},
         "meta": {**(machine or {}), "command": command, "device_name": torch.cuda.get_device_name(target)
@@ -483,7 +605,7 @@ def run(out: Path, *, device: str = "cuda", tiny: bool = False, warmup: int | No
         for name in record["settings"]["models"]:
             start = time.perf_counter()
             print(f"[gpu bench] {name} ...", file=sys.stderr, flush=True)
-            rows, record["models"][name] = _model_rows(name, target, warmup, rounds)
+            rows, record["models"][name] = _model_rows(name, target, warmup, rounds, compile_backend)
             record["rows"] += rows
             gc.collect()  # the model, its optimizer state and its rows' closures are gone: free their memory
             if target.type == "cuda":

@@ -11,7 +11,7 @@ rebuilt from the ``model_config`` the checkpoint carries (the job's ``model`` co
 are loaded, and its unsplit ``transformers`` model (``reference()``: ``GPT2LMHeadModel``,
 ``BertForPreTraining``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) is saved with its config.
 Tied word embeddings stay tied (saved once);
-BERT's deduplicated output bias (:func:`models.bert.dedupe_decoder_bias`) is written under both of
+BERT's deduplicated output bias (:func:`pipeline_recipes.models.bert.dedupe_decoder_bias`) is written under both of
 HF's names, so ``from_pretrained`` gives the trained bias whether or not the config ties them.
 
 The tokenizer the run trained with is saved beside the model (``AutoTokenizer.from_pretrained(out)``):

@@ -4,7 +4,7 @@
 #      this project importable; what is missing is named, and the script exits 2 before anything runs;
 #   2. python -m pytest -m gpu tests/test_gpu.py: no test starts after GPU_CHECK_TEST_TIMEOUT_S - 130 seconds
 #      (300 by default), none runs longer than 120 s, the whole stops at GPU_CHECK_TEST_TIMEOUT_S;
-#   3. python scripts/bench.py --parts gpu, the GPU benchmark (at most GPU_CHECK_BENCH_TIMEOUT_S, 140 by default;
+#   3. python scripts/bench.py --parts gpu, the GPU benchmark (at most GPU_CHECK_BENCH_TIMEOUT_S, 180 by default;
 #      its JSON is written after each model).
 # With the environment check (seconds) and the summary, the limits add up to less than 8 minutes.
 # Usage: bash scripts/gpu_check.sh OUT_DIR   (PYTHON=... picks the interpreter, python3 by default)
@@ -21,7 +21,7 @@ fi
 out=$1
 PYTHON=${PYTHON:-python3}
 test_timeout=${GPU_CHECK_TEST_TIMEOUT_S:-300}
-bench_timeout=${GPU_CHECK_BENCH_TIMEOUT_S:-140}
+bench_timeout=${GPU_CHECK_BENCH_TIMEOUT_S:-180}
 session_timeout=$(( test_timeout > 160 ? test_timeout - 130 : 30 ))  # + one test's 120 s stays within test_timeout
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$out" || exit 2

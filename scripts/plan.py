@@ -10,8 +10,8 @@ Positional arguments are ``train.py``'s Hydra overrides (same ``conf/``); option
 * ``--json FILE``: write every candidate as ``{"strategy", "W", "D", "B", "N", "pipelines", "concat",
   "recompute", "predicted_iteration_s", "predicted_peak_bytes_per_rank", "fits"}``, best first;
 * ``--cache DIR``: profile cache (default ``~/.cache/pipeline-recipes/planner``); ``--refresh`` re-profiles;
-* ``--profile-batches 1,4``, ``--reps 5``, ``--profile-seconds 30``: profiling micro-batch sizes, the most
-  timed repetitions per layer and size, and their time budget (at least 2 repetitions run); identical
+* ``--profile-batches 1,2``, ``--reps 5``, ``--profile-seconds 30``: profiling micro-batch sizes, the most
+  timed repetitions per layer and size, and their time budget (at least 1 repetition runs); identical
   layers (the transformer blocks) are profiled once; progress lines on stderr estimate the time left;
 * ``--comm measure|default|none``: 2-process gloo micro-benchmarks (cached), built-in constants, or none;
 * ``--budget 8GiB``: memory budget (per rank on GPU, per node on CPU) instead of the device's;
@@ -37,10 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", help="write the ranked candidates to this JSON file")
     p.add_argument("--cache", help="profile cache directory")
     p.add_argument("--refresh", action="store_true", help="re-profile even if cached")
-    p.add_argument("--profile-batches", default="1,4", help="micro-batch sizes to profile at (two or more)")
+    p.add_argument("--profile-batches", default="1,2", help="micro-batch sizes to profile at (two or more)")
     p.add_argument("--reps", type=int, default=5, help="most timed repetitions per layer and size")
     p.add_argument("--profile-seconds", type=float, default=30.0,
-                   help="time budget of the timed repetitions (at least 2 run); 0: no budget")
+                   help="time budget of the timed repetitions (at least 1 runs); 0: no budget")
     p.add_argument("--comm", default="measure", choices=("measure", "default", "none"))
     p.add_argument("--budget", help="memory budget, e.g. 16GiB (per rank on GPU, per node on CPU)")
     p.add_argument("--partition", default="runtime", choices=("runtime", "time", "memory"))

@@ -7,18 +7,18 @@
 Two models (real and emulated compute):
 
 * the tiny GPT-2 (``conf/model/gpt2-tiny.yaml``, real compute), profiled as ``scripts/plan.py`` does;
-* an 8-layer :class:`strategies.emulated.EmulatedPipeline` (each layer holds the core-free time of a
+* an 8-layer :class:`pipeline_recipes.strategies.emulated.EmulatedPipeline` (each layer holds the core-free time of a
   forward/backward and sends real activations), profiled by the same
-  :func:`planner.profile.profile_pipeline`, so that D = 4 and 8 run faithfully on a 2-core machine.
+  :func:`pipeline_recipes.planner.profile.profile_pipeline`, so that D = 4 and 8 run faithfully on a 2-core machine.
 
 Profiles are re-measured at the start of each run (``--cached`` reuses the planner's cache): the
 speed of a shared machine drifts by more than the accuracy being measured. For the same reason the
 whole profile-then-measure sequence runs ``--repeats`` times (3) and each layout's median predicted
 and median measured time count (:func:`merge_repeats`): a slow spell between a profile and its
 measurements then moves one repeat, not the result. Each layout is then
-predicted (:func:`planner.recommend.plan_one`) and measured by
-running :class:`strategies.engine.PipelineEngine` directly in spawned gloo processes (one CPU thread
-each, :func:`strategies.spawn.run_world`): the wall time of ``train_step`` + ``AdamW.step`` (barrier
+predicted (:func:`pipeline_recipes.planner.recommend.plan_one`) and measured by
+running :class:`pipeline_recipes.strategies.engine.PipelineEngine` directly in spawned gloo processes (one CPU thread
+each, :func:`pipeline_recipes.strategies.spawn.run_world`): the wall time of ``train_step`` + ``AdamW.step`` (barrier
 before and after) as the best of ``--rounds`` interleaved rounds' medians (on a shared machine other
 users' load only slows a round down; the profile's medians are likewise taken over samples spread
 in time), and each rank's peak memory = parameters + AdamW state + the gradient buckets (live tensors) +
@@ -262,7 +262,7 @@ def _describe(row: dict[str, Any]) -> str:
 def recommendation_check(rows: list[dict]) -> list[dict]:
     """Per model, process count and global batch measured with several layouts (the choice
     ``plan.py model=... trainer.devices=K data.global_batch_size=B̂`` makes): the measured time of the
-    layout the planner predicts fastest ÷ the fastest measured one (issue 7: within 5 %)."""
+    layout the planner predicts fastest ÷ the fastest measured one (the planner's target: within 5 %)."""
     groups: dict[tuple[str, int, int], list[dict]] = {}
     for r in rows:
         groups.setdefault((r.get("compute", "real"), r["W"] * r["D"], r["W"] * r["B"] * r["N"]), []).append(r)

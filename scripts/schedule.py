@@ -33,7 +33,8 @@ from pipeline_recipes.strategies.schedules.render import ascii_timeline, save_pn
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The viewer's arguments; the schedule choices are the registry's (:mod:`strategies.schedules.registry`)."""
+    """The viewer's arguments; the schedule choices are the registry's
+    (:mod:`pipeline_recipes.strategies.schedules.registry`)."""
     parser = argparse.ArgumentParser(
         prog="schedule.py",
         description="Build a pipeline schedule, simulate it and show its timeline (Chimera paper, Figures 2-3).",

@@ -22,6 +22,7 @@ from pipeline_recipes.strategies.schedules.messages import Message
 from pipeline_recipes.strategies.schedules.asynchronous import (
     run, stashed_versions, steady_step, version_of, weight_delay, window,
 )
+from schedule_grids import async_equivalence_cases, asynchronous, micro_batches
 from toy_model import ToyMLP, toy_batches
 
 B, LR, MOMENTUM = 2, 0.05, 0.9
@@ -29,8 +30,8 @@ B, LR, MOMENTUM = 2, 0.05, 0.9
 
 # -- schedules (pure) --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, d, n", [("pipedream_2bw", d, n) for d in (1, 2, 3, 4, 5, 8) for n in (d, d + 1, 2 * d + 3)]
-                         + [("pipedream", d, 1) for d in (1, 2, 3, 4, 5, 8)])
+@pytest.mark.parametrize("name, d, n", [(s.name, d, n) for s in asynchronous() for d in (1, 2, 3, 4, 5, 8)
+                                         for n in micro_batches(s, d, (d, d + 1, 2 * d + 3))])
 def test_windows_are_one_no_flush_1f1b_stream(name: str, d: int, n: int) -> None:
     """T windows back to back (plus the drain) are DAPPLE over T·N micro-batches with no flush in between."""
     steps = 4
@@ -73,8 +74,8 @@ def test_the_gradients_that_cross_a_step_boundary_arrive_in_the_window_that_send
         assert {t.message for t in plan.rounds[-1].recvs} == set(unconsumed_messages(now, w))
 
 
-@pytest.mark.parametrize("name, d, n", [("pipedream_2bw", d, n) for d in (2, 3, 5) for n in (d, d + 1)]
-                         + [("pipedream_2bw", 8, 8)] + [("pipedream", d, 1) for d in (2, 3, 8)])
+@pytest.mark.parametrize("name, d, n", [(s.name, d, n) for s in asynchronous() for d in (2, 3, 5, 8)
+                                         for n in micro_batches(s, d, (d, d + 1) if d < 8 else (d,))])
 def test_window_plans_derived_once_equal_the_plans_derived_every_step(name: str, d: int, n: int) -> None:
     """A window's rounds come from the cache (the steady window's plan renumbered) exactly as
     :func:`comm_plan` derives them for that window afresh, and only the windows up to the steady one
@@ -255,13 +256,11 @@ def _check(results: list[list[dict]]) -> None:
 
 @pytest.mark.slow
 def test_async_pipelines_follow_their_update_rule_on_four_ranks() -> None:
-    """W = 1 × D = 4 and W = 2 × D = 2, for 8 steps (past the warm-up, with delayed updates)."""
-    cases = [
-        {"schedule": "pipedream_2bw", "D": 4, "N": 4, "steps": 8},
+    """W = 1 × D = 4 and W = 2 × D = 2, for 8 steps (past the warm-up, with delayed updates): every
+    asynchronous schedule of the registry (tests/schedule_grids.py), then weight tying, clipping and
+    convergence on PipeDream-2BW and PipeDream."""
+    cases = async_equivalence_cases(steps=8) + [  # every asynchronous schedule of the registry, then options
         {"schedule": "pipedream_2bw", "D": 4, "N": 5, "steps": 8, "eval": True},
-        {"schedule": "pipedream", "D": 4, "N": 1, "steps": 8},
-        {"schedule": "pipedream_2bw", "D": 2, "N": 3, "steps": 8},
-        {"schedule": "pipedream", "D": 2, "N": 1, "steps": 8},
         {"schedule": "pipedream", "D": 4, "N": 1, "steps": 8, "tied": True},
         {"schedule": "pipedream_2bw", "D": 4, "N": 4, "steps": 6, "tied": True},
         {"schedule": "pipedream_2bw", "D": 4, "N": 4, "steps": 6, "tied": True, "clip": 0.05},

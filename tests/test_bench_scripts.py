@@ -1,4 +1,4 @@
-"""The benchmark scripts' pure parts: the end-to-end table and the comparison systems' optimizer."""
+"""The benchmark scripts' pure parts: the end-to-end table, the comparison systems' optimizer, the planner timer."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import bench_e2e  # noqa: E402
+import bench_planner  # noqa: E402
 import bench_tables  # noqa: E402
 
 
@@ -83,3 +84,15 @@ def test_the_committed_record_re_derives_from_its_per_round_times() -> None:
         job = details["e2e_times"][row["ours"]]
         theirs = row["best_class"] if row["theirs"] == "torch best" else row["theirs"]
         assert row["throughput_ratio"] == paired(job[theirs], job["job"]), (row["ours"], row["theirs"])
+
+
+def test_planner_timer_reports_a_childs_own_cpu_memory_and_cache() -> None:
+    """A child that burns CPU and holds 200 MB: its CPU seconds and peak RSS (``wait4``), its exit status,
+    and the empty cache directory it was given (the planner must measure, not read a cache)."""
+    code = ("import os, time\nx = bytearray(200 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\n"
+            "t = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+            "print(sorted(os.listdir(os.environ['PIPELINE_RECIPES_CACHE'])))\nraise SystemExit(3)")
+    row = bench_planner.time_command("probe", [sys.executable, "-c", code])
+    assert row["returncode"] == 3 and row["cpu_s"] >= 0.3 and row["wall_s"] >= row["cpu_s"] - 0.1
+    assert 200 * 2**20 <= row["peak_rss_bytes"] < 2**30
+    assert row["last_lines"][-1] == "['output.txt']"  # only the timer's own log: an empty cache

@@ -269,7 +269,7 @@ def test_pretrained_whole_model_equals_hf_logits(tmp_path: Path, preset: str) ->
     model = build_model(preset, pretrained=str(path))
     batch = lm_batch(vocab=1000, seq=32)
     with torch.no_grad():
-        logits = run_layers(model.pipeline_layers(), batch["input_ids"], batch)
+        logits = model.logits(run_layers(model.pipeline_layers(), batch["input_ids"], batch))
         torch.testing.assert_close(logits, hf.eval()(input_ids=batch["input_ids"]).logits, rtol=1e-5, atol=1e-5)
     if preset == "qwen2-tiny":  # the head alone gets the embedding's tensor from the checkpoint
         head_only = build_model(preset, pretrained=str(path), device="meta")

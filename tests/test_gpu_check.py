@@ -1,7 +1,10 @@
 """What a CPU can check of the one-command GPU check (``scripts/gpu_check.sh``) and the GPU benchmark
 (``scripts/bench.py --parts gpu``, ``scripts/bench_gpu.py``): the hand-written anchor computes the
-transformers model's loss and gradients, the benchmark's rows run on tiny models on the CPU, and the
-check stops, naming what is missing, where it cannot run."""
+transformers model's loss and gradients (with the whole logits and with the stage's chunked loss), the
+compiled rows compute what the eager ones do and leave the shared blocks eager outside their steps, the
+benchmark's rows run on tiny models on the CPU (the compiled rows with ``aot_eager``, the same graphs
+without generating kernels: inductor's code generation for the eight graphs of the tiny run takes
+about 100 s more on a 2-core machine), and the check stops, naming what is missing, where it cannot run."""
 
 from __future__ import annotations
 
@@ -63,15 +66,72 @@ def test_handwritten_model_computes_the_transformers_loss_and_gradients(name: st
                              ref_grads[id(a.v_proj.weight)]])
         torch.testing.assert_close(block.qkv_w.grad, stacked, atol=1e-6, rtol=1e-5)
     assert own == (hf.config.num_hidden_layers if hf.config.model_type == "llama" else 0)
+    hand.zero_grad(set_to_none=True)
+    chunked = bench_gpu.handwritten_loss(hand, ids, 7)  # the stage's loss, 7 tokens' logits at a time
+    chunked.backward()
+    assert chunked.item() == pytest.approx(ref.loss.item(), abs=1e-6)
+    for p in hand.parameters():
+        if id(p) in ref_grads:
+            torch.testing.assert_close(p.grad, ref_grads[id(p)], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_compiled_rows_compute_the_eager_loss_and_gradients_and_switch_off(name: str) -> None:
+    """fp32 on the CPU, ``aot_eager``: the stage model's blocks compiled by ``compile_blocks`` run compiled
+    only inside the row's context (the transformers model shares them), and give the loss and gradients
+    of the transformers model; the hand-written model's compiled blocks give its eager loss and gradients."""
+    from pipeline_recipes.models import build_model
+    from pipeline_recipes.strategies.compile import BACKEND, compile_target, repeated_blocks
+    from pipeline_recipes.strategies.pipeline_model import sequential_loss
+
+    assert bench_gpu.COMPILE_BACKEND == BACKEND  # the benchmark compiles as training does
+    model = build_model(name, init_seed=0)
+    hf = model.reference()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    ref = hf(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    ref_grads = {id(p): p.grad.clone() for p in hf.parameters()}
+    hf.zero_grad(set_to_none=True)
+
+    compiled, line = bench_gpu.compile_stage(model, torch.device("cpu"), "aot_eager")
+    assert compiled is not None and "4 repeated blocks compiled" in line
+    layers = model.pipeline_layers()
+    targets = [compile_target(layers[i]) for i in repeated_blocks(layers)]
+    assert all(t._compiled_call_impl is None for t in targets)
+    batch = {"input_ids": ids}
+    with compiled():
+        assert all(t._compiled_call_impl is not None for t in targets)
+        loss = sequential_loss(model, batch)
+        loss.backward()
+    assert all(t._compiled_call_impl is None for t in targets)
+    assert loss.item() == pytest.approx(ref.loss.item(), abs=1e-5)
+    for p in hf.parameters():
+        torch.testing.assert_close(p.grad, ref_grads[id(p)], atol=1e-5, rtol=1e-4)
+    hf.zero_grad(set_to_none=True)
+
+    hand = bench_gpu.handwritten(hf)
+    eager = bench_gpu.handwritten_loss(hand, ids, 7)
+    eager.backward()
+    eager_grads = {id(p): p.grad.clone() for p in hand.parameters()}
+    hand.zero_grad(set_to_none=True)
+    fast = bench_gpu.handwritten_loss(hand, ids, 7, bench_gpu.compiled_blocks(hand, "aot_eager"))
+    fast.backward()
+    assert fast.item() == pytest.approx(eager.item(), abs=1e-5)
+    for p in hand.parameters():
+        torch.testing.assert_close(p.grad, eager_grads[id(p)], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.slow
 def test_gpu_benchmark_rows_run_on_tiny_models_on_the_cpu(tmp_path: Path) -> None:
-    """``--parts gpu --device cpu --tiny``: every row of both models, the ones this version lacks listed
-    as such; figures present and consistent with their definitions (no timing assertions)."""
+    """``--parts gpu --device cpu --tiny`` (the compiled rows with ``aot_eager``: see the module
+    docstring): every row of both models, the ones this version lacks listed as such; figures present
+    and consistent with their definitions, no graph compiled in a timed round (no timing assertions)."""
     out = tmp_path / "gpu.json"
-    result = subprocess.run([sys.executable, "scripts/bench.py", "--parts", "gpu", "--device", "cpu", "--tiny",
-                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900,
+    argv = ["--parts", "gpu", "--device", "cpu", "--tiny", "--out", str(out)]
+    code = ("import functools, sys; sys.path.insert(0, 'scripts'); import bench, bench_gpu; "
+            "bench_gpu.run = functools.partial(bench_gpu.run, compile_backend='aot_eager'); "
+            f"sys.exit(bench.main({argv!r}))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -79,23 +139,27 @@ def test_gpu_benchmark_rows_run_on_tiny_models_on_the_cpu(tmp_path: Path) -> Non
     rounds = record["settings"]["rounds"]
     assert {r["model"] for r in rows} == {"gpt2-tiny", "llama-tiny"}
     assert set(record["models"]) == {"gpt2-tiny", "llama-tiny"}
+    assert record["settings"]["compile_backend"] == "aot_eager"
     for model, info in record["models"].items():
         for micro_batch in ("16x1", "4x4"):
             mine = {(r["system"], r["mode"]): r for r in rows
                     if r["model"] == model and r["micro_batch"] == micro_batch}
-            assert set(mine) == {("stage", m) for m in bench_gpu.STAGE_MODES} | {("transformers", "eager"),
-                                                                                 ("handwritten", "eager")}
-            for mode in ("compiled", "eager+cuda_graphs", "compiled+cuda_graphs"):
+            assert set(mine) == {("stage", m) for m in bench_gpu.STAGE_MODES} | {
+                ("transformers", "eager"), ("handwritten", "eager"), ("handwritten", "compiled")}
+            for mode in ("eager+cuda_graphs", "compiled+cuda_graphs"):
                 assert mine[("stage", mode)]["status"] == "not available in this version"
                 assert "tokens_per_s" not in mine[("stage", mode)]
-            for key in (("stage", "eager"), ("transformers", "eager"), ("handwritten", "eager")):
+            for key in (("stage", "eager"), ("stage", "compiled"), ("transformers", "eager"),
+                        ("handwritten", "eager"), ("handwritten", "compiled")):
                 row = mine[key]
                 assert row["status"] == "ok", row
                 assert len(row["times_s"]) == rounds
                 assert row["tokens_per_s"] == pytest.approx(16 * info["seq_len"] / row["step_s"])
                 assert row["forward_s"] > 0 and row["backward_s"] > 0
                 assert row["mfu"] is None and row["peak_reserved_bytes"] is None  # a CPU: no peak, no CUDA memory
+        assert info["loss_chunk_tokens"] == 4096 and info["graphs_compiled_in_timed_rounds"] == 0
     assert "| gpt2-tiny | 4x4 | handwritten | eager |" in result.stdout
+    assert "| llama-tiny | 16x1 | stage | compiled |" in result.stdout
 
 
 def test_gpu_part_without_cuda_exits_2_and_bad_combinations_are_refused(capsys: pytest.CaptureFixture) -> None:

@@ -4,7 +4,9 @@ DualPipeV and Chimera + zero bubble run on gloo and equal single-process mini-ba
 They exercise what the older schedules do not: several stages per worker (loop and V placement),
 activations and gradients handed over locally between a worker's consecutive stages, backwards split
 into input-gradient and weight-gradient passes, and overlapped pairs. The reference is the unsplit
-model trained in one process (the same worker as tests/test_runtime_equivalence.py).
+model trained in one process (the same worker as tests/test_runtime_equivalence.py, whose grid runs
+every schedule of the registry); the cases here pin options to placements: tied weights across the V's
+two ends, recomputation of split backwards, three chunks, eager gradient sync with replicas.
 """
 
 from __future__ import annotations

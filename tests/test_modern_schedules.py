@@ -1,6 +1,7 @@
 """Pure tests of the modern schedules (interleaved 1F1B, ZB-H1, ZB-H2, ZB-V, DualPipeV, Chimera + zero
-bubble): size grids, golden orders from torch.distributed.pipelining (torch 2.13) built without processes,
-the papers' bubble and memory formulas through the simulator, and small golden timelines.
+bubble): size grids (and every schedule of the registry: validated, simulated, round-tripped), golden
+orders from torch.distributed.pipelining (torch 2.13) built without processes, the papers' bubble and
+memory formulas through the simulator, and small golden timelines.
 
 Costs: the zero-bubble papers' T_F = T_B = T_W (their B is our I) is ``simulate(s, 1, 2, t_w=1)``; for
 schedules with several stages per worker the costs are per stage (chunk).
@@ -14,20 +15,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline_recipes.strategies.schedules import (Schedule, chimera, dapple, parse_action, peak_activations, simulate,
-                                                   validate)
+from pipeline_recipes.strategies.schedules import (Schedule, build_schedule, chimera, dapple, get_spec, parse_action,
+                                                   peak_activations, simulate, specs, validate)
 from pipeline_recipes.strategies.schedules.actions import Action
-from pipeline_recipes.strategies.schedules.dualpipe import GENERATORS as DUALPIPE
 from pipeline_recipes.strategies.schedules.dualpipe import dualpipev
 from pipeline_recipes.strategies.schedules.graph import dependencies, index_actions
-from pipeline_recipes.strategies.schedules.interleaved import GENERATORS as INTERLEAVED
 from pipeline_recipes.strategies.schedules.interleaved import interleaved_1f1b
 from pipeline_recipes.strategies.schedules.render import ascii_chart
 from pipeline_recipes.strategies.schedules.simulate import Simulation, action_cost
-from pipeline_recipes.strategies.schedules.zero_bubble import GENERATORS as ZERO_BUBBLE
 from pipeline_recipes.strategies.schedules.zero_bubble import (
     chimera_zb, defer_weight_gradients, split_backwards, zb_h1, zb_h2, zbv,
 )
+from schedule_grids import micro_batches, variants
 
 WORKERS = (1, 2, 3, 4, 5, 8)
 MICRO_BATCHES = (1, 2, 3, 4, 5, 7, 8, 12, 16)
@@ -84,13 +83,31 @@ def test_no_torch_import() -> None:
     assert out == "False", "schedule generators must stay pure Python"
 
 
-def test_generator_tables() -> None:
-    assert set(INTERLEAVED) == {"interleaved_1f1b"} and set(DUALPIPE) == {"dualpipev"}
-    assert set(ZERO_BUBBLE) == {"zb_h1", "zb_h2", "zbv", "chimera_zb"}
-    assert ZERO_BUBBLE["zbv"](2, 4) == zbv(2, 4) and INTERLEAVED["interleaved_1f1b"](2, 2, 4).stages == 4
+def test_the_registry_builds_these_generators() -> None:
+    """The registry's specs are the only table of the generators: each builds what its module's function does."""
+    for name, generator in (("zb_h1", zb_h1), ("zb_h2", zb_h2), ("zbv", zbv), ("dualpipev", dualpipev)):
+        assert get_spec(name).generator(4, 8) == generator(4, 8), name
+    assert build_schedule("chimera_zb", 4, 8) == chimera_zb(4, 8, 2)
+    assert build_schedule("zbv", 2, 4) == zbv(2, 4) and build_schedule("interleaved_1f1b", 2, 4, chunks=2).stages == 4
+    assert build_schedule("interleaved_1f1b", 2, 4, chunks=2) == interleaved_1f1b(2, 2, 4)
 
 
-@pytest.mark.parametrize("build", [b for _, b in all_schedules()], ids=[i for i, _ in all_schedules()])
+def registry_schedules() -> list[tuple[str, Callable[[], Schedule]]]:
+    """Every schedule of the registry at D ∈ {2, 3, 4}, N ∈ {1, D, 2D + 1} and each of its choices, where
+    its rules allow (a schedule added to the registry is checked here with no edit)."""
+    cases: list[tuple[str, Callable[[], Schedule]]] = []
+    for spec in specs():
+        for d in (2, 3, 4):
+            for options in variants(spec, d):
+                for n in micro_batches(spec, d, (1, d, 2 * d + 1), **options):
+                    label = "-".join([spec.name, f"D{d}", f"N{n}", *map(str, options.values())])
+                    cases.append((label, lambda s=spec.name, d=d, n=n, o=options: build_schedule(
+                        s, d, n, o.get("pipelines"), o.get("concat", "direct"), chunks=o.get("chunks"))))
+    return cases
+
+
+@pytest.mark.parametrize("build", [b for _, b in all_schedules() + registry_schedules()],
+                         ids=[i for i, _ in all_schedules() + registry_schedules()])
 def test_valid_simulated_and_round_trips(build: Callable[[], Schedule]) -> None:
     s = build()
     assert validate(s) is s

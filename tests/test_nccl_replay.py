@@ -4,8 +4,9 @@ Each rank's engine runs against a recording transport under torch's ``fake`` bac
 (strategies.recording): rounds, stream-ordered waits, shape headers and collectives are recorded in
 the order the rank issues them, then replayed with one FIFO per (rank, stream), batched ops
 completing together, rendezvous sends, no tags and collectives on their group's stream. Covers
-every schedule × D ∈ {2, 4, 8} × N (below, at and above D) × Chimera's variants, the first step
-(shape headers) and a steady one, training and evaluation, W = 2, and asynchronous windows.
+every schedule of the registry (tests/schedule_grids.py) × D × N (below, at and above D) × the choices
+its spec offers, the first step (shape headers) and a steady one, training and evaluation, W = 2, and
+asynchronous windows.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from pipeline_recipes.strategies.engine import PipelineConfig
 from pipeline_recipes.strategies.nccl_replay import P2P, HostWait, Post, ReplayError, StreamWait, replay
 from pipeline_recipes.strategies.recording import record_programs
+from schedule_grids import async_replay_cases, replay_cases, replica_cases
 from toy_model import ToyMLP, toy_batches
 
 B, WIDTH = 2, 4
@@ -43,42 +45,18 @@ def _programs(schedule: str, D: int, N: int, W: int = 1, *, pipelines: int | Non
     return record_programs(lambda: ToyMLP(layers=layers, width=WIDTH, tied=tied), config, W, steps, _shape)
 
 
-def _grid() -> list[tuple]:
-    cases = []
-    for D in (2, 4, 8):
-        for N in sorted({max(D // 2, 1), D, 2 * D + 1}):
-            for name in ("gpipe", "dapple", "gems"):
-                cases.append((name, D, N, None, "direct"))
-            for pipelines in sorted({2, 4} & {2 * f for f in range(1, D // 2 + 1) if (D // 2) % f == 0}):
-                for concat in ("direct", "forward_doubling", "backward_halving"):
-                    cases.append(("chimera", D, N, pipelines, concat))
-    return cases
+def _id(case: tuple) -> str:
+    name, D, N, options = case
+    return "-".join([name, str(D), str(N), *(str(v) for v in options.values())])
 
 
-@pytest.mark.parametrize("name, D, N, pipelines, concat", _grid())
-def test_every_schedule_completes_under_nccl_rules(name: str, D: int, N: int, pipelines: int | None,
-                                                   concat: str) -> None:
-    replay(_programs(name, D, N, pipelines=pipelines, concat=concat))
-
-
-def _modern_grid() -> list[tuple]:
-    """The schedules after Chimera: several stages per worker (local messages), split backwards, overlapped pairs."""
-    cases = []
-    for D in (2, 3, 4, 8):
-        for N in sorted({max(D // 2, 1), D, 2 * D + 1}):
-            cases += [("zb_h1", D, N, None), ("zb_h2", D, N, None), ("zbv", D, N, None)]
-            if N % max(1, N // D) == 0:
-                cases += [("interleaved_1f1b", D, N, 2)] + ([("interleaved_1f1b", D, N, 3)] if D <= 4 else [])
-            if N >= 2 * D:
-                cases.append(("dualpipev", D, N, None))
-            if D % 2 == 0:
-                cases.append(("chimera_zb", D, N, None))
-    return cases
-
-
-@pytest.mark.parametrize("name, D, N, chunks", _modern_grid())
-def test_every_modern_schedule_completes_under_nccl_rules(name: str, D: int, N: int, chunks: int | None) -> None:
-    replay(_programs(name, D, N, chunks=chunks))
+@pytest.mark.parametrize("case", replay_cases(), ids=_id)
+def test_every_schedule_completes_under_nccl_rules(case: tuple) -> None:
+    """Every synchronous schedule of the registry × D ∈ {2, 3, 4, 8} × N below, at and above D × each
+    choice it offers (pipelines, concatenation, chunks): several stages per worker (local messages), split
+    backwards and overlapped pairs included."""
+    name, D, N, options = case
+    replay(_programs(name, D, N, **options))
 
 
 @pytest.mark.parametrize("case", [
@@ -94,8 +72,14 @@ def test_replicas_eager_sync_and_recomputation_complete_under_nccl_rules(case: d
     replay(_programs(**case))
 
 
-@pytest.mark.parametrize("name, D, N", [("pipedream_2bw", 4, 4), ("pipedream_2bw", 4, 5), ("pipedream_2bw", 2, 3),
-                                        ("pipedream", 4, 1), ("pipedream", 2, 1)])
+@pytest.mark.parametrize("case", replica_cases(), ids=lambda c: f"{c['schedule']}-{c['D']}-{c['N']}")
+def test_every_schedule_with_replicas_and_tied_weights_completes_under_nccl_rules(case: dict) -> None:
+    """W = 2, tied ends, gradients reduced as soon as they are final: the collectives of each schedule of
+    the registry interleaved with its messages."""
+    replay(_programs(**case, W=2, tied=True, grad_sync="eager"))
+
+
+@pytest.mark.parametrize("name, D, N", async_replay_cases())
 def test_asynchronous_windows_complete_under_nccl_rules(name: str, D: int, N: int) -> None:
     """Five consecutive windows (the fill and steady steps), an evaluation between them: messages
     crossing a step boundary never leave a receive in front of the step's collectives."""

@@ -1,5 +1,6 @@
-"""Planner (issue 7): cost formulas, memory arithmetic, simulate-based prediction, partition
-recommender, the plan CLI's JSON, the memory pre-flight and the profile cache. No timed assertions."""
+"""Planner (Chimera §3.4's performance model, CAPTURE's memory prediction): cost formulas, memory
+arithmetic, simulate-based prediction, partition recommender, the plan CLI's JSON, the memory pre-flight
+and the profile cache. No timed assertions."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from pipeline_recipes.planner.model_costs import CommCosts, LayerCosts, ModelCos
 from pipeline_recipes.planner.partition import minmax_partition, recommend_partition
 from pipeline_recipes.planner.predict import Candidate, candidates, predict_time
 from pipeline_recipes.planner.recommend import JSON_KEYS, best_config, plan_all
-from pipeline_recipes.strategies.schedules import peak_activations
+from pipeline_recipes.strategies.schedules import get_spec, peak_activations, specs
+from schedule_grids import asynchronous, default_planner_schedules, smallest_valid_size
 
 ROOT = Path(__file__).resolve().parents[1]
 FREE = CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0))
@@ -189,7 +191,8 @@ def test_end_sync_fuses_the_buckets_copied_on_the_same_workers() -> None:
 
 
 def test_emulated_pipeline_profiles_without_sharing_cores() -> None:
-    """The emulated stages (issue 6) are profiled like a model; they hold no core, so no stretch."""
+    """The emulated stages (sleeps with real tensors, Chimera §3.4's cost model) are profiled like a
+    model; they hold no core, so no stretch."""
     from pipeline_recipes.planner.profile import profile_pipeline
     from pipeline_recipes.strategies.emulated import EmulatedPipeline
 
@@ -248,8 +251,9 @@ def test_cpu_contention_charges_only_the_overlap_with_computation() -> None:
 def test_candidates_cover_the_search_space() -> None:
     cands = candidates(4, 16, 6)
     assert all(c.W * c.D == 4 and c.W * c.B * c.N == 16 for c in cands)
-    assert {c.strategy for c in cands} == {"gpipe", "dapple", "gems", "chimera", "interleaved_1f1b", "zb_h1", "zb_h2",
+    assert {c.strategy for c in cands} >= {"gpipe", "dapple", "gems", "chimera", "interleaved_1f1b", "zb_h1", "zb_h2",
                                            "zbv", "dualpipev", "chimera_zb"}
+    assert {c.strategy for c in cands} == default_planner_schedules()  # every synchronous schedule registered
     assert all(c.D % 2 == 0 and c.pipelines == 2 for c in cands if c.strategy == "gems")
     assert all(c.S <= 6 for c in cands)  # v·D stages of the 6 layers: interleaved v = 2 only up to D = 3
     assert {(c.D, c.chunks) for c in cands if c.strategy == "interleaved_1f1b"} == {(2, 2)}
@@ -261,6 +265,24 @@ def test_candidates_cover_the_search_space() -> None:
     assert any(c.concat == "forward_doubling" for c in chimera) and any(c.concat == "backward_halving" for c in chimera)
     assert all(c.N > c.D for c in chimera if c.concat != "direct")
     assert all(c.B % 2 == 0 for c in chimera if c.concat == "backward_halving")
+
+
+@pytest.mark.parametrize("name", [spec.name for spec in specs()])
+def test_every_schedule_of_the_registry_is_planned(name: str) -> None:
+    """Each registered schedule at its least valid size (D ≥ 2) is a candidate when asked for, and its
+    predicted pipeline time is at least a worker's own work: N micro-batches through 1/D of the layers,
+    t_f + t_b = 3 per layer and sample, whatever the placement (pipelines, chunks) or bubble."""
+    D, N = smallest_valid_size(get_spec(name), at_least=2)
+    layers = 2 * get_spec(name).total_stages(D)
+    cands = [c for c in candidates(D, N, layers, schedules=(name,), recompute=("none",))
+             if (c.W, c.D, c.B, c.N) == (1, D, 1, N)]
+    assert cands, f"{name}: no candidate at D = {D}, N = {N}"
+    costs = toy(layers)
+    for cand in cands:
+        pred = predict_time(costs, cand)
+        assert pred.compute_s >= N * (layers / D) * 3.0 * (1 - 1e-9), (cand, pred)
+        assert 0.0 <= pred.bubble_ratio < 1.0
+        assert predict_memory(costs, cand).max_rank > 0
 
 
 def test_concat_auto_with_the_planners_measured_costs() -> None:
@@ -392,7 +414,7 @@ def test_preflight_passes_and_suggests_layouts_that_fit() -> None:
     layout = {"strategy": "dapple", "W": 1, "D": 2, "B": 16, "N": 4, "pipelines": 1}
     assert preflight(cfg, layout, budget_bytes=2**30) is None
     with pytest.raises(PreflightError, match="predicted to fit") as err:
-        preflight(cfg, layout, budget_bytes=30 * 2**20)
+        preflight(cfg, layout, budget_bytes=20 * 2**20)
     assert "strategy.micro_batch_size=" in str(err.value)
 
 
@@ -463,9 +485,11 @@ def test_strategy_auto_overrides(tmp_path: Path) -> None:
 # -- asynchronous schedules (PipeDream-2BW, PipeDream) ------------------------------------------------
 
 def test_async_candidates_only_when_asked_and_within_their_rules() -> None:
-    assert not {c.strategy for c in candidates(4, 16, 6)} & {"pipedream", "pipedream_2bw"}  # not SGD: opt-in
-    cands = candidates(4, 16, 6, schedules=("pipedream_2bw", "pipedream"))
-    assert {c.strategy for c in cands} == {"pipedream", "pipedream_2bw"}
+    async_names = {spec.name for spec in asynchronous()}
+    assert async_names >= {"pipedream", "pipedream_2bw"}
+    assert not {c.strategy for c in candidates(4, 16, 6)} & async_names  # not SGD: opt-in
+    cands = candidates(4, 16, 6, schedules=tuple(async_names))
+    assert {c.strategy for c in cands} == async_names
     assert all(c.N == 1 for c in cands if c.strategy == "pipedream")
     assert all(c.N >= c.D for c in cands if c.strategy == "pipedream_2bw")
     assert all((c.recompute, c.grad_sync) == ("none", "end") for c in cands)

@@ -27,7 +27,9 @@ H200_MEASURED_GIB = {
     ("strategy=gpipe", "strategy.D=1", "strategy.micro_batch_size=16"): 94.2,
     ("strategy=dapple", "strategy.D=1", "strategy.micro_batch_size=4"): 43.7,
 }
-COMMON = ("trainer=gpu", "trainer.devices=1", "model=gpt2", "data.global_batch_size=16", "logger=none")
+# The model as it was measured: GPT-2's python GELU and a head that returns the whole logits.
+COMMON = ("trainer=gpu", "trainer.devices=1", "model=gpt2", "data.global_batch_size=16", "logger=none",
+          "model.activation_function=gelu_new", "model.loss_chunk_tokens=null")
 
 
 def _config(overrides: tuple[str, ...]) -> tuple[dict[str, Any], Any]:

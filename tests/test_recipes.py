@@ -1,4 +1,4 @@
-"""Config groups, recipes, sweeps, launching and W&B logging (issue: Hydra recipes and sweeps).
+"""Config groups, recipes, sweeps, launching and W&B logging (Hydra recipes and sweeps).
 
 Composition tests are fast (Hydra's compose API, no processes); the multirun, torchrun and
 dead-rank tests start real processes and are marked slow.

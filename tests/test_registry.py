@@ -58,22 +58,27 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> ScheduleSpec:
 
 
 def test_the_registry_lists_every_schedule_once_with_its_properties() -> None:
+    """Today's schedules, in the order users see them; one registered later comes after them (:func:`register`
+    appends), so adding a schedule needs no edit here."""
     modern = ("interleaved_1f1b", "zb_h1", "zb_h2", "zbv", "dualpipev", "chimera_zb")
-    assert names() == ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream", *modern)
-    assert names(aliases=True) == ("gpipe", "dapple", "1f1b", "gems", "chimera", "pipedream_2bw", "pipedream", *modern)
+    known = ("gpipe", "dapple", "gems", "chimera", "pipedream_2bw", "pipedream", *modern)
+    assert names()[:len(known)] == known and len(set(names())) == len(names())
+    assert names(aliases=True)[:len(known) + 1] == ("gpipe", "dapple", "1f1b", "gems", "chimera", "pipedream_2bw",
+                                                    "pipedream", *modern)
     assert get_spec("1f1b") is get_spec("dapple")
-    assert [s.name for s in specs() if s.asynchronous] == ["pipedream_2bw", "pipedream"]
-    assert {s.name: (s.chunks.default, s.chunks.choosable) for s in specs() if s.chunks != Chunks(1, False)} == {
+    assert [s.name for s in specs() if s.asynchronous and s.name in known] == ["pipedream_2bw", "pipedream"]
+    assert {s.name: (s.chunks.default, s.chunks.choosable) for s in specs()
+            if s.chunks != Chunks(1, False) and s.name in known} == {
         "interleaved_1f1b": (2, True), "zbv": (2, False), "dualpipev": (2, False)}
-    assert [s.name for s in specs() if s.concat] == ["chimera", "chimera_zb"]
+    assert [s.name for s in specs() if s.concat and s.name in known] == ["chimera", "chimera_zb"]
     assert get_spec("chimera").planner_variants(8, 16, 2) == tuple(
         (p, c) for p in (2, 4, 8) for c in ("direct", "forward_doubling", "backward_halving"))
     assert get_spec("gems").planner_variants(4, 4, 1) == ((2, "direct"),)
-    assert default_schedules() == ("gpipe", "dapple", "gems", "chimera", *modern)
+    assert default_schedules()[:len(modern) + 4] == ("gpipe", "dapple", "gems", "chimera", *modern)
     with pytest.raises(ScheduleError) as err:
         get_spec("zb_h3")
-    assert str(err.value) == ("unknown schedule 'zb_h3'; choose one of gpipe, dapple (alias 1f1b), gems, chimera, "
-                              "pipedream_2bw, pipedream, " + ", ".join(modern))
+    assert str(err.value).startswith("unknown schedule 'zb_h3'; choose one of gpipe, dapple (alias 1f1b), gems, "
+                                     "chimera, pipedream_2bw, pipedream, " + ", ".join(modern))
     with pytest.raises(ValueError, match=r"already registered"):
         register(replace(TOY, name="gpipe"))
     with pytest.raises(ValueError, match=r"\['1f1b'\] are already registered"):
@@ -194,7 +199,7 @@ CONFIG_RULES = [  # (strategy, devices, global batch) -> the whole message: sett
      "got strategy.grad_sync=end and strategy.recompute=always; drop those settings"),
     ({"name": "gpipe2", "D": 2}, 2, 4,
      "strategy 'gpipe2' is neither a pipeline schedule (gpipe, dapple, gems, chimera, pipedream_2bw, pipedream, interleaved_1f1b, zb_h1, zb_h2, zbv, dualpipev, chimera_zb) nor a "
-     "baseline (ddp, single); choose one of them with strategy=NAME"),
+     "baseline (ddp, single); choose one of them with strategy=NAME; did you mean 'gpipe'?"),
     ({"schedule": "gpipe", "name": "dapple", "D": 2}, 2, 4,
      "strategy.schedule = gpipe but strategy.name = dapple: strategy.name follows the schedule; choose the schedule "
      "with strategy=dapple (or strategy.schedule=dapple) instead"),

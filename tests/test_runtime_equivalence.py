@@ -1,4 +1,5 @@
-"""Correct means equivalent: pipeline steps on gloo equal single-process mini-batch SGD."""
+"""Correct means equivalent: pipeline steps on gloo equal single-process mini-batch SGD, for every
+synchronous schedule of the registry (the grid: tests/schedule_grids.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from distributed import run_world
+from schedule_grids import equivalence_cases
 from toy_model import ToyMLP, toy_batches, train_sgd
 
 STEPS, B, LR = 3, 2, 0.05
@@ -51,17 +53,6 @@ def _pipeline_vs_reference(rank: int, world: int, cases: list[dict]) -> list[dic
     return out
 
 
-def _cases(world: int) -> list[dict]:
-    cases = []
-    for D in (2, 4):
-        if world % D:
-            continue
-        for schedule in ("gpipe", "dapple", "gems", "chimera"):
-            for N in (D - 1, D, 2 * D + 1):
-                cases.append({"schedule": schedule, "D": D, "N": N})
-    return cases
-
-
 def _check(results: list[list[dict]]) -> None:
     for rank_results in results:
         for r in rank_results:
@@ -72,12 +63,14 @@ def _check(results: list[list[dict]]) -> None:
 
 @pytest.mark.slow
 def test_every_schedule_equals_single_process_on_two_ranks() -> None:
-    _check(run_world(2, _pipeline_vs_reference, _cases(2)))
+    """Every synchronous schedule of the registry at D = 2, N = D."""
+    _check(run_world(2, _pipeline_vs_reference, equivalence_cases(2, 2, (2,))))
 
 
 @pytest.mark.slow
 def test_every_schedule_equals_single_process_on_four_ranks() -> None:
-    """W = 2 × D = 2 and W = 1 × D = 4, N < D, N = D, N > D, plus Chimera's variants and tied weights."""
+    """Every synchronous schedule of the registry at W = 1 × D = 4 (N < D and N > D) and W = 2 × D = 2
+    (N = D), plus Chimera's variants and tied weights."""
     extra = [
         {"schedule": "chimera", "D": 4, "N": 4, "pipelines": 4},
         {"schedule": "chimera", "D": 4, "N": 8, "concat": "forward_doubling"},
@@ -87,4 +80,5 @@ def test_every_schedule_equals_single_process_on_four_ranks() -> None:
         {"schedule": "chimera", "D": 2, "N": 2, "tied": True},
         {"schedule": "gpipe", "D": 4, "N": 3, "layers": 6},
     ]
-    _check(run_world(4, _pipeline_vs_reference, _cases(4) + extra))
+    grid = equivalence_cases(4, 4, (3, 9)) + equivalence_cases(4, 2, (2,))
+    _check(run_world(4, _pipeline_vs_reference, grid + extra))

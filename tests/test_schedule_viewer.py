@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_recipes.strategies.schedules import Schedule, best_concat, build_schedule, simulate
+from pipeline_recipes.strategies.schedules import Schedule, best_concat, build_schedule, get_spec, simulate
 from pipeline_recipes.strategies.schedules.asynchronous import run as async_run
 from pipeline_recipes.strategies.schedules.render import Span, ascii_chart, ascii_timeline, to_spans
+from schedule_grids import viewer_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "schedule.py"
@@ -185,6 +186,23 @@ def test_ascii_asynchronous_names_the_steps(capsys: pytest.CaptureFixture[str]) 
     assert code == 0
     assert out.startswith("pipedream_2bw: D=2 N=2 per update, 4 updates without flushes, then the drain")
     assert "bubble ratio: 11.1%" in out  # (D - 1) / (T·N + D - 1): only the first fill and the last drain
+
+
+@pytest.mark.parametrize("name, D, N, options", viewer_cases(),
+                         ids=lambda v: "-".join(map(str, v.values())) or "defaults" if isinstance(v, dict) else None)
+def test_every_schedule_of_the_registry_is_viewed_as_built(name: str, D: int, N: int, options: dict,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Each registered schedule and each choice its spec offers: the viewer's JSON is the registry's
+    schedule and its timeline draws (``--workers`` where a worker holds several stages, else ``--stages``)."""
+    several = get_spec(name).total_stages(D, options.get("chunks")) > D
+    argv = [name, "--workers" if several else "--stages", str(D), "--micro-batches", str(N)]
+    argv += [f"--{k}={v}" for k, v in options.items()]
+    code, out, _ = run_main([*argv, "--json"], capsys)
+    expected = build_schedule(name, D, N, options.get("pipelines"), options.get("concat", "direct"),
+                              chunks=options.get("chunks"))
+    assert code == 0 and json.loads(out) == json.loads(json.dumps(expected.to_json()))
+    code, out, _ = run_main(argv, capsys)
+    assert code == 0 and out.startswith(f"{expected.name}: ")  # the name its generator gives it
 
 
 def test_workers_and_chunks_build_the_schedules_with_several_stages_per_worker(capsys: pytest.CaptureFixture[str]) -> None:

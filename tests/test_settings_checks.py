@@ -88,6 +88,7 @@ def test_an_unknown_concat_method_stops_before_launch(tmp_path: Path) -> None:
     err = _refused(_train(tmp_path, "strategy=chimera", "strategy.concat=forward_dubling", "trainer=cpu"), tmp_path)
     assert "strategy.concat = 'forward_dubling'" in err
     assert all(v in err for v in (*CONCAT_METHODS, AUTO_CONCAT))
+    assert "did you mean 'forward_doubling'?" in err
 
 
 # -- the global batch ------------------------------------------------------------------------------------------
@@ -187,8 +188,35 @@ def test_valid_command_lines_pass_the_key_check(argv: list[str]) -> None:
 
 def test_the_key_check_leaves_other_errors_to_hydra() -> None:
     train = _train_module()
-    train.check_setting_keys(["model=gpt3"])  # no such option: Hydra names the options itself
     train.check_setting_keys(["+seed=3"])  # already there: Hydra says to drop the + or use ++
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["strategy=dappel"], "strategy=dappel: config group 'strategy' has no option 'dappel'; choose one of "),
+    (["-m", "strategy=gpipe,chimra"], "strategy=chimra: config group 'strategy' has no option 'chimra'"),
+    (["model=gpt3"], "model=gpt3: config group 'model' has no option 'gpt3'"),
+])
+def test_a_misspelled_group_option_gets_the_options_and_the_closest(argv: list[str], message: str) -> None:
+    """The options come from the conf/ folder itself; the closest is difflib's (an independent spelling rule)."""
+    import difflib
+
+    train = _train_module()
+    got = train._unknown_key(argv)
+    group, value = message.split(":")[0].split("=")
+    options = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+    assert got.startswith(message) and got.split("choose one of ")[1].startswith(", ".join(options))
+    close = difflib.get_close_matches(value, options, n=1)
+    assert got.endswith(f"; did you mean {group}={close[0]}?" if close else ", ".join(options))
+
+
+def test_a_misspelled_schedule_or_concat_method_gets_the_closest() -> None:
+    from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
+    from pipeline_recipes.strategies.schedules import ScheduleError, get_spec
+
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'chimra'.*; did you mean 'chimera'\?$"):
+        get_spec("chimra")
+    with pytest.raises(ConfigError, match=r"strategy 'interleaved' .*; did you mean 'interleaved_1f1b'\?$"):
+        resolve_layout({"name": "interleaved", "D": 2}, {"devices": 2}, 8, 4)
 
 
 # -- the stage table -------------------------------------------------------------------------------------------

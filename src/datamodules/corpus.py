@@ -18,11 +18,13 @@
   ``create_pretraining_data.py`` builds them (50% actual next segment, 50% random segment from
   another document), MLM-masked per item (:class:`BertPairDataset`).
 
-The factory (:mod:`datamodules.factory`) keeps each result in a node-wide cache (:mod:`datamodules.cache`).
+The factory (:mod:`pipeline_recipes.datamodules.factory`) keeps each result in a node-wide cache
+(:mod:`pipeline_recipes.datamodules.cache`).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import random
 import re
@@ -32,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub.constants
 import numpy as np
+import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -60,9 +64,9 @@ def _fixes(path: str, cache: str | None) -> str:
 
 
 def on_hub(path: str) -> bool:
-    """Whether ``datasets`` looks ``path`` up on the hub: a repo id (:func:`tokenizer.is_hub_id`), not a
+    """Whether ``datasets`` looks ``path`` up on the hub: a repo id (:func:`.tokenizer.is_hub_id`), not a
     builder or a local path (a missing local path is not asked about: ``datasets`` says it is missing)."""
-    from datasets import packaged_modules
+    from datasets import packaged_modules  # local: datasets ≥0.8 s (not for synthetic data)
 
     builders = set(getattr(packaged_modules, "_PACKAGED_DATASETS_MODULES", {})) | set(BUILDERS.values())
     return path not in builders and is_hub_id(path)
@@ -89,8 +93,6 @@ _UNKNOWN_SPLIT = re.compile(r'Unknown split "(?P<split>[^"]*)"\. Should be one o
 
 def _split_error(err: ValueError, split: str) -> DataError | None:
     """``datasets``' ``Unknown split "x". Should be one of [...]`` as :func:`unknown_split`; None for another."""
-    import ast
-
     found = _UNKNOWN_SPLIT.search(str(err))
     if found is None:
         return None
@@ -104,8 +106,7 @@ def _split_error(err: ValueError, split: str) -> DataError | None:
 @contextmanager
 def _cache_only() -> Iterator[None]:
     """``datasets`` and ``huggingface_hub`` read only their caches inside (this process, then restored)."""
-    import datasets.config
-    import huggingface_hub.constants
+    import datasets.config  # local: datasets ≥0.8 s (not for synthetic data)
 
     before = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
@@ -117,7 +118,7 @@ def _cache_only() -> Iterator[None]:
 
 def _load_dataset(path: str, name: str | None, kwargs: dict[str, Any]) -> Any:
     """``datasets.load_dataset``; a hub dataset fails fast, naming the cause, when it cannot be had."""
-    import datasets
+    import datasets  # local: datasets ≥0.8 s (not for synthetic data)
     import datasets.config
 
     if not on_hub(path):
@@ -203,7 +204,7 @@ def _load_kwargs(path: str, data_files: Any, split: str, cache_dir: str | None) 
 def _stream_rows(path: str, name: str | None, kwargs: dict[str, Any], text_column: str,
                  max_rows: int | None) -> Iterator[dict[str, str]]:
     """The first ``max_rows`` rows of a streamed split (``IterableDataset.take``)."""
-    import datasets
+    import datasets  # local: datasets ≥0.8 s (not for synthetic data)
     import datasets.config
 
     if on_hub(path) and not datasets.config.HF_HUB_OFFLINE and (unreachable := hub_unreachable(path)) is not None:
@@ -229,7 +230,7 @@ def load_text_dataset(path: str | None = None, name: str | None = None, data_fil
     any ``datasets`` split expression (``"train[:1%]"``); with it, a split name. ``fingerprint`` names the
     streamed rows' Arrow cache (default: derived from the arguments).
     """
-    import datasets
+    import datasets  # local: datasets ≥0.8 s (not for synthetic data)
 
     if path is not None and _saved_to_disk(Path(path).expanduser()):
         ds = datasets.load_from_disk(str(Path(path).expanduser()))
@@ -397,7 +398,7 @@ def group_blocks(tokens: Any, seq_len: int, rows_are: str, *, num_proc: int | No
     """The rows' token stream cut into consecutive ``seq_len`` blocks (the tail shorter than a block is
     dropped): a ``Dataset`` with one ``input_ids`` column, built by a batched ``Dataset.map`` over the
     block indices (each batch reads the rows it spans), so no token is lost at batch edges."""
-    import datasets
+    import datasets  # local: datasets ≥0.8 s (not for synthetic data)
 
     lengths = stream_lengths(tokens, rows_are)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -481,16 +482,12 @@ class LMBlockDataset(Dataset):
         return self.num_blocks
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        import torch
-
         if not 0 <= index < self.num_blocks:
             raise IndexError(index)
         return {"input_ids": torch.from_numpy(np.asarray(self.blocks[int(index)]["input_ids"], dtype=np.int64))}
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Tensor]]:
         """A batch's items in one Arrow read (the DataLoader's batched fetch)."""
-        import torch
-
         if any(not 0 <= i < self.num_blocks for i in indices):
             raise IndexError(indices)
         rows = np.asarray(self.blocks[[int(i) for i in indices]]["input_ids"], dtype=np.int64)

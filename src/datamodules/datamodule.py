@@ -8,8 +8,8 @@ of a single process), so replica ``r`` of W takes every W-th sample of the same 
 per-replica batches of step ``i`` together are samples ``[i·B̂, (i+1)·B̂)`` of it, whatever W is.
 (Lightning's own injected sampler would be seeded with the global seed, and a single process would
 shuffle with another generator.) The training loader resumes mid-epoch from a checkpoint
-(:mod:`datamodules.resumable`, position read by :class:`TrainingPosition`). Text sources are tokenized
-and grouped once per node, the other ranks waiting for the cache (:mod:`datamodules.cache`); the
+(:mod:`pipeline_recipes.datamodules.resumable`, position read by :class:`TrainingPosition`). Text sources are tokenized
+and grouped once per node, the other ranks waiting for the cache (:mod:`pipeline_recipes.datamodules.cache`); the
 tokenizer's files travel in every checkpoint (:meth:`PipelineDataModule.state_dict`), so
 ``scripts/export_hf.py`` saves it with the model. Importing this module imports Lightning (~7 s).
 """
@@ -105,7 +105,7 @@ class PipelineDataModule(L.LightningDataModule):
 
     def loader_args(self) -> dict[str, Any]:
         """``num_workers`` and ``pin_memory`` of the loaders: as set, or under ``auto`` for this rank's
-        device (:func:`recipe.accelerator.loader_settings`: workers and pinned memory on CUDA only)."""
+        device (:func:`pipeline_recipes.recipe.accelerator.loader_settings`: workers and pinned memory on CUDA only)."""
         trainer = getattr(self, "trainer", None)
         cuda = trainer is not None and trainer.strategy.root_device.type == "cuda"
         processes = int(trainer.num_devices) if trainer is not None else 1

@@ -3,7 +3,7 @@
 ``build_source(name, family=, seq_len=, vocab_size=, ...) -> DataSource(train, val, tokenizer)`` (and
 ``build_datasets``: ``(train, val | None)``) picks the source; ``family`` (``"gpt2"`` or ``"bert"``) picks
 the item format: GPT-2 LM blocks or BERT pre-training pairs. Text sources are tokenized by
-``data.tokenizer`` (or the offline BPE) and prepared once per node (:mod:`datamodules.cache`).
+``data.tokenizer`` (or the offline BPE) and prepared once per node (:mod:`pipeline_recipes.datamodules.cache`).
 ``make_dataloader`` never shards: the datamodule gives it its sampler.
 """
 
@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..recipe.accelerator import cpus_per_rank, loader_settings
 from .cache import DEFAULT_TIMEOUT_S, prepared
 from .corpus import (BertPairDataset, LMBlockDataset, TokenizedCorpus, all_files, assemble_corpus, group_blocks,
                      iter_texts, load_text_dataset, make_nsp_instances, normalize_data_files, saved_dataset_key,
@@ -104,7 +106,7 @@ class _Corpus:
 
     def blocks(self, tokenizer: Any, tok_key: str, seq_len: int) -> Any:
         """GPT-2: the Arrow dataset of ``seq_len`` blocks, prepared once per node."""
-        import datasets
+        import datasets  # local: datasets ≥0.8 s (not for synthetic data)
 
         key = text_digest([self.key, self.rows_are, tok_key, str(seq_len)])[:24]
 
@@ -141,8 +143,6 @@ def _tokenizer(name: str | None, corpus: _Corpus, family: str, vocab_size: int, 
         tmp.write_text(train_bpe(iter_texts(corpus.rows), vocab_size, family).to_str())
 
     path = prepared(corpus.cache / "tokenizers" / f"{family}-bpe{vocab_size}-{corpus.key[:16]}.json", build, timeout_s)
-    from tokenizers import Tokenizer
-
     return wrap_tokenizer(Tokenizer.from_file(str(path)), family), f"bpe{vocab_size}-{corpus.key[:16]}"
 
 
@@ -249,7 +249,8 @@ def make_dataloader(dataset: Dataset, batch_size: int, *, shuffle: bool, seed: i
                     sampler: Sampler | None = None) -> DataLoader:
     """A DataLoader; shuffling is seeded, or ``sampler`` (e.g. the datamodule's ``DistributedSampler``
     over the data-parallel replicas) picks the order. With ``position`` (the training position, read
-    when a checkpoint is saved) it resumes mid-epoch (:class:`~datamodules.resumable.ResumableDataLoader`)."""
+    when a checkpoint is saved) it resumes mid-epoch
+    (:class:`~pipeline_recipes.datamodules.resumable.ResumableDataLoader`)."""
     n = len(dataset)  # type: ignore[arg-type]
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -269,8 +270,6 @@ def build_dataloaders(name: str = "synthetic", *, family: str, seq_len: int, voc
                       **kwargs: Any) -> tuple[DataLoader, DataLoader | None]:
     """``build_datasets`` + ``make_dataloader`` without Lightning (batch size: ``batch_size`` or the global one;
     ``auto`` loader settings for one process, on CUDA when it is available)."""
-    from ..recipe.accelerator import cpus_per_rank, loader_settings
-
     workers, pin = loader_settings(num_workers, pin_memory, cuda=torch.cuda.is_available(), cpus=cpus_per_rank(1))
     train, val = build_datasets(name, family=family, seq_len=seq_len, vocab_size=vocab_size, seed=seed, **kwargs)
     bs = int(batch_size or global_batch_size)

@@ -1,10 +1,10 @@
 """The job's data, checked and prepared on the node before any rank starts.
 
-:func:`recipe.launch.run` calls :func:`prepare_data` after the layout checks. First the local
-``data.data_files`` must exist (no ``datasets`` import needed to say so); then :func:`build_source` runs
+:func:`pipeline_recipes.recipe.launch.run` calls :func:`prepare_data` after the layout checks. First the local
+``data.data_files`` must exist (no ``datasets`` import needed to say so); then :func:`.factory.build_source` runs
 once in the launcher with the job's data settings: it downloads a hub dataset (or reads it from the local
 cache), trains the tokenizer and writes the tokenized blocks or sentence pairs into ``data.cache_dir``
-(:mod:`datamodules.cache`), so that the ranks only read the cache. With network the data is still
+(:mod:`pipeline_recipes.datamodules.cache`), so that the ranks only read the cache. With network the data is still
 fetched, once, here. A source that cannot be had (no such file, offline with an empty cache, no answer
 from the hub) stops the job before any process starts, with the cause and the fixes, instead of
 failing inside every rank before its layers exist.
@@ -13,6 +13,7 @@ failing inside every rank before its layers exist.
 from __future__ import annotations
 
 import glob
+import importlib
 import inspect
 import os
 from collections.abc import Iterator, Mapping
@@ -20,7 +21,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub.constants
+
 from ..recipe.layout import ConfigError, did_you_mean
+from . import factory
 from .corpus import DataUnavailable, all_files, normalize_data_files
 from .errors import DataError
 from .tokenizer import OFFLINE_VARIABLES
@@ -30,7 +34,7 @@ LOADER_KEYS = ("_target_", "name", "global_batch_size", "batch_size", "num_worke
 
 
 def source_arguments(data: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """``(name, build_source keyword arguments)`` exactly as :class:`PipelineDataModule` passes them, for a
+    """``(name, build_source keyword arguments)`` exactly as :class:`.datamodule.PipelineDataModule` passes them, for a
     data config whose target is ``build_datamodule``; None for another target (nothing to prepare)."""
     if data.get("_target_") not in TARGETS:
         return None
@@ -66,11 +70,10 @@ def check_data_files(name: str, data_files: Any) -> None:
 
 @contextmanager
 def _offline_switches_kept() -> Iterator[None]:
-    """``data.offline=true`` switches this process's hub access off (:func:`tokenizer.hub_offline`); the
+    """``data.offline=true`` switches this process's hub access off (:func:`.tokenizer.hub_offline`); the
     launcher's own switches, which the next job of a sweep inherits, are restored afterwards."""
     env = {var: os.environ.get(var) for var in OFFLINE_VARIABLES}
-    import datasets.config
-    import huggingface_hub.constants
+    import datasets.config  # local: datasets ≥0.8 s (not for synthetic data)
 
     flags = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
     try:
@@ -88,14 +91,13 @@ def check_options(name: str, arguments: Mapping[str, Any]) -> None:
     """``data.name`` is a source and every other data key is one of its options (``build_source``'s keyword
     arguments and the source's ``SOURCE_DEFAULTS``): else a :class:`ConfigError` naming the key, instead of
     ``build_source``'s ``TypeError``."""
-    from .factory import SOURCE_DEFAULTS, SOURCES, build_source
-
-    if name not in SOURCES:
-        close = did_you_mean(name, SOURCES)
-        raise ConfigError(f"data.name={name}: no such data source; it is one of {list(SOURCES)}: set "
+    if name not in factory.SOURCES:
+        close = did_you_mean(name, factory.SOURCES)
+        raise ConfigError(f"data.name={name}: no such data source; it is one of {list(factory.SOURCES)}: set "
                           f"data={close or '<one of them>'}" + (" (did you mean it?)" if close else ""))
-    named = {p.name for p in inspect.signature(build_source).parameters.values() if p.kind is p.KEYWORD_ONLY}
-    known = sorted(named | set(SOURCE_DEFAULTS[name]))
+    parameters = inspect.signature(factory.build_source).parameters.values()
+    named = {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
+    known = sorted(named | set(factory.SOURCE_DEFAULTS[name]))
     unknown = sorted(set(arguments) - set(known))
     if unknown:
         key = unknown[0]
@@ -111,7 +113,7 @@ def _cause_chain(err: BaseException) -> Iterator[BaseException]:
     """``err`` and, when it is ``datasets``' ``DatasetGenerationError`` (a builder's or a generator's error,
     wrapped), what it wraps; nothing else is looked through (a bug raised while handling another error
     is not that error)."""
-    from datasets.exceptions import DatasetGenerationError
+    from datasets.exceptions import DatasetGenerationError  # local: datasets ≥0.8 s (not for synthetic data)
 
     current: BaseException | None = err
     for _ in range(8):
@@ -124,8 +126,6 @@ def _cause_chain(err: BaseException) -> Iterator[BaseException]:
 def _hub_errors() -> tuple[type[BaseException], ...]:
     """What the hub's clients raise for no answer (no network, a refused connection, a timeout) or an
     answer they did not like (not found, gated, unauthorized)."""
-    import importlib
-
     found: list[type[BaseException]] = [ConnectionError, TimeoutError]
     for module, attr in (("huggingface_hub.errors", "HfHubHTTPError"), ("httpx2", "TransportError"),
                          ("httpx", "TransportError"), ("requests.exceptions", "RequestException")):
@@ -137,9 +137,9 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
 
 
 def data_failure(name: str, arguments: Mapping[str, Any], err: BaseException) -> DataError | None:
-    """What :func:`build_source` raised, when its data cannot be had, as a :class:`DataError` with the fixes
+    """What :func:`.factory.build_source` raised, when its data cannot be had, as a :class:`DataError` with the fixes
     for this source; None for anything else (a bug keeps its traceback)."""
-    from datasets.exceptions import DatasetGenerationError, DatasetNotFoundError
+    from datasets.exceptions import DatasetGenerationError, DatasetNotFoundError  # local: datasets ≥0.8 s
 
     files = "data.data_files=/path/to/corpus.txt (or a list)"
     local = f"a local copy of its text ({files})" if name != "text" else f"other files ({files})"
@@ -198,11 +198,9 @@ def prepare_data(data: Mapping[str, Any]) -> None:
     name, arguments = found
     check_options(name, arguments)
     check_data_files(name, arguments.get("data_files"))
-    from .factory import build_source
-
     with _offline_switches_kept():
         try:
-            build_source(name, **arguments)
+            factory.build_source(name, **arguments)
         except ConfigError:
             raise
         except Exception as err:  # only the data's failures become a DataError; a bug keeps its traceback

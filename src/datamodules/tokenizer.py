@@ -25,6 +25,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub.constants
+from huggingface_hub.errors import HFValidationError, HfHubHTTPError
+from huggingface_hub.utils import validate_repo_id
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .errors import DataError
@@ -59,8 +62,6 @@ HUB_TIMEOUT_S = 10.0  # one look-up of a hub repository before loading from it (
 
 
 def hub_endpoint() -> str:
-    import huggingface_hub.constants
-
     return str(huggingface_hub.constants.ENDPOINT)
 
 
@@ -70,9 +71,6 @@ def is_hub_id(name: str) -> bool:
     ``~/tok``, ``a/b/c``, a URL) is never a hub name: missing, it is a missing local path."""
     if "://" in name or name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).expanduser().exists():
         return False
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
     try:
         validate_repo_id(name)
     except HFValidationError:
@@ -85,8 +83,7 @@ def hub_unreachable(repo_id: str, repo_type: str = "dataset", timeout_s: float =
     came (no network, no name resolution, a refused connection, a timeout); None when the hub answered,
     also with "not found" or "gated" (the loader then says which), and for a name that is no repository
     id (:func:`is_hub_id`: nothing was asked; the loader says what is wrong with it)."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HFValidationError, HfHubHTTPError
+    from huggingface_hub import HfApi  # local: hub client ≥0.2 s, only to ask the hub
 
     try:
         HfApi(endpoint=hub_endpoint()).repo_info(repo_id, repo_type=repo_type, timeout=timeout_s)
@@ -101,8 +98,7 @@ def set_hub_offline() -> None:
     """Cache-only mode for ``datasets``, ``huggingface_hub`` and ``transformers`` in this process."""
     for var in OFFLINE_VARIABLES:
         os.environ[var] = "1"
-    import datasets.config
-    import huggingface_hub.constants
+    import datasets.config  # local: datasets ≥0.8 s (not for synthetic data)
 
     datasets.config.HF_HUB_OFFLINE = True
     huggingface_hub.constants.HF_HUB_OFFLINE = True
@@ -174,7 +170,7 @@ def _special_kwargs(family: str, vocab: Mapping[str, int]) -> dict[str, str]:
 def wrap_tokenizer(tok: Tokenizer, family: str) -> Any:
     """A ``tokenizers.Tokenizer`` (the offline BPE, a bare ``tokenizer.json``) as a
     ``PreTrainedTokenizerFast`` with the family's special tokens by role."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # local: transformers ≥1.0 s; after the offline switches
 
     return PreTrainedTokenizerFast(tokenizer_object=tok, **_special_kwargs(family, tok.get_vocab()))
 
@@ -192,7 +188,7 @@ def load_tokenizer(name_or_path: str, family: str, offline: bool = False) -> Any
                         "data.tokenizer=<an existing directory written by save_pretrained, or a tokenizer.json>; "
                         "or a hub name (data.tokenizer=gpt2); or data.tokenizer=null (a BPE trained offline on the "
                         "corpus)")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # local: transformers ≥1.0 s; after the offline switches
 
     local = hub_offline(offline)
     if not local and not path.is_dir() and (unreachable := hub_unreachable(str(name_or_path), "model")) is not None:

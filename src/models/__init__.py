@@ -9,7 +9,7 @@ Public API::
     model.layer_costs(kind) / model.partition(stages, kind) / model.partition_table(partition, kind)
     balanced_partition(costs, stages) / format_partition_table(partition, names, param_counts)
 
-Names are imported lazily, so ``models.partition`` stays pure Python (no torch/transformers import).
+Names are imported lazily, so ``pipeline_recipes.models.partition`` stays pure Python (no torch/transformers import).
 Building from configs never touches the Hugging Face hub (only ``pretrained=<hub name>`` does); nothing
 here sets ``HF_HUB_OFFLINE`` (doing so at import would also switch the hub off for the wikitext2/wikipedia
 loaders of users with network).

@@ -5,7 +5,7 @@ A ``HFPipelineModel`` owns an ``nn.ModuleList`` of thin layers around the submod
 kept as an unregistered reference (``reference()``): it shares every parameter with the layers, so it
 serves as the numerical reference of the pipelined model and ``model.to(...)``/``train()`` reach it.
 
-The HF model is always built on the meta device and then materialised (:mod:`models.materialize`):
+The HF model is always built on the meta device and then materialised (:mod:`~pipeline_recipes.models.materialize`):
 wholly for a single-process build, or only a rank's own layers under a pipeline
 (:meth:`HFPipelineModel.materialize`), with per-module init streams so both give identical weights.
 """
@@ -22,6 +22,7 @@ from torch import nn
 
 from pipeline_recipes.strategies.pipeline_model import PipelineModel, TiedGroup
 
+from .lm_loss import transient_bytes
 from .materialize import materialize_layers, resolve_seed
 from .partition import balanced_partition, format_partition_table
 
@@ -134,6 +135,15 @@ class HFPipelineModel(nn.Module, PipelineModel):
     def set_attn_implementation(self, impl: str) -> None:
         """Switch attention kernels (``"eager"``, ``"sdpa"``, ...) for the layers and the reference."""
         self._hf.set_attn_implementation(impl)
+
+    def loss_transient_bytes(self, batch_size: int, itemsize: int) -> int:
+        """Bytes the chunked LM loss's backward holds at its peak beyond the saved tensors, for a
+        micro-batch of ``batch_size`` sequences whose products run in a dtype of ``itemsize`` bytes
+        (:func:`~pipeline_recipes.models.lm_loss.transient_bytes`; 0 when the head returns the logits)."""
+        chunk = getattr(self, "loss_chunk_tokens", None)
+        config = self.config
+        return transient_bytes(batch_size * self.seq_len, int(config.vocab_size), int(config.hidden_size), chunk,
+                               itemsize)
 
     def check_seq_len(self, seq_len: int) -> None:
         limit = self.config.max_position_embeddings

@@ -18,11 +18,13 @@ activation tensor travels between stages:
   Qwen's ``layer_types``), with the batch's 2-D ``attention_mask`` when it has one (padding). A bare
   decoder layer given no mask attends to the future under ``eager`` (no ``is_causal`` there);
   under ``sdpa`` the mask builder returns ``None`` and the kernel's ``is_causal`` applies, as in HF.
-  Each kind's mask is built once per stage forward and shared by the stage's layers
-  (:class:`models.masks.MaskCache`), as ``<Family>Model.forward`` builds one per kind.
+  Each kind's mask, and the rotary pair, is built once per stage forward and shared by the stage's
+  layers (:class:`~pipeline_recipes.models.masks.MaskCache`), as ``<Family>Model.forward`` builds one per kind.
 
-The loss is the causal-LM cross entropy of GPT-2's pipeline (:func:`models.gpt2.causal_lm_loss`,
-``transformers.loss.loss_utils.ForCausalLMLoss``). Tied word embeddings (the small Llama 3.2 and
+The loss is the causal-LM cross entropy of GPT-2's pipeline (:func:`~pipeline_recipes.models.gpt2.causal_lm_loss`,
+``transformers.loss.loss_utils.ForCausalLMLoss``); as there, with ``loss_chunk_tokens`` set (the default)
+the head layer returns the normalised hidden states and the loss projects them onto the vocabulary a
+chunk of tokens at a time (:func:`.lm_loss.linear_cross_entropy`). Tied word embeddings (the small Llama 3.2 and
 Qwen2 models) make the embedding layer and the head share one ``Parameter``, listed by
 ``tied_parameters`` so the runtime sums the two stages' gradients.
 
@@ -31,7 +33,7 @@ others (Gemma scales its embeddings, Gemma 2 soft-caps logits, ...) would train 
 
 ``pretrained=<hub name or local directory>`` takes the architecture from the checkpoint's
 ``config.json`` and, in :meth:`DecoderPipelineModel.materialize`, reads from its safetensors only the
-tensors of the layers being materialised (:mod:`models.pretrained`): each pipeline rank loads its own
+tensors of the layers being materialised (:mod:`~pipeline_recipes.models.pretrained`): each pipeline rank loads its own
 layers.
 """
 
@@ -49,7 +51,9 @@ from pipeline_recipes.strategies.pipeline_model import Batch, TiedGroup
 
 from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
 from .gpt2 import IGNORE_INDEX, causal_lm_loss, shift_labels
+from .lm_loss import DEFAULT_CHUNK_TOKENS, ChunkedLMHead, check_chunk_tokens
 from .masks import MaskCache
+from .pretrained import checkpoint_config, load_layers
 
 # model_type -> (config class, causal-LM class), names in ``transformers``
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -110,7 +114,7 @@ class DecoderLayer(nn.Module):
         # The attention module's own config decides the kernel, hence the mask format.
         mask = self.masks.get(self._mask_fn, self.layer.self_attn.config, hidden, batch.get("attention_mask"),
                               position_ids)
-        cos_sin = self.rotary_emb(hidden, position_ids=position_ids)
+        cos_sin = self.masks.rotary(self.rotary_emb, hidden, position_ids)
         return self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
 
     @override
@@ -118,32 +122,29 @@ class DecoderLayer(nn.Module):
         return f"kind={self.kind!r}"
 
 
-class DecoderHead(nn.Module):
-    """``hidden -> lm_head(norm(hidden))``: logits over the vocabulary."""
+class DecoderHead(ChunkedLMHead):
+    """``lm_head(norm(hidden))`` (:class:`~pipeline_recipes.models.lm_loss.ChunkedLMHead`)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear) -> None:
-        super().__init__()
-        self.norm, self.lm_head = norm, lm_head
-
-    @override
-    def forward(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.norm(hidden))
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, chunk_tokens: int | None = None) -> None:
+        super().__init__("norm", norm, lm_head, chunk_tokens)
 
 
 class DecoderPipelineModel(HFPipelineModel):
     """A Llama-style causal LM split into ``num_hidden_layers + 2`` layers sharing parameters with
     ``reference()`` (see the module docstring)."""
 
-    def __init__(self, hf: nn.Module, *, pretrained: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, hf: nn.Module, *, pretrained: str | None = None,
+                 loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, **kwargs: Any) -> None:
         super().__init__(hf, **kwargs)
         self.family = str(hf.config.model_type)
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
         self.pretrained = pretrained
         base = hf.model
         kinds = layer_kinds(hf.config)
         self.layers.append(DecoderEmbeddings(base.embed_tokens))
         masks = MaskCache()
         self.layers.extend(DecoderLayer(layer, base.rotary_emb, kinds[i], masks) for i, layer in enumerate(base.layers))
-        self.layers.append(DecoderHead(base.norm, hf.lm_head))
+        self.layers.append(DecoderHead(base.norm, hf.lm_head, self.loss_chunk_tokens))
         self.layer_names_ = ["embeddings", *(f"layer.{i}" for i in range(len(base.layers))), "head"]
         self.check_seq_len(self.seq_len)
 
@@ -154,8 +155,6 @@ class DecoderPipelineModel(HFPipelineModel):
         indices = range(len(self.layers)) if layers is None else sorted(set(layers))
         super().materialize(indices, device)
         if self.pretrained:
-            from .pretrained import load_layers
-
             load_layers(self, indices, self.pretrained)
 
     @override
@@ -166,16 +165,25 @@ class DecoderPipelineModel(HFPipelineModel):
     def _labels(batch: Batch) -> Tensor:
         return batch["labels"] if "labels" in batch else batch["input_ids"]
 
+    def logits(self, output: Tensor) -> Tensor:
+        """The logits over the vocabulary of the head layer's ``output``."""
+        return self.layers[-1].logits(output)
+
     @override
     def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
-        return causal_lm_loss(output, self._labels(batch))
+        if self.loss_chunk_tokens is None:
+            return causal_lm_loss(output, self._labels(batch))
+        targets = shift_labels(self._labels(batch))
+        return self.layers[-1].token_losses(output, targets).sum() / (targets != IGNORE_INDEX).sum()
 
     # Per-term sums and counts, as GPT-2's: micro-batches add up to the token mean of the mini-batch.
     def loss_counts(self, batch: Batch) -> dict[str, Tensor]:
         return {"tokens": (shift_labels(self._labels(batch)) != IGNORE_INDEX).sum()}
 
     def loss_terms(self, output: Tensor, batch: Batch) -> dict[str, Tensor]:
-        return {"tokens": causal_lm_loss(output, self._labels(batch), reduction="sum")}
+        if self.loss_chunk_tokens is None:
+            return {"tokens": causal_lm_loss(output, self._labels(batch), reduction="sum")}
+        return {"tokens": self.layers[-1].token_losses(output, shift_labels(self._labels(batch))).sum()}
 
     @override
     def tied_parameters(self) -> list[TiedGroup]:
@@ -218,6 +226,7 @@ def build_decoder(
     device: str | torch.device | None = None,
     pretrained: str | None = None,
     data_family: str = "gpt2",
+    loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     **config: Any,
 ) -> DecoderPipelineModel:
     """Hydra target of ``conf/model/{llama,qwen2}*.yaml``: ``<Family>Config(**config)`` ->
@@ -226,23 +235,24 @@ def build_decoder(
     ``family``: ``llama``, ``mistral``, ``qwen2`` or ``qwen3`` (the HF ``model_type``); ``config`` holds
     fields of its config class (``num_hidden_layers``, ``num_key_value_heads``, ``rope_parameters``, ...).
     ``pretrained``: a hub name or local directory whose ``config.json`` gives the architecture (the
-    fields given here must agree with it, see :func:`models.pretrained.checkpoint_config`) and whose
+    fields given here must agree with it, see :func:`~pipeline_recipes.models.pretrained.checkpoint_config`) and whose
     weights replace the initialisation, layer by layer as each rank materialises its own.
     ``data_family``: the data format the data configs read (causal-LM blocks, as GPT-2's).
-    ``device`` and ``init_seed`` as in :func:`models.gpt2.build_gpt2`.
+    ``loss_chunk_tokens``: tokens whose logits the loss computes at a time (``None``: the head returns
+    the whole logits).
+    ``device`` and ``init_seed`` as in :func:`~pipeline_recipes.models.gpt2.build_gpt2`.
     """
     if data_family != "gpt2":
         raise ValueError(f"model.data_family={data_family!r}: decoder-only models train on causal-LM data "
                          "(data_family: gpt2)")
     config_cls, model_cls = family_classes(family)
+    config.pop("compile", None)  # model.compile: the trainer compiles the blocks (pipeline_recipes.strategies.compile)
     config = {k: plain(v) for k, v in config.items()}
     hf_config = make_hf_config(config_cls, {**config, "attn_implementation": attn_implementation})
     if pretrained:
-        from .pretrained import checkpoint_config
-
         hf_config = checkpoint_config(pretrained, family, hf_config, given=set(config))
         hf_config._attn_implementation = attn_implementation
     hf, seed = build_on_meta(model_cls, hf_config, init_seed)
     model = DecoderPipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost,
-                                 init_seed=seed, pretrained=pretrained or None)
+                                 init_seed=seed, pretrained=pretrained or None, loss_chunk_tokens=loss_chunk_tokens)
     return finish_build(model, device)

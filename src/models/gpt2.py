@@ -4,11 +4,20 @@ Layers: ``[embeddings (wte + wpe + dropout), block_0 .. block_{L-1}, head (ln_f 
 The blocks get the causal mask of ``transformers.masking_utils.create_causal_mask`` for the
 configured attention implementation, as ``GPT2Model.forward`` passes it: a standalone ``GPT2Block``
 given no mask is causal under ``sdpa`` but attends to the future under ``eager``. The mask is built
-once per stage forward and shared by the stage's blocks (:class:`models.masks.MaskCache`); under
+once per stage forward and shared by the stage's blocks (:class:`~pipeline_recipes.models.masks.MaskCache`); under
 ``sdpa`` it is ``None`` and the kernel's ``is_causal`` applies.
 
 The loss is the causal-LM cross entropy on shifted labels (``batch["labels"]``, else the inputs),
-averaged over the non-ignored tokens, i.e. ``transformers.loss.loss_utils.ForCausalLMLoss``.
+averaged over the non-ignored tokens, i.e. ``transformers.loss.loss_utils.ForCausalLMLoss``. With
+``loss_chunk_tokens`` set (the default) the head layer returns ``ln_f``'s output and the loss projects it
+onto the vocabulary a chunk of tokens at a time (:func:`.lm_loss.linear_cross_entropy`), so the
+logits of a whole micro-batch never exist; :meth:`GPT2PipelineModel.logits` gives them when wanted.
+``loss_chunk_tokens=None`` makes the head return the logits, as ``GPT2LMHeadModel`` does.
+
+The MLP's GELU is ``gelu_pytorch_tanh`` by default: the tanh approximation of the GELU (Hendrycks &
+Gimpel, "Gaussian Error Linear Units", §2) as one op, where GPT-2's own ``gelu_new`` writes the same
+formula as several kernels that also keep their intermediates for the backward; the two agree to fp32
+rounding.
 With ``tie_word_embeddings`` the embedding layer and the head share one ``Parameter``; the paper's
 1.39 B model (Chimera, Li & Hoefler, SC'21, Table 2) unties it.
 """
@@ -26,6 +35,7 @@ from transformers.masking_utils import create_causal_mask
 from pipeline_recipes.strategies.pipeline_model import Batch, TiedGroup
 
 from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
+from .lm_loss import DEFAULT_CHUNK_TOKENS, ChunkedLMHead, check_chunk_tokens
 from .masks import MaskCache
 
 IGNORE_INDEX = -100
@@ -62,15 +72,11 @@ class GPT2BlockLayer(nn.Module):
         return self.block(hidden, attention_mask=mask, position_ids=position_ids)
 
 
-class GPT2Head(nn.Module):
-    """``hidden -> lm_head(ln_f(hidden))``: logits over the vocabulary."""
+class GPT2Head(ChunkedLMHead):
+    """``lm_head(ln_f(hidden))`` (:class:`~pipeline_recipes.models.lm_loss.ChunkedLMHead`)."""
 
-    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear) -> None:
-        super().__init__()
-        self.ln_f, self.lm_head = ln_f, lm_head
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.ln_f(hidden))
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear, chunk_tokens: int | None = None) -> None:
+        super().__init__("ln_f", ln_f, lm_head, chunk_tokens)
 
 
 def shift_labels(labels: Tensor) -> Tensor:
@@ -91,13 +97,15 @@ class GPT2PipelineModel(HFPipelineModel):
 
     family = "gpt2"
 
-    def __init__(self, hf: GPT2LMHeadModel, **kwargs: Any) -> None:
+    def __init__(self, hf: GPT2LMHeadModel, *, loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+                 **kwargs: Any) -> None:
         super().__init__(hf, **kwargs)
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
         t = hf.transformer
         self.layers.append(GPT2Embeddings(t.wte, t.wpe, t.drop))
         masks = MaskCache()
         self.layers.extend(GPT2BlockLayer(block, masks) for block in t.h)
-        self.layers.append(GPT2Head(t.ln_f, hf.lm_head))
+        self.layers.append(GPT2Head(t.ln_f, hf.lm_head, self.loss_chunk_tokens))
         self.layer_names_ = ["embeddings", *(f"block.{i}" for i in range(len(t.h))), "head"]
         self.check_seq_len(self.seq_len)
 
@@ -108,8 +116,15 @@ class GPT2PipelineModel(HFPipelineModel):
     def _labels(batch: Batch) -> Tensor:
         return batch["labels"] if "labels" in batch else batch["input_ids"]
 
+    def logits(self, output: Tensor) -> Tensor:
+        """The logits over the vocabulary of the head layer's ``output``."""
+        return self.layers[-1].logits(output)
+
     def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
-        return causal_lm_loss(output, self._labels(batch))
+        if self.loss_chunk_tokens is None:
+            return causal_lm_loss(output, self._labels(batch))
+        targets = shift_labels(self._labels(batch))
+        return self.layers[-1].token_losses(output, targets).sum() / (targets != IGNORE_INDEX).sum()
 
     # Optional runtime hooks: per-term sums and counts, so that micro-batches of any size add up to the
     # token mean over the whole mini-batch (what HF computes on the unsplit batch).
@@ -117,7 +132,9 @@ class GPT2PipelineModel(HFPipelineModel):
         return {"tokens": (shift_labels(self._labels(batch)) != IGNORE_INDEX).sum()}
 
     def loss_terms(self, output: Tensor, batch: Batch) -> dict[str, Tensor]:
-        return {"tokens": causal_lm_loss(output, self._labels(batch), reduction="sum")}
+        if self.loss_chunk_tokens is None:
+            return {"tokens": causal_lm_loss(output, self._labels(batch), reduction="sum")}
+        return {"tokens": self.layers[-1].token_losses(output, shift_labels(self._labels(batch))).sum()}
 
     def tied_parameters(self) -> list[TiedGroup]:
         if self.layers[0].wte.weight is self.layers[-1].lm_head.weight:
@@ -135,6 +152,8 @@ def build_gpt2(
     head_cost: float = 0.0,
     init_seed: int | None = None,
     device: str | torch.device | None = None,
+    loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    activation_function: str = "gelu_pytorch_tanh",
     **config: Any,
 ) -> GPT2PipelineModel:
     """Hydra target of ``conf/model/gpt2*.yaml``: ``GPT2Config(**config)`` -> ``GPT2PipelineModel``.
@@ -142,16 +161,20 @@ def build_gpt2(
     ``config`` holds ``GPT2Config`` fields (``n_layer``, ``n_embd``, ``tie_word_embeddings``, ...);
     ``device="meta"`` builds without memory (parameter counts, or a pipeline that materialises only its
     own layers: ``model.materialize(layers, device)``); any other device materialises every layer there.
-    ``init_seed`` seeds the per-module init streams (:mod:`models.materialize`); ``None`` draws it from
-    the global generator.
+    ``init_seed`` seeds the per-module init streams (:mod:`~pipeline_recipes.models.materialize`); ``None``
+    draws it from the global generator. ``loss_chunk_tokens``: tokens whose logits the loss computes at a time
+    (``None``: the head returns the whole logits). ``activation_function``: ``GPT2Config``'s, by default
+    the one-op tanh GELU (``gelu_new``, GPT-2's own config value, computes the same function in several ops).
     """
     if family != "gpt2":
         raise ValueError(f"build_gpt2 got family={family!r}")
+    config.pop("compile", None)  # model.compile: the trainer compiles the blocks (pipeline_recipes.strategies.compile)
     vocab = int(config.get("vocab_size", 50257))
     config.setdefault("bos_token_id", vocab - 1)
     config.setdefault("eos_token_id", vocab - 1)
-    hf_config = make_hf_config(GPT2Config, {**config, "attn_implementation": attn_implementation})
+    hf_config = make_hf_config(GPT2Config, {**config, "activation_function": activation_function,
+                                            "attn_implementation": attn_implementation})
     hf, seed = build_on_meta(GPT2LMHeadModel, hf_config, init_seed)
     model = GPT2PipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost,
-                              init_seed=seed)
+                              init_seed=seed, loss_chunk_tokens=loss_chunk_tokens)
     return finish_build(model, device)

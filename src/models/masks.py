@@ -8,6 +8,10 @@ what decides it is unchanged (the builder, the config and its attention implemen
 the activation's type (fake or real), batch size, length, dtype and device, inference mode, and the
 micro-batch's own ``attention_mask`` tensor; positions are ``0..T-1``, decided by the length).
 
+Llama-style decoders also compute their rotary ``(cos, sin)`` once per forward and hand it to every
+layer; :meth:`MaskCache.rotary` does the same for a stage's layers (the pair depends only on the rotary
+module's buffers and the activation's length, dtype and device).
+
 The mask builders' arguments moved between ``transformers`` 5 releases: ``past_key_values`` became
 ``cache`` (the old name warns, then goes in 5.40), ``cache_position`` is gone, ``input_embeds`` became
 ``inputs_embeds``. :func:`mask_kwargs` reads the installed signature and passes what it takes: no cache
@@ -74,6 +78,22 @@ class MaskCache:
         self._last[fn] = (key, attention_mask, mask)  # positions: 0..T-1 of hidden, so in the key
         self.builds += 1
         return mask
+
+    def rotary(self, rotary_emb: torch.nn.Module, hidden: Tensor, position_ids: Tensor) -> Any:
+        """``rotary_emb(hidden, position_ids)`` (positions ``0..T-1``), computed again only when its inputs
+        differ from the last call's: the module, its ``inv_freq`` tensor and that tensor's version, and the
+        activation's type, length, dtype and device, and inference mode."""
+        inv_freq = rotary_emb.inv_freq
+        if any(kind in str(getattr(rotary_emb, "rope_type", "")) for kind in ("dynamic", "longrope")):
+            return rotary_emb(hidden, position_ids=position_ids)  # its frequencies follow the lengths seen so far
+        key = (type(hidden), hidden.shape[1], hidden.dtype, hidden.device, inv_freq._version,
+               torch.is_inference_mode_enabled())
+        last = self._last.get(rotary_emb)
+        if last is not None and last[0] == key and last[1] is inv_freq:
+            return last[2]
+        pair = rotary_emb(hidden, position_ids=position_ids)
+        self._last[rotary_emb] = (key, inv_freq, pair)
+        return pair
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MaskCache:
         return MaskCache()

@@ -4,7 +4,7 @@ Paper sizes follow Chimera (Li & Hoefler, SC'21), Table 2: GPT-2 with 64 layers,
 20 heads, untied LM head (1,389,327,360 parameters, sequence length 632) and BERT with 48 layers,
 hidden 1024, 16 heads, FFN 4096, untied decoder (669,790,012 parameters, sequence length 128).
 Standard sizes follow the GPT-2 and BERT releases; the tiny ones train in seconds on a CPU.
-Decoder-only models (:mod:`models.decoder`): ``llama3-1b`` is Llama 3.2 1B's architecture (16 layers,
+Decoder-only models (:mod:`~pipeline_recipes.models.decoder`): ``llama3-1b`` is Llama 3.2 1B's architecture (16 layers,
 hidden 2048, 32 query and 8 key/value heads, SwiGLU FFN 8192, tied embeddings, llama3 RoPE scaling:
 1,235,814,400 parameters), so ``model.pretrained=meta-llama/Llama-3.2-1B`` loads into it; ``llama-tiny``
 (grouped-query attention, untied head) and ``qwen2-tiny`` (Qwen2's q/k/v biases, tied head, as the small
@@ -27,9 +27,10 @@ def _gpt2(name: str, seq_len: int, n_layer: int, n_embd: int, n_head: int, *, ti
           vocab_size: int = 50257, n_positions: int = 1024, dropout: float = 0.1) -> dict[str, Any]:
     return {
         "name": name, "family": "gpt2", "seq_len": seq_len, "attn_implementation": "sdpa",
-        "embedding_cost": 0.0, "head_cost": 0.0, "init_seed": None,
+        "compile": "auto",
+        "embedding_cost": 0.0, "head_cost": 0.0, "init_seed": None, "loss_chunk_tokens": 4096,
         "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "n_positions": n_positions,
-        "vocab_size": vocab_size, "tie_word_embeddings": tied,
+        "vocab_size": vocab_size, "tie_word_embeddings": tied, "activation_function": "gelu_pytorch_tanh",
         "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout,
     }
 
@@ -38,7 +39,8 @@ def _bert(name: str, seq_len: int, layers: int, hidden: int, heads: int, ffn: in
           vocab_size: int = 30522, max_positions: int = 512, dropout: float = 0.1) -> dict[str, Any]:
     return {
         "name": name, "family": "bert", "seq_len": seq_len, "attn_implementation": "sdpa",
-        "embedding_cost": 0.0, "head_cost": 0.0, "init_seed": None,
+        "compile": "auto",
+        "embedding_cost": 0.0, "head_cost": 0.0, "init_seed": None, "loss_chunk_tokens": 4096,
         "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
         "intermediate_size": ffn, "max_position_embeddings": max_positions, "type_vocab_size": 2,
         "vocab_size": vocab_size, "tie_word_embeddings": tied,
@@ -51,7 +53,8 @@ def _decoder(name: str, family: str, seq_len: int, layers: int, hidden: int, hea
              **extra: Any) -> dict[str, Any]:
     return {
         "name": name, "family": family, "data_family": "gpt2", "seq_len": seq_len, "attn_implementation": "sdpa",
-        "embedding_cost": 0.0, "head_cost": 0.0, "init_seed": None, "pretrained": None,
+        "compile": "auto",
+        "embedding_cost": 0.0, "head_cost": 0.0, "init_seed": None, "loss_chunk_tokens": 4096, "pretrained": None,
         "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "intermediate_size": ffn, "max_position_embeddings": max_positions,
         "vocab_size": vocab_size, "tie_word_embeddings": tied, "rms_norm_eps": rms_norm_eps, "rope_parameters": rope,
@@ -106,13 +109,13 @@ def hydra_config(name: str) -> dict[str, Any]:
 
 def _builder(family: str) -> Callable[..., HFPipelineModel]:
     if family == "gpt2":
-        from .gpt2 import build_gpt2
+        from .gpt2 import build_gpt2  # local: each family's transformers classes load when built
         return build_gpt2
     if family == "bert":
-        from .bert import build_bert
+        from .bert import build_bert  # local: each family's transformers classes load when built
         return build_bert
     if family in TARGETS:
-        from .decoder import build_decoder
+        from .decoder import build_decoder  # local: each family's transformers classes load when built
         return build_decoder
     raise ValueError(f"unknown model family {family!r}; expected one of {sorted(TARGETS)}")
 

@@ -12,7 +12,7 @@ prediction and partition recommendation, for this repository's schedules and run
 Modules: :mod:`.costs` (formulas), :mod:`.model_costs` (the data), :mod:`.profile` / :mod:`.comm`
 (measurements), :mod:`.estimate` (fake-tensor estimate), :mod:`.predict` (time), :mod:`.memory`
 (memory, budgets), :mod:`.partition`, :mod:`.recommend`, :mod:`.preflight`.
-Names are imported lazily, so ``planner.costs`` stays pure Python.
+Names are imported lazily, so ``pipeline_recipes.planner.costs`` stays pure Python.
 """
 
 from __future__ import annotations

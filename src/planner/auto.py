@@ -1,8 +1,8 @@
 """``strategy=auto``: replace it by the planner's best layout before Hydra composes the job.
 
 :func:`auto_overrides` composes the config the rest of the overrides describe, profiles the model on
-this device (cached, :func:`planner.profile.load_or_profile`), predicts every layout of the configured
-processes and global batch (:func:`planner.recommend.best_config`, Chimera §3.4) and returns the
+this device (cached, :func:`pipeline_recipes.planner.profile.load_or_profile`), predicts every layout of the configured
+processes and global batch (:func:`pipeline_recipes.planner.recommend.best_config`, Chimera §3.4) and returns the
 overrides with ``strategy=auto`` replaced by the best one's ``strategy=…``, ``strategy.D=…`` and so on.
 """
 
@@ -10,6 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from pipeline_recipes.recipe.accelerator import choose_accelerator
+
+from .estimate import with_run_memory
+from .memory import device_budget
+from .profile import load_or_profile
+from .recommend import best_config
 
 AUTO = "strategy=auto"
 
@@ -21,16 +31,6 @@ def auto_overrides(overrides: Sequence[str], config_dir: str | Path, *, cache_di
     rest = [o for o in overrides if o != AUTO]
     if len(rest) == len(overrides):
         return list(overrides)
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from pipeline_recipes.recipe.accelerator import choose_accelerator
-
-    from .estimate import with_run_memory
-    from .memory import device_budget
-    from .profile import load_or_profile
-    from .recommend import best_config
-
     with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[o for o in rest if not o.startswith("strategy")])
     trainer = choose_accelerator(OmegaConf.to_container(cfg.trainer, resolve=True)).trainer  # trainer=auto: this node

@@ -4,21 +4,21 @@ using micro benchmarks").
 * p2p: ping-pong of messages of several sizes; one-way time = half the round trip; a least-squares
   line ``t = α + β·L`` gives the p2p constants.
 * all-reduce: two-process gradient all-reduces of the same sizes, run by the runtime's
-  :class:`strategies.grad_sync.GradientSynchronizer` (packing into its flat buffer and unpacking
+  :class:`pipeline_recipes.strategies.grad_sync.GradientSynchronizer` (packing into its flat buffer and unpacking
   included), each after writing ``EVICT_BYTES`` elsewhere: in a step the all-reduce follows a
   backward pass that left other data in the caches (a 1–2 MB all-reduce took up to 1.8× longer
-  then); with ``r = 2`` Rabenseifner's cost is ``2α + β·L`` (:func:`planner.costs.allreduce_from_pair`).
-  Its median counts (``ALLREDUCE_QUANTILE``), not the lower quartile: a collective needs several
-  round trips in which both ranks must wake up, so its spread is its own, not other users' load
-  (on 2 gloo CPU ranks a 4 KiB all-reduce took 0.3–8 ms, median 2 ms), and a step pays the typical
+  then); with ``r = 2`` Rabenseifner's cost is ``2α + β·L``
+  (:func:`pipeline_recipes.planner.costs.allreduce_from_pair`). Its median counts (``ALLREDUCE_QUANTILE``), not the
+  lower quartile: a collective needs several round trips in which both ranks must wake up, so its spread is its own, not
+  other users' load (on 2 gloo CPU ranks a 4 KiB all-reduce took 0.3–8 ms, median 2 ms), and a step pays the typical
   one (a whole-model 1.3 MB fused all-reduce lasted 2.9–3.6 ms inside Chimera steps; lower
   quartile 1.1 ms, median 1.5–3.2 ms).
-* runtime overhead: D = 2 GPipe, DAPPLE and Chimera steps of :class:`strategies.emulated.EmulatedPipeline`
-  (holding ``t_f``/``2 t_f`` per action, so the two ranks do not compete for cores) at three
-  micro-batch counts, interleaved; what the simulated makespan (:func:`strategies.schedules.simulate`)
-  does not explain is the executor's own cost per action, per message on the critical path (posting
-  a send, waking the receiver: more than a ping-pong's one-way time) and per step, fitted by
-  non-negative least squares (:func:`calibrate_runtime`).
+* runtime overhead: D = 2 GPipe, DAPPLE and Chimera steps of
+  :class:`pipeline_recipes.strategies.emulated.EmulatedPipeline` (holding ``t_f``/``2 t_f`` per action, so the two ranks
+  do not compete for cores) at three micro-batch counts, interleaved; what the simulated makespan
+  (:func:`pipeline_recipes.strategies.schedules.simulate`) does not explain is the executor's own cost per action, per
+  message on the critical path (posting a send, waking the receiver: more than a ping-pong's one-way time) and per step,
+  fitted by non-negative least squares (:func:`calibrate_runtime`).
 * process memory: resident set of one idle worker (interpreter, torch, gloo), for host-RAM budgets.
 
 A repetition lasts until its slowest rank is done (the max over the two ranks, :func:`combine_ranks`).
@@ -26,35 +26,45 @@ A repetition lasts until its slowest rank is done (the max over the two ranks, :
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+
+from pipeline_recipes.strategies.emulated import EmulatedPipeline, hold
+from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+from pipeline_recipes.strategies.grad_sync import GradientSynchronizer
+from pipeline_recipes.strategies.schedules import build_schedule, simulate, specs
+from pipeline_recipes.strategies.spawn import run_world
 
 from .costs import AlphaBeta, allreduce_from_pair, quantile, robust_line
 from .model_costs import CommCosts
 
 SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 CALIBRATION_N = (2, 4, 8)
-# GPipe's critical path has few messages, Chimera's waits on one before nearly every action, DAPPLE's
-# on one per micro-batch: together they separate the cost per action from the latency per message
-CALIBRATION_SCHEDULES = ("gpipe", "dapple", "chimera")
+CALIBRATION_SCHEDULES = tuple(spec.name for spec in specs() if spec.calibrates)  # why these: ScheduleSpec
 CALIBRATION_NUMEL = 256  # floats per sample of the calibration activations
 CALIBRATION_T_F = 0.002  # seconds held per emulated forward (backward: twice)
 SAMPLE_QUANTILE = 0.25  # of the p2p and step repetitions, as the layer profile (other users' load only slows them)
 ALLREDUCE_QUANTILE = 0.5  # see the module docstring
 EVICT_BYTES = 32 * 2**20  # written before each timed all-reduce: larger than the CPU caches
 COMM_VERSION = 6  # part of the cache key: bumped when the measurement changes
-MEASURE_S = 20.0  # about how long measure_comm takes on an idle machine (for the progress line)
+MEASURE_S = 14.0  # about how long measure_comm takes on an idle machine (for the progress line)
 
 
 def _timed_samples(run: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> list[float]:
     """``reps`` timings of ``run`` on this rank (after 2 untimed ones), each started after ``before``
     (untimed) and a barrier."""
-    import torch.distributed as dist
-
     samples = []
     for r in range(reps + 2):
         if before is not None:
@@ -69,14 +79,6 @@ def _timed_samples(run: Callable[[], Any], reps: int, before: Callable[[], Any] 
 
 def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: int) -> dict[str, Any]:
     """Every rank's raw samples (seconds); :func:`combine_ranks` reduces them."""
-    from datetime import timedelta
-
-    import psutil
-    import torch
-    import torch.distributed as dist
-
-    from pipeline_recipes.strategies.grad_sync import GradientSynchronizer
-
     rss = psutil.Process().memory_info().rss
     evict = torch.zeros(EVICT_BYTES // 4)
     p2p, allreduce = {}, {}
@@ -99,9 +101,6 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
         sync = GradientSynchronizer({0: [weight]}, {0: dist.group.WORLD}, [], None, timedelta(seconds=120))
         # in a step the all-reduce follows a backward: its buffers are not in cache
         allreduce[size] = _timed_samples(sync.finish, reps, before=lambda: evict.add_(1.0))
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline, hold
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
-
     configs = []
     for name in CALIBRATION_SCHEDULES:
         model = EmulatedPipeline(2, t_f=CALIBRATION_T_F, activation_numel=CALIBRATION_NUMEL, param_numel=1)
@@ -161,10 +160,6 @@ def calibrate_runtime(steps: Mapping[str, Mapping[int, float]], t_f: float, t_co
     the actions and the messages on the simulated critical path (the makespan's derivatives in the
     action time and the message time); non-negative least squares over every schedule and N.
     """
-    import numpy as np
-
-    from pipeline_recipes.strategies.schedules import build_schedule, simulate
-
     rows, ys = [], []
     eps = 1e-6
     for name, by_n in steps.items():
@@ -183,10 +178,6 @@ def nonnegative_lstsq(a: Any, b: Any) -> list[float]:
     """``argmin ‖a·x − b‖`` over ``x ≥ 0`` for a few unknowns: the best of the unconstrained
     least-squares solutions on every subset of the columns (the others held at zero) that come out
     non-negative. A cost that comes out negative is not a cost: the others absorb its share."""
-    import itertools
-
-    import numpy as np
-
     k = a.shape[1]
     best, best_x = float(np.sum(b**2)), [0.0] * k
     for size in range(1, k + 1):
@@ -203,10 +194,9 @@ def nonnegative_lstsq(a: Any, b: Any) -> list[float]:
     return best_x
 
 
-def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 30, steps: int = 30) -> CommCosts:
-    """Run the micro-benchmarks in two spawned gloo processes (about 20 seconds)."""
-    from pipeline_recipes.strategies.spawn import run_world
-
+def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 30, steps: int = 16) -> CommCosts:
+    """Run the micro-benchmarks in two spawned gloo processes (about 12 seconds; the calibration's
+    ``steps`` rounds of 9 emulated steps take most of it)."""
     results = run_world(2, _comm_worker, list(sizes), reps, steps, timeout=300)
     return fit_comm(combine_ranks(results))
 
@@ -214,8 +204,6 @@ def measure_comm(sizes: Sequence[int] = SIZES, reps: int = 30, steps: int = 30) 
 def load_or_measure_comm(cache_dir: Path, device: str, *, refresh: bool = False,
                          log: Callable[[str], None] | None = None) -> CommCosts:
     """Cached per device description (independent of the model)."""
-    import hashlib
-
     path = Path(cache_dir) / f"comm-{hashlib.sha1(f'{device}:v{COMM_VERSION}'.encode()).hexdigest()[:12]}.json"
     if path.exists() and not refresh:
         if log:

@@ -1,14 +1,15 @@
 """Memory costs of a model without running it: parameter counts and the bytes autograd would keep.
 
-For the pre-flight check (:func:`planner.preflight.preflight`) there is no time to profile, so the
+For the pre-flight check (:func:`pipeline_recipes.planner.preflight.preflight`) there is no time to profile, so the
 model is built on the meta device and given fake tensors (``FakeTensorMode``: no memory is allocated
 and nothing is initialised, even for the paper's 1.39 B GPT-2), and every layer runs forward on fake
 tensors at two micro-batch sizes, counting the distinct non-parameter tensors saved for backward
-exactly as :class:`strategies.recompute.SavedBytes` does on a real device: CAPTURE's M_i (a layer
+exactly as :class:`pipeline_recipes.strategies.recompute.SavedBytes` does on a real device: CAPTURE's M_i (a layer
 alone, output included) and M_a (what it adds after the previous layer), fitted with a line in ``B``
 (CAPTURE §III-A2). The backward transient, which fake tensors cannot show, is estimated as the
 layer's largest parameter (a freshly computed weight gradient before accumulation) plus twice its
-largest saved tensor (gradients of the same shape). Identical blocks (same class, parameter shapes
+largest saved tensor (gradients of the same shape), and on the head the chunked LM loss's one chunk of
+logits (:mod:`pipeline_recipes.models.lm_loss`). Identical blocks (same class, parameter shapes
 and input shape after an identical block) run once.
 
 The forward runs under the run's precision: ``bf16-mixed``/``16-mixed`` inside ``torch.autocast``
@@ -35,11 +36,20 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 from typing_extensions import override
+
+from pipeline_recipes.models import build_model
+from pipeline_recipes.models.materialize import allocate_empty
+from pipeline_recipes.strategies.pipeline_model import run_layers
 
 from .costs import fit_line
 from .model_costs import LayerCosts, ModelCosts
-from .profile import model_config_dict
+from .profile import make_batch, model_config_dict
 
 AUTOCAST_DTYPES = {"bf16-mixed": "bfloat16", "bf16": "bfloat16", "16-mixed": "float16", "16": "float16"}
 # CUDA autocast runs these in fp32 (ATen autocast_mode.h: AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE), by
@@ -62,11 +72,6 @@ def autocast_dtype_name(precision: Any) -> str | None:
 
 def _cuda_kernels(dtype: Any) -> Any:
     """A ``TorchFunctionMode``: on fake CPU tensors under CPU autocast, the ops as CUDA runs them."""
-    import torch
-    import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._pytree import tree_map
-
     half = (torch.float16, torch.bfloat16)
 
     def to_fp32(x: Any) -> Any:
@@ -151,10 +156,6 @@ class _FakeSaved:
 
 def _run(model: Any, first: int, last: int, x: Any, batch: Mapping[str, Any], skip: frozenset[int],
          autocast: Any) -> tuple[Any, _FakeSaved]:
-    import torch
-
-    from pipeline_recipes.strategies.pipeline_model import run_layers
-
     layers = model.pipeline_layers()
     inp = x.detach().requires_grad_(True) if first > 0 else x
     saved = _FakeSaved(skip)
@@ -199,15 +200,16 @@ def with_run_memory(costs: ModelCosts, model_cfg: Any, *, precision: Any, device
 
 
 @lru_cache(maxsize=16)
+def _loss_transient(model: Any, size: int, dtype: Any) -> int:
+    """The chunked LM loss's backward peak (:meth:`~pipeline_recipes.models.base.HFPipelineModel.loss_transient_bytes`):
+    one chunk's logits exist only there, so the saved tensors do not show them."""
+    if not hasattr(model, "loss_transient_bytes"):
+        return 0
+    itemsize = torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
+    return int(model.loss_transient_bytes(size, itemsize))
+
+
 def _estimate(cfg_json: str, sizes: tuple[int, ...], dtype_name: str | None, device: str) -> ModelCosts:
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from pipeline_recipes.models import build_model
-    from pipeline_recipes.models.materialize import allocate_empty
-
-    from .profile import make_batch
-
     cfg = json.loads(cfg_json)
     dtype = getattr(torch, dtype_name) if dtype_name else None
 
@@ -264,7 +266,8 @@ def _estimate(cfg_json: str, sizes: tuple[int, ...], dtype_name: str | None, dev
             def fit(key: str, i: int = i) -> Any:
                 return fit_line(sizes, [r[i][key] for r in rows])
 
-            transient = fit_line(sizes, [biggest + 2 * r[i]["largest"] for r in rows])
+            loss = [_loss_transient(model, size, dtype) if i == len(layers) - 1 else 0 for size in sizes]
+            transient = fit_line(sizes, [biggest + 2 * r[i]["largest"] + extra for r, extra in zip(rows, loss)])
             result.append(LayerCosts(names[i], int(numel), int(nbytes), stored_alone=fit("alone"),
                                      stored_added=fit("added"), transient=transient, out_bytes=fit("out"),
                                      cast_bytes=int(max(r[i]["casts"] for r in rows))))

@@ -12,29 +12,36 @@ count, :func:`worker_peak` walks the worker's actions in schedule order, as the 
   kept, then the layer's kept bytes are freed; with recomputation the stage's graph is first
   re-materialised. A split backward (Zero Bubble Pipeline Parallelism §2) walks twice: ``I`` keeps
   the graph, ``W`` makes the gradients appear and frees it. Which graphs an action keeps, walks
-  and frees is :func:`strategies.schedules.effects.graph_effect`, the executor's own rule;
+  and frees is :func:`pipeline_recipes.strategies.schedules.effects.graph_effect`, the executor's own rule;
 * under mixed precision autocast's weight copies (``LayerCosts.cast_bytes``) count from the start:
   one per weight and step, whatever the number of micro-batches in flight;
-* on gloo (CPU) a sent tensor stays referenced until the end of the step (:mod:`strategies.p2p`), so
+* on gloo (CPU) a sent tensor stays referenced until the end of the step (:mod:`pipeline_recipes.strategies.p2p`), so
   sent activations and activation gradients stay counted until the end (``keep_sends``);
 * where a stage has copies on other ranks, its gradients are views of its all-reduce bucket's flat
-  buffer (:mod:`strategies.grad_sync`), allocated once and kept across steps, so they count from
+  buffer (:mod:`pipeline_recipes.strategies.grad_sync`), allocated once and kept across steps, so they count from
   the start and the all-reduce (at the end or eager) needs no buffer of its own; elsewhere they
   appear on the stage's first backward.
 
 With equal per-micro-batch bytes the activation part is ``bytes × peak in-flight count`` of
-:func:`strategies.schedules.peak_activations` (a test checks this).
+:func:`pipeline_recipes.strategies.schedules.peak_activations` (a test checks this).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+
+import psutil
+import torch
 
 from pipeline_recipes.strategies.schedules import Schedule, get_spec
 from pipeline_recipes.strategies.schedules.asynchronous import stashed_versions
+from pipeline_recipes.strategies.schedules.comm import CommPlan, plans
 from pipeline_recipes.strategies.schedules.effects import graph_effect
+from pipeline_recipes.strategies.schedules.messages import receiving_stage
 
+from .costs import format_bytes
 from .model_costs import ADAMW_STATES, ModelCosts
 from .predict import Candidate, runtime_partition
 
@@ -54,7 +61,8 @@ class MemoryPrediction:
 
     @property
     def per_rank(self) -> list[int]:
-        """Rank ``r`` is worker ``r % D`` of replica ``r // D`` (:class:`strategies.topology.Topology`)."""
+        """Rank ``r`` is worker ``r % D`` of replica ``r // D``
+        (:class:`pipeline_recipes.strategies.topology.Topology`)."""
         return [int(self.workers[r % len(self.workers)].peak) for r in range(self.W * len(self.workers))]
 
     @property
@@ -66,14 +74,18 @@ def _grad_bytes(costs: ModelCosts, layers: set[int]) -> float:
     return sum(costs.layers[i].param_bytes for i in layers) - costs.shared_bytes(layers)
 
 
+@lru_cache(maxsize=64)
+def _training_plans(schedule: Schedule) -> Sequence[CommPlan]:
+    """Every worker's rounds in a training step, once per schedule: the planner predicts many layouts
+    (recomputation, gradient sync, partitions) on the same schedule."""
+    return plans(schedule, True)
+
+
 def _received_ahead(costs: ModelCosts, schedule: Schedule, worker: int, ranges: Mapping[int, range],
                     B: int) -> list[float]:
     """Per action of ``worker``, the bytes of messages its rounds have posted for later actions (the
-    executor's plan, :func:`strategies.schedules.comm.comm_plan`): received, not yet consumed."""
-    from pipeline_recipes.strategies.schedules.comm import comm_plan
-    from pipeline_recipes.strategies.schedules.messages import receiving_stage
-
-    plan = comm_plan(schedule, worker, True)
+    executor's plan, :func:`pipeline_recipes.strategies.schedules.comm.comm_plan`): received, not yet consumed."""
+    plan = _training_plans(schedule)[worker]
     remote = {t.message for rnd in plan.rounds for t in rnd.recvs}
     received_at: dict[int, list] = {}
     for i in range(len(plan.actions)):
@@ -97,7 +109,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
                 receive_ahead: bool = True) -> WorkerMemory:
     """Peak bytes of one worker (see the module docstring). ``partition`` maps at least this
     worker's stages to their layers; with ``receive_ahead`` the receive buffers the executor's
-    rounds post before their action needs them (:func:`strategies.schedules.comm.comm_plan`) count
+    rounds post before their action needs them (:func:`pipeline_recipes.strategies.schedules.comm.comm_plan`) count
     from the round that posts them."""
     D, B, S = cand.D, cand.B, schedule.stages
     stages = schedule.stages_of(worker)
@@ -211,8 +223,6 @@ class Budget:
         return self.need(per_rank, ranks_per_node) - self.limit()
 
     def describe(self) -> str:
-        from .costs import format_bytes
-
         if self.per_rank is not None:
             return f"{format_bytes(self.per_rank)} per rank ({self.source})"
         if self.host is not None:
@@ -226,14 +236,10 @@ def device_budget(accelerator: str = "cpu", *, override: int | None = None, proc
     if accelerator in ("gpu", "cuda"):
         if override is not None:
             return Budget(per_rank=int(override), source="given")
-        import torch
-
         if not torch.cuda.is_available():
             raise ValueError("trainer.accelerator is gpu but no CUDA device is visible; pass an explicit budget")
         total = torch.cuda.get_device_properties(0).total_memory
         return Budget(per_rank=int(total), source=f"{torch.cuda.get_device_name(0)}")
     if override is not None:
         return Budget(host=int(override), process_bytes=process_bytes, source="given")
-    import psutil
-
     return Budget(host=int(psutil.virtual_memory().available), process_bytes=process_bytes, source="available host RAM")

@@ -1,10 +1,10 @@
 """What the planner knows about a model on a device: per-layer costs and the communication constants.
 
-A :class:`ModelCosts` is either *profiled* (:mod:`planner.profile`: measured times and bytes on the
-local device, cached as JSON) or *estimated* (:mod:`planner.estimate`: parameter counts and the bytes
+A :class:`ModelCosts` is either *profiled* (:mod:`pipeline_recipes.planner.profile`: measured times and bytes on the
+local device, cached as JSON) or *estimated* (:mod:`pipeline_recipes.planner.estimate`: parameter counts and the bytes
 autograd would save, from a fake-tensor pass, no time) for the memory pre-flight.
 
-Per layer, everything that depends on the micro-batch size ``B`` is a :class:`~planner.costs.LinearFit`
+Per layer, everything that depends on the micro-batch size ``B`` is a :class:`~pipeline_recipes.planner.costs.LinearFit`
 through two profiled sizes (CAPTURE §III-A2, §III-B2):
 
 * ``fwd``/``bwd``: seconds of the layer's forward / backward on one micro-batch; ``fwd_nograd``: the
@@ -70,7 +70,7 @@ class LayerCosts:
 
 @dataclass(frozen=True)
 class CommCosts:
-    """Measured with two gloo processes (:mod:`planner.comm`), or defaults.
+    """Measured with two gloo processes (:mod:`pipeline_recipes.planner.comm`), or defaults.
 
     ``p2p``/``allreduce``: α–β constants (Chimera §3.4). ``action_s``: the runtime's own cost per
     scheduled action (executor bookkeeping, message posting) beyond the layers' compute; ``step_s``:

@@ -1,11 +1,11 @@
 """Partition recommender: split layers into stages by time (throughput) or by memory (CAPTURE).
 
-* ``objective="time"``: :func:`models.partition.balanced_partition` on per-layer forward + backward
+* ``objective="time"``: :func:`pipeline_recipes.models.partition.balanced_partition` on per-layer forward + backward
   time at the candidate's ``B`` (min-max of stage time: the pipeline's bottleneck).
 * ``objective="memory"``: CAPTURE's objective (§III-C), the smallest peak across ranks. A stage's
   peak depends on where it sits (under 1F1B the first stage keeps D micro-batches in flight, the last
   one) and on its layers (the embedding and the LM head are heavy), so the cost of a stage is the
-  predicted peak of the worker holding it (:func:`planner.memory.worker_peak`). With one stage per
+  predicted peak of the worker holding it (:func:`pipeline_recipes.planner.memory.worker_peak`). With one stage per
   worker (GPipe, DAPPLE) :func:`minmax_partition` solves it exactly by dynamic programming; Chimera's
   workers hold several stages, so a local search moves stage boundaries from the time-balanced split
   while the sorted per-rank peaks decrease (CAPTURE's tie-break: lowest peak, then the next ranks).
@@ -17,6 +17,9 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 
+from pipeline_recipes.models.partition import balanced_partition
+from pipeline_recipes.models.partition import minmax_partition as solve_minmax
+
 from .memory import worker_peak
 from .model_costs import ModelCosts
 from .predict import Candidate
@@ -25,10 +28,8 @@ OBJECTIVES = ("time", "memory")
 
 
 def minmax_partition(num_layers: int, stages: int, cost: Callable[[int, int, int], float]) -> list[range]:
-    """:func:`models.partition.minmax_partition` with ``cost`` memoised (a stage's predicted peak)."""
-    from pipeline_recipes.models.partition import minmax_partition as solve
-
-    return solve(num_layers, stages, functools.cache(lambda s, i, j: float(cost(s, i, j))))
+    """:func:`pipeline_recipes.models.partition.minmax_partition` with ``cost`` memoised (a stage's predicted peak)."""
+    return solve_minmax(num_layers, stages, functools.cache(lambda s, i, j: float(cost(s, i, j))))
 
 
 def time_costs(costs: ModelCosts, cand: Candidate) -> list[float]:
@@ -39,7 +40,8 @@ def time_costs(costs: ModelCosts, cand: Candidate) -> list[float]:
 
 def layer_kinds(costs: ModelCosts) -> list[int]:
     """Per layer, the index of the first layer with the same costs (names aside): the profiler gives
-    every member of a group of identical layers the same costs (:class:`planner.profile.DistinctLayers`)."""
+    every member of a group of identical layers the same costs
+    (:class:`pipeline_recipes.planner.profile.DistinctLayers`)."""
     first: dict[str, int] = {}
     out = []
     for i, layer in enumerate(costs.layers):
@@ -57,8 +59,6 @@ def rank_peaks(costs: ModelCosts, cand: Candidate, partition: Sequence[range], k
 def recommend_partition(costs: ModelCosts, cand: Candidate, objective: str = "time", *,
                         keep_sends: bool | None = None) -> list[range]:
     """The recommended layers per stage for this layout (see the module docstring)."""
-    from pipeline_recipes.models.partition import balanced_partition
-
     if objective not in OBJECTIVES:
         raise ValueError(f"partition objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if cand.S > costs.num_layers:
@@ -113,8 +113,6 @@ def partition_overrides(partition: Sequence[range], layer_costs: Sequence[float]
                         grid: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)) -> list[str] | None:
     """``model.embedding_cost``/``model.head_cost`` overrides under which ``train.py``'s
     ``model.partition(D)`` yields ``partition`` (None if no pair on the grid does)."""
-    from pipeline_recipes.models.partition import balanced_partition
-
     target = [(r.start, r.stop) for r in partition]
     base = list(layer_costs)
     for e in grid:

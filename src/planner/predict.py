@@ -2,7 +2,7 @@
 
 Instead of counting forwards and backwards on a critical path by hand (``T = (F_t + Comm_p2p)·C_f +
 (B_t + Comm_p2p)·C_b + max_i Comm_unoverlapped(i)``, eq. 1), the planner runs the very schedule the
-workers will execute through :func:`strategies.schedules.simulate` with measured per-stage costs:
+workers will execute through :func:`pipeline_recipes.strategies.schedules.simulate` with measured per-stage costs:
 
 * ``t_f[s]``/``t_b[s]``: the sum of the stage's profiled layer times at micro-batch size ``B`` plus the
   runtime's per-action overhead; recomputation runs the forward without a graph (its profiled
@@ -13,9 +13,9 @@ workers will execute through :func:`strategies.schedules.simulate` with measured
   plus the runtime's measured latency per message (``CommCosts.hop_s``).
 * Gradient synchronisation: one Rabenseifner all-reduce per stage over its ``r = W·pipelines``
   copies, launched at the end (``grad_sync=end``) or after the copy's last backward (eager modes,
-  §3.2); :func:`planner.costs.sync_timeline` gives the part not hidden behind computation. With
+  §3.2); :func:`pipeline_recipes.planner.costs.sync_timeline` gives the part not hidden behind computation. With
   ``end``, buckets copied on the same workers are one fused all-reduce, as the runtime runs them
-  (:class:`strategies.grad_sync.GradientSynchronizer`).
+  (:class:`pipeline_recipes.strategies.grad_sync.GradientSynchronizer`).
 * Asynchronous schedules (PipeDream-2BW, PipeDream) never flush: one iteration is the steady-state
   window, measured as the makespan added by one more step of the no-flush stream.
 * CPU ranks that outnumber the cores share them: the simulated compute is stretched to at least the
@@ -31,8 +31,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 
+from pipeline_recipes.models.partition import balanced_partition
+from pipeline_recipes.strategies.grad_sync import launch_plan
+from pipeline_recipes.strategies.recompute import recompute_stages
 from pipeline_recipes.strategies.schedules import (
     AUTO_CONCAT, Schedule, Settings, best_concat, build_schedule, get_spec, names, resolve_concat, simulate, specs,
     validate,
@@ -78,22 +81,21 @@ class Candidate:
         return schedule_of(self.strategy, self.D, self.N, self.pipelines, self.resolved().concat, self.chunks)
 
     def resolved(self, costs: ModelCosts | None = None, partition: Sequence[range] | None = None) -> Candidate:
-        """This layout with ``concat=auto`` replaced by the method :func:`strategies.schedules.best_concat`
-        picks: at t_b = 2 t_f as the runtime does, or with ``costs``, at this model's measured costs of
-        each method (:func:`stage_costs`), so that the planner recommends the concrete method."""
+        """This layout with ``concat=auto`` replaced by the method
+        :func:`pipeline_recipes.strategies.schedules.best_concat` picks: at t_b = 2 t_f as the runtime does, or with
+        ``costs``, at this model's measured costs of each method (:func:`stage_costs`), so that the planner recommends
+        the concrete method."""
         if self.concat != AUTO_CONCAT:
             return self
         if costs is None or not get_spec(self.strategy).concat:
             return replace(self, concat=resolve_concat(self.strategy, self.D, self.N, self.pipelines, self.B,
                                                        self.concat))
         part = list(partition) if partition is not None else runtime_partition(costs, self.S)
-        method = best_concat(self.D, self.N, self.pipelines, self.B, generator=get_spec(self.strategy).generator,
+        method = best_concat(self.D, self.N, self.pipelines, self.B, generator=partial(_built, self.strategy),
                              costs=lambda m: stage_costs(costs, replace(self, concat=m), part))
         return replace(self, concat=method)
 
     def recompute_stages(self) -> frozenset[int]:
-        from pipeline_recipes.strategies.recompute import recompute_stages
-
         return recompute_stages(self.recompute, self.S)
 
     def overrides(self) -> list[str]:
@@ -129,6 +131,12 @@ class Candidate:
 @lru_cache(maxsize=1024)
 def schedule_of(strategy: str, D: int, N: int, pipelines: int, concat: str, chunks: int | None = None) -> Schedule:
     return validate(build_schedule(strategy, D, N, pipelines, concat, chunks=chunks))
+
+
+def _built(strategy: str, D: int, N: int, pipelines: int, concat: str) -> Schedule:
+    """``best_concat``'s generator: the cached schedule (layouts that differ only in recomputation or
+    gradient sync compare the same concatenation methods)."""
+    return schedule_of(strategy, D, N, pipelines, concat)
 
 
 CHUNK_CHOICES = (2, 4)  # v the planner compares where the schedule lets the user choose it
@@ -191,8 +199,6 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
 def runtime_partition(costs: ModelCosts, D: int) -> list[range]:
     """The split ``train.py`` uses into ``D`` stages (S for several stages per worker):
     ``model.partition(D)``, balanced by ``layer_costs("layers")``."""
-    from pipeline_recipes.models.partition import balanced_partition
-
     weights = costs.meta.get("layer_costs") or [1.0] * costs.num_layers
     return balanced_partition(weights, D)
 
@@ -308,8 +314,6 @@ def _cpu_contention(collectives: Sequence[Collective], timeline: Sequence, compu
 def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range], schedule: Schedule,
                  timeline: Sequence, compute_end: Sequence[float], stretch: float) -> list[Collective]:
     """The gradient all-reduces of one replica group's workers (every replica alike, Chimera §3.3)."""
-    from pipeline_recipes.strategies.grad_sync import launch_plan
-
     ar = costs.comm.allreduce
     early: dict[int, set[int]] = {}
     for w in range(cand.D):

@@ -1,8 +1,8 @@
 """Memory pre-flight: refuse a layout whose predicted peak per rank cannot fit, before launching.
 
 :func:`preflight` is cheap (no profiling, no process): it estimates the model's per-layer bytes on fake
-tensors under the run's precision and for the run's device (:mod:`planner.estimate`), predicts each
-rank's peak for the configured layout (:mod:`planner.memory`: weights, gradients, AdamW state,
+tensors under the run's precision and for the run's device (:mod:`pipeline_recipes.planner.estimate`), predicts each
+rank's peak for the configured layout (:mod:`pipeline_recipes.planner.memory`: weights, gradients, AdamW state,
 autocast's weight copies, activations in flight under the schedule, recomputation) and compares it
 with the device budget (free host RAM shared by the CPU ranks of a node, or one GPU's memory per
 rank). When it does not fit it raises :class:`PreflightError` with the numbers and the layouts of the
@@ -18,6 +18,7 @@ from typing import Any
 from pipeline_recipes.strategies.schedules import get_spec
 
 from .costs import format_bytes
+from .estimate import estimate_costs
 from .memory import Budget, MemoryPrediction, device_budget, predict_memory
 from .model_costs import ADAMW_STATES, ModelCosts
 from .predict import Candidate, candidates, runtime_partition
@@ -38,7 +39,7 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
 
 
 def candidate_from_config(cfg: Mapping[str, Any], layout: Any) -> Candidate:
-    """The :class:`Candidate` of a resolved config and its :class:`recipe.layout.Layout` (or a dict
+    """The :class:`Candidate` of a resolved config and its :class:`pipeline_recipes.recipe.layout.Layout` (or a dict
     with ``strategy, W, D, B, N, pipelines``). Baselines are one stage: ``ddp``/``single`` = D 1, N 1."""
     strategy = dict(_get(cfg, "strategy", {}) or {})
     name = str(_get(layout, "strategy", strategy.get("name", "gpipe")))
@@ -64,8 +65,6 @@ def run_precision(trainer: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def _setup(cfg_dict: Mapping[str, Any], layout: Any) -> tuple[ModelCosts, Candidate, int, bool, str]:
-    from .estimate import estimate_costs
-
     trainer = dict(_get(cfg_dict, "trainer", {}) or {})
     device, precision = run_precision(trainer)
     costs = estimate_costs(_get(cfg_dict, "model"), precision=precision, device=device)
@@ -105,7 +104,7 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
     memory; return ``None`` otherwise.
 
     ``cfg_dict``: the resolved Hydra config (``OmegaConf.to_container(cfg, resolve=True)``);
-    ``layout``: :func:`recipe.layout.resolve_layout`'s result. ``budget_bytes`` overrides the
+    ``layout``: :func:`pipeline_recipes.recipe.layout.resolve_layout`'s result. ``budget_bytes`` overrides the
     measured budget (per rank on GPU, per node on CPU); ``budget`` replaces it entirely.
     """
     costs, cand, per_node, keep_sends, _ = _setup(cfg_dict, layout)

@@ -4,10 +4,10 @@ Identical layers (same class and parameter shapes, :func:`layer_signature`: the 
 cost the same, so only one layer per group runs (:class:`DistinctLayers`) and every member of the
 group gets its costs: a 64-block model profiles an embedding, a block and a head. For each batch
 size ``B`` in ``batch_sizes`` (two by default, CAPTURE §III-A2), the way
-:class:`strategies.executor.StageExecutor` runs a stage, the profiler measures:
+:class:`pipeline_recipes.strategies.executor.StageExecutor` runs a stage, the profiler measures:
 
 * in a memory pass, from one forward + backward of each of those layers: the bytes autograd keeps
-  for the backward alone (CAPTURE's M_i, :class:`strategies.recompute.SavedBytes`), the peak
+  for the backward alone (CAPTURE's M_i, :class:`pipeline_recipes.strategies.recompute.SavedBytes`), the peak
   allocation above them while forward and backward run (the transient: ``torch.cuda.max_memory_allocated``
   on GPUs, the profiler's CPU memory events otherwise) and the size of its output (the activation
   sent to the next stage); and, from one forward per pair of neighbouring groups (embedding → block,
@@ -21,12 +21,12 @@ size ``B`` in ``batch_sizes`` (two by default, CAPTURE §III-A2), the way
   has not spent ``MIN_SECONDS`` per size;
 * once, an AdamW step.
 
-The model is built on the meta device and materialised (:mod:`models.materialize`): whole, or, for a
+The model is built on the meta device and materialised (:mod:`pipeline_recipes.models.materialize`): whole, or, for a
 model whose training state is large (:func:`layers_mode`), only the layers that run, so profiling
 never needs the whole model in one process.
 
-Every quantity is fitted with a line in ``B`` (:func:`planner.costs.fit_line`). Communication
-constants come from :mod:`planner.comm`; :func:`load_or_profile` caches both as JSON keyed by the
+Every quantity is fitted with a line in ``B`` (:func:`pipeline_recipes.planner.costs.fit_line`). Communication
+constants come from :mod:`pipeline_recipes.planner.comm`; :func:`load_or_profile` caches both as JSON keyed by the
 model config and the device (Chimera §3.4: "measured using micro benchmarks").
 """
 
@@ -46,9 +46,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from .costs import fit_line, quantile
+from pipeline_recipes.datamodules.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
+from pipeline_recipes.models import build_model, preset
+from pipeline_recipes.strategies.executor import loss_counts, micro_batch_loss
+from pipeline_recipes.strategies.pipeline_model import call_layer, run_layers
+from pipeline_recipes.strategies.recompute import SavedBytes, parameter_storages
+
+from .comm import load_or_measure_comm
+from .costs import AlphaBeta, fit_line, quantile
 from .model_costs import CommCosts, LayerCosts, ModelCosts
 
 DEFAULT_CACHE = Path(os.environ.get("PIPELINE_RECIPES_CACHE", Path.home() / ".cache" / "pipeline-recipes")) / "planner"
@@ -57,23 +66,18 @@ MIN_SAMPLES = 24  # with MIN_SECONDS: a cheap model runs up to 20 × this many r
 MIN_SECONDS = 1.5  # per batch size: the timed rounds last at least this long × the sizes (spread over time)
 PROFILE_QUANTILE = 0.25  # of the samples: background load only ever slows a sample down
 PROGRESS_SECONDS = 10.0  # at most one progress line this often within the timed rounds
-MIN_ROUNDS = 2  # timed rounds before the time budget may stop them
+PROFILE_BATCH_SIZES = (1, 2)  # costs are fitted with a line in B through these (time, bytes: linear in B)
+OPTIMIZER_STEPS = 3  # timed AdamW steps per distinct layer (the median; an AdamW step varies little)
+MIN_ROUNDS = 1  # timed rounds before the time budget may stop them (a 1.4 B model's round lasts minutes)
 TIMING_SECONDS = 30.0  # the timed rounds' budget: no round starts (after MIN_ROUNDS) that would end past it
 
 
 def model_config_dict(model_cfg: Any) -> dict[str, Any]:
     """A plain dict of a model config (Hydra ``DictConfig``, mapping or preset name)."""
     if isinstance(model_cfg, str):
-        from pipeline_recipes.models import preset
-
         return preset(model_cfg)
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(model_cfg, DictConfig):
-            return dict(OmegaConf.to_container(model_cfg, resolve=True))  # type: ignore[arg-type]
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(model_cfg, DictConfig):
+        return dict(OmegaConf.to_container(model_cfg, resolve=True))  # type: ignore[arg-type]
     return {str(k): v for k, v in dict(model_cfg).items()}
 
 
@@ -98,8 +102,6 @@ def cache_key(model_cfg: Mapping[str, Any], device: str, settings: Mapping[str, 
 
 def make_batch(model: nn.Module, size: int, seed: int = 0) -> dict[str, Tensor]:
     """A synthetic mini-batch of ``size`` samples shaped like the training data of ``model``."""
-    from pipeline_recipes.datamodules.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
-
     vocab, seq = int(model.config.vocab_size), int(model.seq_len)
     if getattr(model, "family", "") == "bert":
         data = SyntheticBertDataset(size, seq, vocab, seed=seed)
@@ -139,20 +141,13 @@ class _LayerRunner:
     """Forward/backward of a group of consecutive layers as the executor runs a stage."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        from pipeline_recipes.strategies.recompute import parameter_storages
-
         self.model, self.device = model, device
         self.layers = model.pipeline_layers()
         self.storages = parameter_storages(model.parameters())
 
     def loss(self, out: Any, batch: Mapping[str, Any]) -> Tensor:
-        try:
-            from pipeline_recipes.strategies.executor import loss_counts, micro_batch_loss
-
-            totals = {k: float(v) for k, v in loss_counts(self.model, batch).items()}
-            return micro_batch_loss(self.model, out, batch, totals)
-        except ImportError:  # pragma: no cover - runtime API moved
-            return self.model.pipeline_loss(out, batch)
+        totals = {k: float(v) for k, v in loss_counts(self.model, batch).items()}
+        return micro_batch_loss(self.model, out, batch, totals)
 
     def forward(self, first: int, last: int, x: Tensor, batch: Mapping[str, Any]) -> tuple[Tensor, Any, int, bool]:
         """Run layers ``first..last``; return (input, output, saved bytes, whether the input is saved)."""
@@ -161,9 +156,6 @@ class _LayerRunner:
     def forward_seq(self, indices: Sequence[int], x: Tensor, batch: Mapping[str, Any]) -> tuple[Tensor, Any, int, bool]:
         """As :meth:`forward` for the layers ``indices`` one after the other (a layer may stand in for an
         identical one: ``[first block, head]`` measures the head after the last block)."""
-        from pipeline_recipes.strategies.pipeline_model import run_layers
-        from pipeline_recipes.strategies.recompute import SavedBytes
-
         first, last = indices[0], indices[-1]
         inp = x.detach().requires_grad_(True) if first > 0 else x
         saved = SavedBytes(self.storages)
@@ -179,16 +171,12 @@ class _LayerRunner:
 
     def forward_nograd(self, index: int, x: Tensor, batch: Mapping[str, Any]) -> Tensor:
         """Layer ``index`` without a graph, as a recomputed stage first runs it."""
-        from pipeline_recipes.strategies.pipeline_model import run_layers
-
         with torch.no_grad():
             out = run_layers(self.layers[index : index + 1], x, batch)
             return self.loss(out, batch) if index == len(self.layers) - 1 else out
 
     def forward_nograd_out(self, index: int, x: Tensor, batch: Mapping[str, Any]) -> Tensor:
         """Layer ``index``'s output without a graph (the next layer's input; no loss)."""
-        from pipeline_recipes.strategies.pipeline_model import call_layer
-
         with torch.no_grad():
             return call_layer(self.layers[index], x, batch)
 
@@ -218,8 +206,6 @@ def _stderr_to_devnull() -> Iterator[None]:
 def _quiet_memory_profiler() -> Iterator[Any]:
     """torch's profiler with CPU memory events, started and stopped without its notes on stderr (the
     planner's own progress lines in between still show)."""
-    from torch.profiler import ProfilerActivity, profile
-
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _stderr_to_devnull():
         prof.__enter__()
@@ -412,8 +398,6 @@ def _alone(runner: _LayerRunner, i: int, x: Tensor, batch: Mapping[str, Any], gr
            cuda_peak: bool) -> tuple[dict[str, float], float, float]:
     """One forward + backward of layer ``i`` alone: its row (no M_a, no transient yet), the seconds it
     took and, with ``cuda_peak``, the peak allocation above what was allocated before."""
-    from torch.profiler import record_function
-
     device = runner.device
     base = 0
     if cuda_peak:
@@ -540,7 +524,6 @@ def layers_mode(model_cfg: Any, device: str | torch.device = "cpu", layers: str 
         raise ValueError(f"layers must be one of {', '.join(LAYER_MODES)}, got {layers!r}")
     if layers != "auto":
         return layers
-    from pipeline_recipes.models import build_model
 
     params = build_model(model_config_dict(model_cfg), device="meta").num_parameters()
     limit = min(DISTINCT_FRACTION * _device_memory(torch.device(device)), DISTINCT_BYTES)
@@ -558,7 +541,7 @@ def _alias_identical_layers(model: nn.Module, device: torch.device) -> None:
             layers[i] = layers[members[1]]
 
 
-def profile_model(model_cfg: Any, *, batch_sizes: Sequence[int] = (1, 4), reps: int = 5, warmup: int = 0,
+def profile_model(model_cfg: Any, *, batch_sizes: Sequence[int] = PROFILE_BATCH_SIZES, reps: int = 5, warmup: int = 0,
                   device: str | torch.device = "cpu", threads: int | None = 1, memory: bool = True,
                   seed: int = 0, layers: str = "auto", log: Callable[[str], None] | None = None,
                   budget_s: float | None = TIMING_SECONDS) -> ModelCosts:
@@ -571,8 +554,6 @@ def profile_model(model_cfg: Any, *, batch_sizes: Sequence[int] = (1, 4), reps: 
     two), so the profile of a model larger than one device never holds the whole model.
     ``log``: progress lines with the estimated time left.
     """
-    from pipeline_recipes.models import build_model
-
     cfg = model_config_dict(model_cfg)
     dev = torch.device(device)
     mode = layers_mode(cfg, dev, layers)
@@ -589,18 +570,18 @@ def profile_model(model_cfg: Any, *, batch_sizes: Sequence[int] = (1, 4), reps: 
 
 
 def profile_pipeline(model: nn.Module, batch_of: Callable[[int], dict[str, Tensor]], name: str, *,
-                     batch_sizes: Sequence[int] = (1, 4), reps: int = 5, warmup: int = 0,
+                     batch_sizes: Sequence[int] = PROFILE_BATCH_SIZES, reps: int = 5, warmup: int = 0,
                      device: torch.device = torch.device("cpu"), threads: int | None = 1, memory: bool = True,
                      shares_cores: bool = True, log: Callable[[str], None] | None = None,
                      budget_s: float | None = TIMING_SECONDS) -> ModelCosts:
-    """Profile any :class:`~strategies.pipeline_model.PipelineModel` (already on ``device``) on the
+    """Profile any :class:`~pipeline_recipes.strategies.pipeline_model.PipelineModel` (already on ``device``) on the
     mini-batches ``batch_of(size)``. Only the layers of :class:`DistinctLayers` run (one per group of
     identical layers, and the pairs of neighbouring groups); every layer gets its group's costs.
 
     ``warmup``: untimed rounds before the timed ones (the memory pass has already run every timed
     layer forward and backward at every size); ``reps`` and ``budget_s``: see :func:`_time_layers`.
     ``shares_cores=False`` for stages that use no CPU while they run
-    (:class:`strategies.emulated.EmulatedPipeline`): CPU ranks then never stretch each other.
+    (:class:`pipeline_recipes.strategies.emulated.EmulatedPipeline`): CPU ranks then never stretch each other.
     ``log``: progress lines with the estimated time left."""
     sizes = sorted({int(b) for b in batch_sizes})
     if len(sizes) < 2 or sizes[0] < 1:
@@ -634,7 +615,7 @@ def profile_pipeline(model: nn.Module, batch_of: Callable[[int], dict[str, Tenso
         _time_layers(runner, runs, reps, warmup, progress, budget_s)
         per_size = [run.rows for run in runs]
         del runs
-        opt_times = _optimizer_times(layers, max(reps, 3))
+        opt_times = _optimizer_times(layers, OPTIMIZER_STEPS)
     out = []
     for i, layer in enumerate(layers):
         params = _unique(layer.parameters())
@@ -668,7 +649,7 @@ def _tied(model: nn.Module) -> tuple[tuple[int, int, int], ...]:
 
 
 def load_or_profile(model_cfg: Any, *, cache_dir: str | Path | None = None, refresh: bool = False,
-                    comm: str = "measure", batch_sizes: Sequence[int] = (1, 4), reps: int = 5,
+                    comm: str = "measure", batch_sizes: Sequence[int] = PROFILE_BATCH_SIZES, reps: int = 5,
                     device: str = "cpu", threads: int | None = 1, log: Callable[[str], None] | None = None,
                     layers: str = "auto", budget_s: float | None = TIMING_SECONDS) -> ModelCosts:
     """The cached profile of this model on this device, profiling (and caching) it when missing.
@@ -704,11 +685,8 @@ def load_or_profile(model_cfg: Any, *, cache_dir: str | Path | None = None, refr
         if log:
             log(f"profile: saved {path}")
     if comm == "none":
-        from .costs import AlphaBeta
-
         return costs.with_comm(CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0)))
     if comm == "default":
         return costs.with_comm(CommCosts())
-    from .comm import load_or_measure_comm
 
     return costs.with_comm(load_or_measure_comm(root, desc, refresh=refresh, log=log))

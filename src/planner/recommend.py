@@ -1,21 +1,27 @@
 """Recommend a layout: predict every candidate, rank by throughput among those that fit (Chimera §3.4).
 
-:func:`plan_all` predicts iteration time (:mod:`planner.predict`) and peak memory per rank
-(:mod:`planner.memory`) for every candidate of :func:`planner.predict.candidates`, marks whether it
-fits the memory budget, and sorts: fitting layouts first, by predicted samples/s. :func:`plan_rows`
+:func:`plan_all` predicts iteration time (:mod:`pipeline_recipes.planner.predict`) and peak memory per rank
+(:mod:`pipeline_recipes.planner.memory`) for every candidate of :func:`pipeline_recipes.planner.predict.candidates`,
+marks whether it fits the memory budget, and sorts: fitting layouts first, by predicted samples/s. :func:`plan_rows`
 gives the JSON rows of ``scripts/plan.py --json``; :func:`best_config` the top one as Hydra
 overrides (for a future ``strategy=auto``).
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
+from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from .costs import format_bytes
 from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
+from .partition import recommend_partition
+from .profile import available_cores
 from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, predict_time, runtime_partition
 
 JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "predicted_iteration_s",
@@ -53,19 +59,53 @@ def plan_one(costs: ModelCosts, cand: Candidate, budget: Budget | None = None, *
     return Plan(cand, time, memory, fits, tuple(part))
 
 
+PARALLEL_CANDIDATES = 64  # smaller searches take well under a second: no processes
+
+
+def _plan_group(costs: ModelCosts, cands: Sequence[Candidate], budget: Budget | None,
+                ranks_per_node: int | None) -> list[Plan]:
+    return [plan_one(costs, cand, budget, ranks_per_node=ranks_per_node) for cand in cands]
+
+
+def _plan_each(costs: ModelCosts, cands: Sequence[Candidate], budget: Budget | None, ranks_per_node: int | None,
+               workers: int | None) -> list[Plan]:
+    """``plan_one`` of every candidate, in order. Building and simulating the schedules is pure Python,
+    so a large search spreads over ``workers`` forked processes; candidates on one schedule (they
+    differ in recomputation or concatenation) go to the same process, which builds it once."""
+    if workers is None:
+        forks = sys.platform.startswith("linux")
+        workers = available_cores() if forks and len(cands) >= PARALLEL_CANDIDATES else 1
+    if workers <= 1:
+        return _plan_group(costs, cands, budget, ranks_per_node)
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for k, cand in enumerate(cands):
+        groups[cand.strategy, cand.D, cand.N, cand.pipelines, cand.chunks].append(k)
+    ordered = sorted(groups.values(), key=len, reverse=True)  # the largest first: the processes end together
+    out: list[Plan | None] = [None] * len(cands)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        jobs = [pool.submit(_plan_group, costs, [cands[k] for k in group], budget, ranks_per_node)
+                for group in ordered]
+        for group, job in zip(ordered, jobs):
+            for k, plan in zip(group, job.result()):
+                out[k] = plan
+    return out  # type: ignore[return-value]
+
+
 def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget | None = None, *,
              ranks_per_node: int | None = None, schedules: Sequence[str] | None = None,
              recompute: Sequence[str] = RECOMPUTE, grad_sync: str = "end",
-             partition: str = "runtime", refine: int = 10) -> list[Plan]:
+             partition: str = "runtime", refine: int = 10, workers: int | None = None) -> list[Plan]:
     """Every candidate predicted and ranked (fitting first, then by predicted samples/s).
+
+    ``workers``: processes that predict the candidates (default: one per available core where
+    processes fork, for a search of at least ``PARALLEL_CANDIDATES`` candidates; 1: in this process).
 
     ``partition``: ``runtime`` (what ``train.py`` runs: ``model.partition(D)``), ``time`` or ``memory``:
     the ``refine`` best candidates (and every one that does not fit) are re-predicted with
-    :func:`planner.partition.recommend_partition`'s split, then all are ranked again.
+    :func:`pipeline_recipes.planner.partition.recommend_partition`'s split, then all are ranked again.
     """
     if grad_sync not in GRAD_SYNC:
         raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNC)}, got {grad_sync!r}")
-    from .partition import recommend_partition
 
     if partition not in ("runtime", "time", "memory"):
         raise ValueError(f"partition must be runtime, time or memory, got {partition!r}")
@@ -73,9 +113,9 @@ def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Bu
     def order(p: Plan) -> tuple:
         return (not p.fits, -p.samples_per_s, max(p.memory.per_rank))
 
-    plans = sorted((plan_one(costs, cand, budget, ranks_per_node=ranks_per_node)
-                    for cand in candidates(devices, global_batch_size, costs.num_layers, schedules=schedules,
-                                           recompute=recompute, grad_sync=grad_sync)), key=order)
+    cands = candidates(devices, global_batch_size, costs.num_layers, schedules=schedules, recompute=recompute,
+                       grad_sync=grad_sync)
+    plans = sorted(_plan_each(costs, cands, budget, ranks_per_node, workers), key=order)
     if partition != "runtime":
         chosen = [k for k, p in enumerate(plans) if k < refine or (partition == "memory" and not p.fits)]
         for k in chosen:

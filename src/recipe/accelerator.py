@@ -8,9 +8,9 @@ bf16-mixed (auto: 8 CUDA devices found, NVIDIA H100 has bf16)``. Nothing here st
 
 Fewer GPUs than processes under ``trainer=auto`` (one GPU and the default Chimera D = 2): the ranks
 share the GPUs, local rank r on ``cuda:(r mod G)``, over gloo, since NCCL refuses two ranks on one
-device; the pipeline's messages are then staged through the host (:mod:`strategies.p2p`). Fine for
+device; the pipeline's messages are then staged through the host (:mod:`pipeline_recipes.strategies.p2p`). Fine for
 trying schedules, not for speed. ``trainer=gpu`` with too few GPUs is refused instead
-(:func:`recipe.layout.check_devices`).
+(:func:`pipeline_recipes.recipe.layout.check_devices`).
 
 fp32 matrix products on CUDA: TensorFloat-32 (``torch.set_float32_matmul_precision("high")``; TF32 as
 introduced in NVIDIA's "A100 Tensor Core GPU Architecture" whitepaper) unless
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from .layout import ConfigError
+from .layout import ConfigError, did_you_mean
 
 AUTO = "auto"
 GPU_NAMES = ("gpu", "cuda")
@@ -67,6 +67,9 @@ class AcceleratorChoice:
     reason: str
     node: NodeDevices = NodeDevices()
     shared_gpus: int = 0  # GPUs the processes of a node share (more processes than GPUs); 0: one GPU each, or CPU
+    compile: bool | None = None  # model.compile resolved (:func:`with_compile`); None: not asked; the line omits
+    # the CPU's default (auto: eager)
+    compile_setting: Any = AUTO  # model.compile as set
 
     @property
     def accelerator(self) -> str:
@@ -89,11 +92,14 @@ class AcceleratorChoice:
     def describe(self) -> str:
         trainer = self.trainer
         precision = trainer.get("precision") or "32-true"
+        compiled = "" if self.compile is None or (not self.compile and self.compile_setting == AUTO) else (
+            f", {'compiled' if self.compile else 'eager'} blocks (model.compile={_setting(self.compile_setting)})")
         if self.shared_gpus:
             gpus = f"{self.shared_gpus} GPU{'s' if self.shared_gpus > 1 else ''}"
             return (f"accelerator: {self.accelerator} × {trainer['devices']} per node sharing {gpus} over gloo "
-                    f"({self.reason}; {SHARED_NOTE}), {precision}")
-        return f"accelerator: {self.accelerator} × {trainer['devices']} per node, {precision} ({self.reason})"
+                    f"({self.reason}; {SHARED_NOTE}), {precision}{compiled}")
+        return (f"accelerator: {self.accelerator} × {trainer['devices']} per node, {precision} ({self.reason})"
+                f"{compiled}")
 
 
 def _count(value: str | None) -> int | None:
@@ -110,7 +116,7 @@ def probe_node(env: Mapping[str, str] | None = None, *, cuda: bool = True) -> No
         per_node = slurm
     if not cuda:
         return NodeDevices(launched_per_node=per_node)
-    import torch
+    import torch  # local: torch ≥1.2 s (python -X importtime); the launcher needs it only to count GPUs
 
     if not torch.cuda.is_available():
         return NodeDevices(launched_per_node=per_node)
@@ -129,7 +135,8 @@ def _devices(value: Any, default: int, node: NodeDevices) -> Any:
 
 def layout_processes(strategy: Mapping[str, Any], num_nodes: Any = 1) -> int | None:
     """Processes per node the strategy's layout needs at least: W·D over the nodes (``W`` null: one
-    replica). None when the settings are not numbers (:func:`recipe.layout.resolve_layout` says why)."""
+    replica). None when the settings are not numbers
+    (:func:`pipeline_recipes.recipe.layout.resolve_layout` says why)."""
     D, W = strategy.get("D", 1), strategy.get("W") or 1
     numbers = [v for v in (D, W, num_nodes) if isinstance(v, int) and not isinstance(v, bool) and v > 0]
     if len(numbers) != 3:
@@ -218,6 +225,34 @@ def choose_accelerator(trainer: Mapping[str, Any], processes: int | None = None)
     return resolve_accelerator(trainer, probe_node(cuda=accelerator == AUTO or accelerator in GPU_NAMES), processes)
 
 
+COMPILE_SETTINGS = ("auto", "true", "false")  # model.compile (pipeline_recipes.strategies.compile)
+
+
+def _setting(value: Any) -> str:
+    """A setting as written on the command line (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def resolve_compile(value: Any, accelerator: str) -> bool:
+    """``model.compile``: whether every repeated block is compiled with ``torch.compile``; ``auto`` (or absent)
+    compiles on CUDA and not on the CPU, where compiling a model costs more than a short run saves."""
+    if value in (AUTO, None):
+        return accelerator in GPU_NAMES
+    if isinstance(value, bool):
+        return value
+    close = did_you_mean(value, COMPILE_SETTINGS)
+    fix = f"did you mean {close!r}? set model.compile={close}" if close else "set model.compile to auto, true or false"
+    raise ConfigError(f"model.compile = {value!r} is not one of auto, true or false (whether each repeated block of "
+                      f"the model is compiled with torch.compile; auto: on CUDA, not on CPU); {fix}")
+
+
+def with_compile(choice: AcceleratorChoice, value: Any) -> AcceleratorChoice:
+    """``choice`` with ``model.compile`` resolved for its accelerator (:func:`resolve_compile`), so that its
+    line says whether the blocks are compiled."""
+    return replace(choice, compile=resolve_compile(value, choice.accelerator),
+                   compile_setting=AUTO if value is None else value)
+
+
 def matmul_precision(trainer: Mapping[str, Any]) -> str:
     """``trainer.float32_matmul_precision`` as torch takes it: as set, or under ``auto`` (a job file
     written without the launcher's choice) ``high`` on a GPU and ``highest`` elsewhere."""
@@ -273,7 +308,7 @@ def resolve_loader(data: Mapping[str, Any], choice: AcceleratorChoice, cpus: int
 def apply_float32_matmul_precision(trainer: Mapping[str, Any]) -> str:
     """Set this process's fp32 matmul precision from ``trainer`` (:func:`matmul_precision`); a worker
     calls it before building the model. Returns the precision set."""
-    import torch
+    import torch  # local: the launcher imports this module without torch (≥1.2 s)
 
     precision = matmul_precision(trainer)
     torch.set_float32_matmul_precision(precision)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from torch import nn
 
 # Dense peak TFLOP/s per device: (bf16/fp16 tensor cores, fp32), from the vendors' data sheets.
@@ -123,9 +125,6 @@ def model_flops_per_token(model_cfg: Mapping[str, Any], seq_len: int | None = No
     """FLOPs per training token of the model a ``conf/model`` config builds (on the meta device: no
     memory, no random numbers drawn; ``model`` is counted instead when its builder takes no ``device``);
     None when the config is not a transformer this module knows."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
     shape = transformer_shape(model_cfg)
     seq = seq_len if seq_len is not None else model_cfg.get("seq_len")
     if shape is None or seq is None:

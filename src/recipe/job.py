@@ -1,9 +1,9 @@
-"""One training job inside one process of the job's world (launched by :mod:`recipe.launch`, by
+"""One training job inside one process of the job's world (launched by :mod:`pipeline_recipes.recipe.launch`, by
 torchrun or by SLURM): build model, data, strategy, loggers, metrics and checkpointing from the
 resolved config, then ``Trainer.fit`` (resuming from ``ckpt_path`` when given).
 
-The job file (``job.yaml`` in the job's output directory) holds the resolved Hydra config, the
-derived layout and the W&B group, so a worker needs no Hydra context.
+The job file (``job.yaml``, :mod:`pipeline_recipes.recipe.job_spec`) holds the resolved Hydra config, the derived layout
+and the W&B group, so a worker needs no Hydra context.
 """
 
 from __future__ import annotations
@@ -11,15 +11,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+import lightning.pytorch as pl
+import torch
+from hydra.utils import get_class, instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import WandbLogger
 
-from .layout import Layout
+from pipeline_recipes.strategies.checkpoint import is_sharded
+from pipeline_recipes.strategies.lightning import PipelineModule, PipelineStrategy, share_gpus
+from pipeline_recipes.strategies.precision import with_precision_plugin
+from pipeline_recipes.strategies.topology import Topology
 
-JOB_FILE = "job.yaml"
+from .accelerator import GPU_NAMES, apply_float32_matmul_precision, resolve_compile, shared_devices
+from .background_logger import BackgroundWandbLogger
+from .cluster import is_global_zero
+from .flops import model_flops_per_token
+from .job_spec import JobSpec
+from .metrics import PipelineMetrics, ReplicaThroughputMonitor
+from .progress import ProgressLine
+
 LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"  # Lightning 2.6's advert, logged by every Trainer
 
 
@@ -33,31 +46,8 @@ def quiet_library_notices() -> None:
         lambda record: not str(record.msg).startswith(LITLOGGER_TIP))
 
 
-@dataclass(frozen=True)
-class JobSpec:
-    """Everything a worker needs: the resolved config, the derived layout, where to write."""
-
-    config: dict[str, Any]
-    layout: Layout
-    out_dir: str
-    group: str
-
-    def save(self) -> Path:
-        path = Path(self.out_dir) / JOB_FILE
-        OmegaConf.save(OmegaConf.create({"config": self.config, "layout": self.layout.as_dict(),
-                                         "out_dir": self.out_dir, "group": self.group}), path)
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path) -> JobSpec:
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        return cls(raw["config"], Layout(**raw["layout"]), raw["out_dir"], raw["group"])
-
-
 def is_rank_zero() -> bool:
     """Global rank 0 of the job (``RANK``, or ``SLURM_PROCID`` under SLURM: torchrun sets no ``NODE_RANK``)."""
-    from .cluster import is_global_zero
-
     return is_global_zero()
 
 
@@ -76,8 +66,6 @@ def build_loggers(spec: JobSpec) -> list[Any]:
     """The ``logger`` group: ``wandb`` (offline unless told otherwise), ``csv`` or ``none``. The W&B
     run is named ``{strategy}-W{W}-D{D}-B{B}-{model}`` and tagged by :func:`run_tags`; keys set in
     the logger config (``logger.name=…``, ``logger.tags=[…]``) take precedence (tags are added)."""
-    from hydra.utils import instantiate
-
     cfg = dict(spec.config.get("logger") or {})
     kind = cfg.pop("kind", "none")
     if kind == "none":
@@ -96,12 +84,8 @@ def build_loggers(spec: JobSpec) -> list[Any]:
 
 def without_writer_keys(cfg: dict[str, Any]) -> dict[str, Any]:
     """The W&B logger config without ``drain_timeout_s`` when its ``_target_`` is not the background
-    writer (:class:`recipe.background_logger.BackgroundWandbLogger`): Lightning's own ``WandbLogger``
+    writer (:class:`pipeline_recipes.recipe.background_logger.BackgroundWandbLogger`): Lightning's own ``WandbLogger``
     would hand the key on to ``wandb.init``, which rejects it."""
-    from hydra.utils import get_class
-
-    from .background_logger import BackgroundWandbLogger
-
     target = cfg.get("_target_")
     if "drain_timeout_s" not in cfg or target is None:
         return cfg
@@ -118,8 +102,6 @@ def checkpoint_callbacks(spec: JobSpec) -> list[Any]:
     """The ``checkpoint`` section: a ModelCheckpoint saving every ``every_n_steps`` training steps into
     ``<job dir>/checkpoints/step-NNNNNN.ckpt`` (sharded directories under the pipeline strategies),
     keeping the latest or all of them; none when ``every_n_steps`` is null."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     cfg = dict(spec.config.get("checkpoint") or {})
     every = cfg.get("every_n_steps")
     if not every:
@@ -138,8 +120,6 @@ def resolve_ckpt_path(value: str | None, pipeline: bool = True) -> str | None:
     Only the pipeline strategies read sharded directories; ``ddp`` and ``single`` need the
     consolidated file (``scripts/consolidate_ckpt.py``).
     """
-    from pipeline_recipes.strategies.checkpoint import is_sharded
-
     if not value:
         return None
     path = Path(value).expanduser().absolute()
@@ -160,8 +140,6 @@ def trainer_kwargs(trainer_cfg: dict[str, Any], recipe: dict[str, Any]) -> dict[
     bar) overridden by every ``trainer.*`` key the user set except the recipe's own
     (``RECIPE_TRAINER_KEYS``); ``trainer.callbacks`` (Hydra configs or callbacks) are added to the
     recipe's. ``trainer.strategy`` is refused: the ``strategy`` group derives the layout."""
-    from hydra.utils import instantiate
-
     user = {k: v for k, v in trainer_cfg.items() if k not in RECIPE_TRAINER_KEYS}
     if user.get("strategy") is not None:
         raise ValueError(f"trainer.strategy={user['strategy']!r} is not a setting of this recipe: choose the "
@@ -179,18 +157,12 @@ def place_ranks(strategy: Any, trainer_cfg: dict[str, Any], gpus: int | None = N
     node's ``gpus`` (default: the visible ones) over gloo, and Lightning's ``devices`` becomes the GPUs
     used (it checks they exist; the processes come from the strategy). Returns each local rank's GPU, or
     None when every rank has its own."""
-    from .accelerator import GPU_NAMES, shared_devices
-
     if trainer_cfg.get("accelerator") not in GPU_NAMES or not isinstance(trainer_cfg.get("devices"), int):
         return None
     if gpus is None:
-        import torch
-
         gpus = torch.cuda.device_count()
     gpu_of_rank = shared_devices(trainer_cfg["devices"], gpus)
     if gpu_of_rank is not None:
-        from pipeline_recipes.strategies.lightning import share_gpus
-
         share_gpus(strategy, gpu_of_rank)
         trainer_cfg["devices"] = len(set(gpu_of_rank))
     return gpu_of_rank
@@ -199,9 +171,8 @@ def place_ranks(strategy: Any, trainer_cfg: dict[str, Any], gpus: int | None = N
 def stage_table(model: Any, config: Any, replicas: int) -> str:
     """The partition table of the S stages that train (``model.partition(S)``, as the strategy splits the
     model; S = v·D) and the worker holding each stage, from the topology the engine builds for ``config``
-    (a :class:`~strategies.engine.PipelineConfig`): the data of the strategy's ``rank r: … stages […]`` line."""
-    from pipeline_recipes.strategies.topology import Topology
-
+    (a :class:`~pipeline_recipes.strategies.engine.PipelineConfig`): the data of the strategy's
+    ``rank r: … stages […]`` line."""
     topology = Topology.from_schedule(config.build(config.smallest_micro_batches), replicas)
     holders = [sorted({row[s] for row in topology.placement}) for s in range(topology.stages)]
     placement = ", ".join(f"stage {s} → worker{'s' if len(ws) > 1 else ''} {' and '.join(map(str, ws))}"
@@ -213,20 +184,6 @@ def stage_table(model: Any, config: Any, replicas: int) -> str:
 def run_job(spec: JobSpec) -> float | None:
     """Train as configured; return the final training loss (every rank) or None."""
     quiet_library_notices()
-    import lightning.pytorch as pl
-    import torch
-    from hydra.utils import instantiate
-    from lightning.pytorch.loggers import WandbLogger
-
-    from pipeline_recipes.strategies.lightning import PipelineModule, PipelineStrategy
-    from pipeline_recipes.strategies.precision import with_precision_plugin
-
-    from .accelerator import apply_float32_matmul_precision
-    from .background_logger import BackgroundWandbLogger
-    from .flops import model_flops_per_token
-    from .metrics import PipelineMetrics, ReplicaThroughputMonitor
-    from .progress import ProgressLine
-
     cfg, layout = spec.config, spec.layout
     trainer_cfg = dict(cfg["trainer"])
     peak_tflops = trainer_cfg.pop("peak_tflops", None)  # ours, not a Trainer argument
@@ -249,7 +206,8 @@ def run_job(spec: JobSpec) -> float | None:
     module = PipelineModule(model, lr=optim.get("lr", 1e-3), weight_decay=optim.get("weight_decay", 0.0),
                             nonfinite_loss=cfg.get("nonfinite_loss", "stop"), model_config=cfg["model"],
                             optimizer=instantiate(optim, _convert_="all") if optim.get("_target_") else None,
-                            scheduler=instantiate(cfg["scheduler"], _convert_="all") if cfg.get("scheduler") else None)
+                            scheduler=instantiate(cfg["scheduler"], _convert_="all") if cfg.get("scheduler") else None,
+                            compile_blocks=resolve_compile(cfg["model"].get("compile"), trainer_cfg["accelerator"]))
     checkpointing = checkpoint_callbacks(spec)
     if checkpointing:
         trainer_cfg["enable_checkpointing"] = True
@@ -272,7 +230,7 @@ def run_job(spec: JobSpec) -> float | None:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     finally:
         if trainer.is_global_zero and any(isinstance(lg, WandbLogger) for lg in loggers):
-            import wandb
+            import wandb  # local: wandb 0.5-0.9 s (python -X importtime), only for runs logging to W&B
 
             for logger in loggers:  # rows still queued, whether or not Lightning finalised the logger
                 if isinstance(logger, BackgroundWandbLogger):

@@ -8,16 +8,16 @@ under Hydra, Lightning #15737 and #18175). The parent never imports Lightning.
 * A job whose settings break a layout rule stops before any process starts: a single run exits
   with status 2 and the message; in a sweep the job is recorded as ``skipped`` and the sweep goes on.
   So does data that cannot be had; the rest is downloaded and prepared here, once per node, and the
-  ranks read the cache (:mod:`datamodules.prepare`).
+  ranks read the cache (:mod:`pipeline_recipes.datamodules.prepare`).
 * A rank that dies ends the job: the others are stopped, the job is recorded as ``failed`` with
   the first exception a rank raised (``rank <r> raised <Type>: <message>``, the job's last line; not a
   teardown's or a waiting peer's), or else the rank, its exit code and the tail of its log
   (``logs/rank<r>.log``).
-* A rank that hangs ends it too: its heartbeat (:mod:`recipe.heartbeat`) older than
+* A rank that hangs ends it too: its heartbeat (:mod:`pipeline_recipes.recipe.heartbeat`) older than
   ``strategy.timeout_s`` names it, also when a peer's timed-out wait ended first.
 * Under an external launcher (torchrun, SLURM) the processes already exist: the job runs in-process
-  (:mod:`recipe.cluster` tells which, and refuses a multi-node job whose nodes could not meet).
-* ``trainer=auto`` becomes the node's GPUs or CPU processes first (:mod:`recipe.accelerator`).
+  (:mod:`pipeline_recipes.recipe.cluster` tells which, and refuses a multi-node job whose nodes could not meet).
+* ``trainer=auto`` becomes the node's GPUs or CPU processes first (:mod:`pipeline_recipes.recipe.accelerator`).
 * Only global rank 0 prints the layout and the summary and writes ``results.json``.
 """
 
@@ -35,14 +35,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .accelerator import (
-    GPU_NAMES, AcceleratorChoice, check_precision, choose_accelerator, layout_processes, resolve_loader,
+    GPU_NAMES, AcceleratorChoice, check_precision, choose_accelerator, layout_processes, resolve_loader, with_compile,
 )
 from .cluster import Launch, detect_launch, is_global_zero, worker_env
 from .heartbeat import HEARTBEAT_ENV, SILENT_S, describe_exception, error_path, heartbeat_age, read_error
-from .job import JobSpec
+from .job_spec import JobSpec
 from .layout import (
     ConfigError, DataError, Layout, check_devices, check_drain_timeout, check_fixed_settings, check_model,
     resolve_layout,
@@ -203,9 +205,6 @@ def _skipped_fields(cfg: DictConfig, reason: str) -> dict[str, Any]:
 
 def run(cfg: DictConfig) -> float | None:
     """The body of ``train.py``: one Hydra job from config to ``results.json``."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     out_dir = Path(hydra_cfg.runtime.output_dir)
@@ -219,12 +218,13 @@ def run(cfg: DictConfig) -> float | None:
                               "that cannot fit), false (skip it) or report (print the prediction as one JSON line "
                               "and launch nothing); set preflight=true, preflight=false or preflight=report")
         if cfg.data.get("name", "synthetic") != "synthetic":  # its local files exist (prepared below)
-            from pipeline_recipes.datamodules.prepare import check_data, prepare_data
+            from pipeline_recipes.datamodules.prepare import check_data, prepare_data  # local: torch ≥1.2 s
 
             check_data(OmegaConf.to_container(cfg.data, resolve=True))
         trainer_asked = OmegaConf.to_container(cfg.trainer, resolve=True)
         choice = choose_accelerator(trainer_asked, layout_processes(OmegaConf.to_container(cfg.strategy, resolve=True),
                                                                     trainer_asked.get("num_nodes", 1)))
+        choice = with_compile(choice, cfg.model.get("compile"))  # model.compile=atuo: refused here, before any rank
         trainer_cfg = choice.trainer
         with open_dict(cfg):  # every later reader (pre-flight, workers, W&B config) sees the concrete trainer
             cfg.trainer = trainer_cfg
@@ -233,7 +233,7 @@ def run(cfg: DictConfig) -> float | None:
                                 cfg.data.global_batch_size, num_layers(cfg.model))
         check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True))
         if cfg.data.get("tokenizer"):  # loads it (transformers): model.vocab_size must cover it
-            from pipeline_recipes.datamodules.tokenizer import check_tokenizer_config
+            from pipeline_recipes.datamodules.tokenizer import check_tokenizer_config  # local: torch ≥1.2 s
 
             check_tokenizer_config(OmegaConf.to_container(cfg.data, resolve=True))
         if mode != "report":  # preflight=report predicts for GPUs this node may lack
@@ -245,14 +245,12 @@ def run(cfg: DictConfig) -> float | None:
         launch = detect_launch(os.environ, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
         if cfg.data.get("name", "synthetic") != "synthetic" and mode != "report":  # once on the node, before the ranks
             prepare_data(OmegaConf.to_container(cfg.data, resolve=True))
+        if mode:  # the checks above answer without importing torch
+            from pipeline_recipes.planner.preflight import predict_layout, preflight  # local: torch ≥1.2 s
         if mode == "report":  # estimates on fake tensors: no memory is allocated, no GPU needed
-            from pipeline_recipes.planner.preflight import predict_layout
-
             report = predict_layout(OmegaConf.to_container(cfg, resolve=True), layout,
                                     budget_bytes=choice.memory_per_rank)
         elif mode:
-            from pipeline_recipes.planner.preflight import preflight
-
             preflight(OmegaConf.to_container(cfg, resolve=True), layout, budget_bytes=choice.memory_per_rank)
     except ValueError as err:  # ConfigError, or the planner's PreflightError (does not fit in memory)
         # a DataError's cause and fixes end the message: nothing after it (no import here: a layout error stays light)
@@ -275,7 +273,7 @@ def run(cfg: DictConfig) -> float | None:
                    _group(cfg, multirun, hydra_cfg.sweep.dir))
     job_file = spec.save()
     if launch.external:
-        from .job import run_job
+        from .job import run_job  # local: Lightning ≥6.5 s (python -X importtime); the parent never needs it
 
         try:
             run_job(spec)

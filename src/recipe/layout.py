@@ -8,10 +8,14 @@ misspelled keys by ``train.py``).
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from pipeline_recipes.strategies.schedules import (
+    CONFIG, ScheduleError, Settings, build_schedule, get_spec, names, resolve_concat, validate,
+)
+from pipeline_recipes.strategies.schedules.rules import did_you_mean
 
 
 class ConfigError(ValueError):
@@ -20,8 +24,9 @@ class ConfigError(ValueError):
 
 class DataError(ConfigError):
     """The job's data cannot be had (no such file, offline with an empty cache, no answer from the hub): the
-    message names the setting, the cause and the fixes (last). Defined here, not in :mod:`datamodules`, so
-    that the launcher tells it apart without importing ``datasets`` or torch."""
+    message names the setting, the cause and the fixes (last). Defined here, not in
+    :mod:`~pipeline_recipes.datamodules`, so that the launcher tells it apart without importing ``datasets`` or
+    torch."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +71,6 @@ class Layout:
             + (f"; {self.pipelines} pipelines" if self.pipelines > 1 else "")
             + (f"; concat=auto → {self.concat}" if self.concat_auto else "")
         )
-
-
-def did_you_mean(value: Any, options: Iterable[Any]) -> str | None:
-    """The option closest to a misspelled ``value`` (difflib's ratio ≥ 0.6), or None."""
-    close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
-    return close[0] if close else None
 
 
 GRAD_SYNC = ("end", "eager", "eager_opt")  # strategies.grad_sync.GRAD_SYNC_MODES (that module imports torch)
@@ -149,8 +148,6 @@ BASELINES = ("ddp", "single")
 def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> Layout:
     """``ddp``: W = world size replicas of the whole model; ``single``: one process. Both take the
     replica's whole mini-batch in one pass (B = B̂/W, N = 1); ``strategy.micro_batch_size`` is unused."""
-    from pipeline_recipes.strategies.schedules import names
-
     if D != 1:
         raise ConfigError(f"strategy={name} has no pipeline stages but strategy.D = {D}; set strategy.D=1 "
                           f"(or pick a pipeline strategy: {', '.join(names())})")
@@ -164,9 +161,8 @@ def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> L
 
 
 def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
-    """The strategy's name and, for a pipeline, its registry spec (:mod:`strategies.schedules.registry`)."""
-    from pipeline_recipes.strategies.schedules import ScheduleError, get_spec, names
-
+    """The strategy's name and, for a pipeline, its registry spec
+    (:mod:`pipeline_recipes.strategies.schedules.registry`)."""
     schedule, name = strategy.get("schedule"), strategy.get("name")
     if schedule is not None and name is not None and schedule != name:
         raise ConfigError(f"strategy.schedule = {schedule} but strategy.name = {name}: strategy.name follows the "
@@ -177,15 +173,15 @@ def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
     try:
         return name, get_spec(name)
     except ScheduleError as err:
+        close = did_you_mean(name, (*names(aliases=True), *BASELINES))
         raise ConfigError(f"strategy {name!r} is neither a pipeline schedule ({', '.join(names())}) nor a "
-                          f"baseline ({', '.join(BASELINES)}); choose one of them with strategy=NAME") from err
+                          f"baseline ({', '.join(BASELINES)}); choose one of them with strategy=NAME"
+                          + (f"; did you mean {close!r}?" if close else "")) from err
 
 
 def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int) -> Layout:
     """Derive W and N and check every rule of the pipeline layout (the schedule's own rules come from its
     registry spec)."""
-    from pipeline_recipes.strategies.schedules import CONFIG, Settings, resolve_concat
-
     name, spec = _schedule_spec(strategy)
     check_fixed_settings({"strategy": strategy})
     _check_trainer_keys(trainer)
@@ -276,8 +272,6 @@ def _check_trainer_keys(trainer: dict[str, Any]) -> None:
 
 def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: str, chunks: int | None = None) -> None:
     """Build (and validate) the schedule the workers will run, so a bad combination stops here."""
-    from pipeline_recipes.strategies.schedules import build_schedule, validate
-
     name = spec.name
     try:
         schedule = validate(build_schedule(name, D, N, pipelines, concat, chunks=chunks, micro_batch_size=B))
@@ -307,7 +301,13 @@ def _variant(strategy: dict[str, Any], spec: Any, pipelines: int, concat: str = 
 
 
 def check_model(model: dict[str, Any], data: dict[str, Any]) -> None:
-    """Shapes the model cannot take: a sequence longer than its position table."""
+    """Shapes the model cannot take: a sequence longer than its position table; a loss chunk that is
+    not a positive number of tokens."""
+    chunk = model.get("loss_chunk_tokens")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ConfigError(f"model.loss_chunk_tokens = {chunk!r}: the tokens whose logits the LM loss computes at a "
+                          "time must be a positive integer (e.g. model.loss_chunk_tokens=4096), or null for the "
+                          "whole micro-batch at once")
     positions = model.get("n_positions", model.get("max_position_embeddings"))
     seq_len = data.get("seq_len", model.get("seq_len"))
     if positions is not None and seq_len is not None and int(seq_len) > int(positions):
@@ -334,7 +334,7 @@ def check_devices(trainer: dict[str, Any], available_gpus: int | None) -> None:
 
 
 def check_drain_timeout(drain_timeout_s: Any) -> float:
-    """``logger.drain_timeout_s`` (:class:`recipe.background_logger.BackgroundWandbLogger`): a positive
+    """``logger.drain_timeout_s`` (:class:`pipeline_recipes.recipe.background_logger.BackgroundWandbLogger`): a positive
     number of seconds."""
     if isinstance(drain_timeout_s, bool) or not isinstance(drain_timeout_s, (int, float)) or not drain_timeout_s > 0:
         raise ConfigError(f"logger.drain_timeout_s = {drain_timeout_s!r}: the longest wait for queued W&B rows must be "

@@ -5,7 +5,7 @@
 * Bubble ratios follow Chimera §2's definition, idle time / (workers × iteration time), computed one
   way for both figures (:func:`bubble_ratio`): 1 − Σ busy / (ranks × the longest rank's span from
   its first action's start to its last one's end). *Measured*: busy is the per-action times every
-  rank's executor records (:mod:`strategies.timing`: wall clock on CPU, CUDA events on GPUs; an
+  rank's executor records (:mod:`pipeline_recipes.strategies.timing`: wall clock on CPU, CUDA events on GPUs; an
   action starts once its inputs arrived), so waiting on messages and host-side stalls between
   actions count as idle; the median over the steps after warm-up. *Theory*: the schedule that was
   executed, simulated with the last step's measured per-stage action times and no communication
@@ -15,7 +15,7 @@
 * Peak memory per rank: CUDA max allocated on GPU, the process's peak RSS on CPU.
 * The learning rate of every step (a logger row per step, written in bursts on reporting steps; kept
   as ``lr_history``) and the model FLOPs
-  utilisation (:mod:`recipe.flops`: achieved TFLOP/s per device from the median token rate, MFU
+  utilisation (:mod:`pipeline_recipes.recipe.flops`: achieved TFLOP/s per device from the median token rate, MFU
   against the device's peak).
 
 At the end rank 0 draws the last step's measured timeline (rows = ranks, like the paper's
@@ -41,6 +41,7 @@ from typing_extensions import override
 from pipeline_recipes.strategies.lightning import PipelineStrategy, reporting_step
 from pipeline_recipes.strategies.schedules import Action, Schedule, simulate
 from pipeline_recipes.strategies.schedules.actions import KINDS
+from pipeline_recipes.strategies.schedules.render import save_png
 
 from .flops import Utilisation, resolve_utilisation
 from .layout import Layout
@@ -83,7 +84,7 @@ def bubble_ratio(busy_and_spans: Sequence[tuple[float, float]]) -> float:
 def measured_costs(rows: Iterable[Iterable[tuple[Action, float, float]]], stages: int,
                    ) -> tuple[list[float], list[float], list[float] | None]:
     """Per stage, the measured ``(t_f, t_b, t_w)`` of one micro-batch (the simulator's costs, see
-    :func:`strategies.schedules.simulate.action_cost`) from timeline boxes: each kind's total time over
+    :func:`pipeline_recipes.strategies.schedules.simulate.action_cost`) from timeline boxes: each kind's total time over
     its total micro-batch units (a doubled forward is two, a halved backward one half), so the
     simulated actions add up to the measured busy time. ``t_w`` is ``None`` without ``W`` boxes;
     ``t_b`` of a split backward is its ``I`` plus its ``W``. A stage without boxes of a kind gets the
@@ -252,7 +253,7 @@ class PipelineMetrics(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         """Keep this step's loss and timeline figures; gather them over the ranks only on reporting steps
-        (:func:`strategies.lightning.reporting_step`): a collective every step would line the ranks up
+        (:func:`pipeline_recipes.strategies.lightning.reporting_step`): a collective every step would line the ranks up
         once more per step."""
         engine = self._engine(trainer)
         record = engine.last_record if engine is not None else None  # its timeline is read when gathered
@@ -310,7 +311,8 @@ class PipelineMetrics(Callback):
 
     def _record_loss(self, value: float, engine: Any, step: int | None = None) -> None:
         """One loss per optimizer step, in step order: an asynchronous schedule reports step t's loss
-        a step or more later (:meth:`PipelineEngine.train_step`), so it goes where it belongs."""
+        a step or more later (:meth:`pipeline_recipes.strategies.engine.PipelineEngine.train_step`), so it
+        goes where it belongs."""
         if engine is None or not engine.config.is_async:
             self.loss_history.append(value)
             return
@@ -348,8 +350,6 @@ class PipelineMetrics(Callback):
             return
         picture = None
         if rows is not None:
-            from pipeline_recipes.strategies.schedules.render import save_png
-
             picture = self.out_dir / "timeline.png"
             save_png([[(a, start * 1e3, end * 1e3) for a, start, end in row] for row in rows],
                      self._engine(trainer).last_executed(self.layout.N), str(picture),

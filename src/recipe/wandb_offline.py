@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wandb.proto import wandb_internal_pb2 as pb
+
 _HEADER = 7
 _BLOCK = 32 * 1024
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
@@ -59,8 +61,6 @@ def _key(item: Any) -> str:
 
 def read_offline_run(path: str | Path) -> OfflineRun:
     """Parse one ``run-*.wandb`` file (or the ``offline-run-*`` directory holding it)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
     path = Path(path)
     if path.is_dir():
         path = next(path.glob("run-*.wandb"))

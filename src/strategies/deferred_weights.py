@@ -7,10 +7,10 @@ except that every linear layer (``nn.Linear``, GPT-2's ``Conv1D``) only keeps it
 output gradient for the micro-batch instead of multiplying them; ``W`` multiplies what was kept
 into the weight gradients, accumulated in ``.grad``. Biases, norms and embeddings get their small
 gradients during ``I``; a module may take part by exposing a ``weight_store`` attribute and deferring
-its own work (:class:`strategies.emulated.EmulatedStage` does). A deferred weight gradient is added to
+its own work (:class:`pipeline_recipes.strategies.emulated.EmulatedStage` does). A deferred weight gradient is added to
 ``.grad`` directly: hooks registered on such a weight (``register_post_accumulate_grad_hook``) fire
 during ``I``, before it has its gradient (this repository's gradient synchronisation follows the
-schedule's actions instead, :mod:`strategies.grad_sync`).
+schedule's actions instead, :mod:`pipeline_recipes.strategies.grad_sync`).
 
 This is one backward pass and then a list of matrix products. torch.distributed.pipelining splits
 any graph instead (``stage_backward_input``/``stage_backward_weight``): it walks the autograd graph
@@ -143,13 +143,20 @@ class _Linear(torch.autograd.Function):
 def _deferring_forward(module: nn.Module, x: Tensor, transposed: bool,
                        plain: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
     """The layer's output through :class:`_Linear` where a gradient may be deferred, else ``plain``'s;
-    the input cast as autocast would hand it to a matrix product (float64 and non-floats left alone)."""
+    the input cast as autocast would hand it to a matrix product (float64 and non-floats left alone).
+    Eager inside a compiled block (:mod:`pipeline_recipes.strategies.compile`): traced, the deferral
+    would be decided once, when the backward is compiled, and ``W`` would find nothing to do."""
+    if torch.compiler.is_compiling():
+        return _eager_deferring_forward(module, x, transposed, plain)
     if not (torch.is_grad_enabled() and module.weight.requires_grad):
         return plain(module, x)
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
         x = x.to(torch.get_autocast_dtype(device))
     return _Linear.apply(x, module.weight, module.bias, module, transposed)
+
+
+_eager_deferring_forward = torch.compiler.disable(_deferring_forward)
 
 
 class DeferringLinear(nn.Linear):
@@ -168,7 +175,7 @@ def _deferring_conv1d() -> type:
     """transformers' ``Conv1D`` (weight stored transposed) deferring its weight gradient, made on first
     use so that this module does not import transformers; pickled by name (``DeferringConv1D``)."""
     if "DeferringConv1D" not in globals():
-        from transformers.pytorch_utils import Conv1D
+        from transformers.pytorch_utils import Conv1D  # local: transformers ≥1.0 s (python -X importtime)
 
         def forward(self: nn.Module, x: Tensor) -> Tensor:
             return _deferring_forward(self, x, True, Conv1D.forward)
@@ -197,7 +204,8 @@ def _deferring_class(module: nn.Module) -> type | None:
     return None
 
 
-def _is_deferring(module: nn.Module) -> bool:
+def is_deferring(module: nn.Module) -> bool:
+    """Whether ``module``'s class was swapped for its deferring one (:func:`defer_weight_gradients`)."""
     return type(module) is DeferringLinear or type(module) is globals().get("DeferringConv1D")
 
 
@@ -212,7 +220,7 @@ def defer_weight_gradients(layers: Sequence[nn.Module], store: WeightGradientSto
                 module.weight_store = store
                 count += 1
                 continue
-            if not _is_deferring(module):
+            if not is_deferring(module):
                 deferring = _deferring_class(module)
                 if deferring is None:
                     continue
@@ -222,4 +230,5 @@ def defer_weight_gradients(layers: Sequence[nn.Module], store: WeightGradientSto
     return count
 
 
-__all__ = ["DeferringLinear", "WeightGradientStore", "accumulate", "accumulate_product", "defer_weight_gradients"]
+__all__ = ["DeferringLinear", "WeightGradientStore", "accumulate", "accumulate_product", "defer_weight_gradients",
+           "is_deferring"]

@@ -7,7 +7,7 @@ p2p, the backward returns a real activation gradient of the same size, and each 
 real parameter of ``param_numel`` floats whose (zero) gradient takes part in the real gradient
 all-reduce. Costs are per micro-batch of ``micro_batch_size`` samples and scale with the samples a
 call sees, so a doubled forward takes ``2 t_f`` and a halved backward ``t_b / 2``, exactly as
-:func:`strategies.schedules.simulate` charges them. By default ``t_b = 2 t_f`` (§3.4).
+:func:`pipeline_recipes.strategies.schedules.simulate` charges them. By default ``t_b = 2 t_f`` (§3.4).
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ class EmulatedStage(nn.Module):
     path plus a weight path, two nodes, so that a split backward costs what the simulator charges:
     the input gradient (``I``) holds ``t_b - t_w`` and defers the weight path's ``t_w`` to the weight
     gradient (``W``) through ``weight_store``, which the pipeline stage sets
-    (:mod:`strategies.deferred_weights`; Zero Bubble Pipeline Parallelism §2; ``t_w`` defaults to
-    ``t_b / 2`` as in :func:`strategies.schedules.simulate`); a whole backward (``B``) runs both.
+    (:mod:`pipeline_recipes.strategies.deferred_weights`; Zero Bubble Pipeline Parallelism §2; ``t_w`` defaults to
+    ``t_b / 2`` as in :func:`pipeline_recipes.strategies.schedules.simulate`); a whole backward (``B``) runs both.
     Schedules without split backwards keep the one node (one wake-up per backward, not two)."""
 
     weight_store: WeightGradientStore | None = None

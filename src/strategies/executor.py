@@ -1,11 +1,12 @@
 """Executes one rank's actions of a schedule, in order: the action loop, its messages and its step context.
 
-Three layers, one job each: the schedule decides the order (:mod:`strategies.schedules`); this
-module runs it — for each action, one round of point-to-point messages (:mod:`strategies.schedules.comm`,
-:class:`~strategies.p2p.PipeComm`), then the action on its stage copy; a
-:class:`~strategies.stage.PipelineStage` computes forwards, backwards (``B``) and split backwards
+Three layers, one job each: the schedule decides the order (:mod:`pipeline_recipes.strategies.schedules`);
+this module runs it — for each action, one round of point-to-point messages
+(:mod:`pipeline_recipes.strategies.schedules.comm`, :class:`~pipeline_recipes.strategies.p2p.PipeComm`), then the
+action on its stage copy; a
+:class:`~pipeline_recipes.strategies.stage.PipelineStage` computes forwards, backwards (``B``) and split backwards
 (``I`` then ``W``, Zero Bubble Pipeline Parallelism §2) and keeps the graphs between them; the
-Lightning strategy maps Lightning's hooks onto the engine (:mod:`strategies.engine`).
+Lightning strategy maps Lightning's hooks onto the engine (:mod:`pipeline_recipes.strategies.engine`).
 
 Losses are normalised globally (see :func:`micro_batch_loss`), so summing every micro-batch's
 loss over all ranks gives exactly the unsplit model's mini-batch loss, and summing gradients
@@ -18,7 +19,7 @@ Consecutive stages on one worker (V placement) hand their messages over locally.
 No host synchronisation (``.item()``) happens inside the step. A failing action is re-raised as
 :class:`StepError` with the worker × step grid, the action marked.
 
-Asynchronous schedules (:mod:`strategies.schedules.asynchronous`) run one *window* per step
+Asynchronous schedules (:mod:`pipeline_recipes.strategies.schedules.asynchronous`) run one *window* per step
 through :class:`AsyncWindows`, a wrapper around the same loop: micro-batches are numbered
 globally, the graphs of micro-batches still in flight stay on their stages, and messages sent in a
 window arrive in that window (its last round), kept for the next.
@@ -83,8 +84,9 @@ class StepRecord:
     """What one step on this rank measured.
 
     ``loss_sum``: this rank's share of the mini-batch loss (a device tensor, no host sync);
-    ``timeline``: (action, start, end) wall times (:mod:`strategies.timing`); ``peak_stored_bytes``:
-    the most activation bytes held at once between forwards and their backwards (:class:`SavedBytes`).
+    ``timeline``: (action, start, end) wall times (:mod:`pipeline_recipes.strategies.timing`);
+    ``peak_stored_bytes``: the most activation bytes held at once between forwards and their backwards
+    (:class:`~pipeline_recipes.strategies.recompute.SavedBytes`).
     """
 
     loss_sum: Tensor
@@ -373,7 +375,7 @@ class StageExecutor:
 class WindowPlans:
     """One worker's plans of an asynchronous schedule's windows, each derived once.
 
-    From the steady step on (:func:`~strategies.schedules.asynchronous.steady_step`) a window is
+    From the steady step on (:func:`~pipeline_recipes.strategies.schedules.asynchronous.steady_step`) a window is
     the steady window with its micro-batches renumbered, and so is its plan, given the same
     messages carried in (renumbered alike): the plan is derived for the first such window and
     renumbered for the next ones, instead of replaying the window's timeline every step."""

@@ -48,7 +48,7 @@ def last_backwards(schedule: Schedule, worker: int) -> dict[int, Action]:
 def bubble_after(schedule: Schedule, worker: int, t_f: float = 1.0, t_b: float = 2.0) -> dict[int, float]:
     """Stage → idle time on ``worker`` between that stage copy's last backward and the worker's end.
 
-    Measured on the simulated timeline (:func:`strategies.schedules.simulate`) at the given
+    Measured on the simulated timeline (:func:`pipeline_recipes.strategies.schedules.simulate`) at the given
     per-micro-batch costs (backward twice the forward by default, §3.4).
     """
     row = simulate(schedule, t_f, t_b).timeline[worker]

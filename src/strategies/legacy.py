@@ -2,11 +2,11 @@
 
 Until then the folders of ``src/`` were installed as top-level packages (``strategies``, ``models``,
 ``planner``, ``recipe``, ``datamodules``), so a checkpoint's model config names its builder
-``models.build_gpt2``, and anything pickled in it names classes such as
-``strategies.optim.WarmupDecayLR``. Reading such a checkpoint:
+``"models.build_gpt2"``, and anything pickled in it names classes such as
+``"strategies.optim.WarmupDecayLR"``. Reading such a checkpoint:
 
 * :func:`upgrade_targets` rewrites every Hydra ``_target_`` of an old name to today's
-  (``models.build_gpt2`` -> ``pipeline_recipes.models.build_gpt2``); other strings are left alone;
+  (``"models.build_gpt2"`` -> ``"pipeline_recipes.models.build_gpt2"``); other strings are left alone;
 * :func:`old_module_names` makes the old module names import today's modules (the very same module
   objects) while a checkpoint file is unpickled, and removes them afterwards, so nothing else ever
   sees two copies of a module.

@@ -1,17 +1,18 @@
 """The Lightning strategy for pipeline schedules: one :class:`PipelineStrategy` runs any schedule of the
-registry (:mod:`strategies.schedules.registry`: GPipe, DAPPLE alias 1F1B, GEMS, Chimera, PipeDream-2BW,
-PipeDream), ``PipelineStrategy(schedule="chimera", D=4)`` or ``Trainer(strategy="chimera")``.
+registry (:mod:`pipeline_recipes.strategies.schedules.registry`: GPipe, DAPPLE alias 1F1B, GEMS, Chimera,
+PipeDream-2BW, PipeDream, interleaved 1F1B and the zero-bubble family: ZB-H1, ZB-H2, ZBV, DualPipeV and Chimera
+with zero bubble), ``PipelineStrategy(schedule="chimera", D=4)`` or ``Trainer(strategy="chimera")``.
 
-The strategy only maps Lightning's hooks onto :class:`~strategies.engine.PipelineEngine`:
+The strategy only maps Lightning's hooks onto :class:`~pipeline_recipes.strategies.engine.PipelineEngine`:
 process groups come up in ``setup_environment`` (inherited from DDP: launcher, cluster
 environments, torchrun and SLURM), the model is split in ``setup`` before the optimizers see
 its parameters, and :class:`PipelineModule.training_step` runs the whole schedule. Lightning's
 own backward becomes a no-op (the schedule already ran every backward), the sampler is sharded
 by replica (W), not by rank, a SIGTERM is agreed on a step late instead of before every step
-(:mod:`strategies.sigterm`), and teardown ends the process group cleanly (gloo aborts some
+(:mod:`pipeline_recipes.strategies.sigterm`), and teardown ends the process group cleanly (gloo aborts some
 plain exits otherwise).
 
-Checkpoints are sharded (:mod:`strategies.checkpoint`): ``Trainer.save_checkpoint`` and
+Checkpoints are sharded (:mod:`pipeline_recipes.strategies.checkpoint`): ``Trainer.save_checkpoint`` and
 ``ModelCheckpoint`` write a directory where each stage is saved once, by a rank holding it, beside
 Lightning's loop, callback and scheduler state; ``fit(ckpt_path=...)`` restores after ``setup``, each
 rank reading only its stages, from a sharded directory of any layout or a consolidated file.
@@ -31,12 +32,13 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
 from ..recipe.heartbeat import record_handled_error
 from . import checkpoint as ckpt
+from .compile import compile_blocks, repeated_blocks
 from .engine import PipelineConfig, PipelineEngine
 from .executor import loss_counts, micro_batch_loss
 from .fetch_ahead import fetch_during_waits
@@ -276,7 +278,7 @@ class PipelineStrategy(DDPStrategy):
 
 
 class PipelineModule(pl.LightningModule):
-    """A LightningModule around a :class:`~strategies.pipeline_model.PipelineModel`.
+    """A LightningModule around a :class:`~pipeline_recipes.strategies.pipeline_model.PipelineModel`.
 
     Under a pipeline strategy the step runs the schedule; under any other strategy (single
     device, DDP) it runs the layers in order, so baselines train the very same module.
@@ -293,12 +295,15 @@ class PipelineModule(pl.LightningModule):
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0,
                  nonfinite_loss: str = "stop", model_config: Mapping[str, Any] | None = None,
-                 optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
+                 compile_blocks: bool = False) -> None:
         """``optimizer``: ``params -> Optimizer`` holding its own hyper-parameters (Hydra's
         ``_partial_`` of ``conf/optim/*.yaml``); without it AdamW(``lr``, ``weight_decay``).
         ``scheduler``: ``optimizer -> LRScheduler`` stepped after every optimizer step (``conf/scheduler``;
         a ``total_steps`` it leaves open becomes the trainer's number of steps); without it the
-        learning rate stays constant. Weight decay skips biases and norms (:func:`strategies.optim.param_groups`)."""
+        learning rate stays constant. Weight decay skips biases and norms
+        (:func:`pipeline_recipes.strategies.optim.param_groups`). ``compile_blocks`` (``model.compile``): compile
+        each repeated block this rank holds when fitting starts (:mod:`pipeline_recipes.strategies.compile`)."""
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
@@ -307,6 +312,24 @@ class PipelineModule(pl.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         # how to rebuild the model (a Hydra config with _target_): kept in checkpoints for scripts/export_hf.py
         self.model_config = dict(model_config) if model_config is not None else None
+        # the blocks to compile, listed while every layer is here (a pipeline drops the other ranks' layers)
+        self.blocks_to_compile = repeated_blocks(model.pipeline_layers()) if compile_blocks else []
+
+    @override
+    def on_fit_start(self) -> None:
+        """Compile the repeated blocks this rank holds (``compile_blocks``), once the strategy has built its
+        stages on their device; one line says so, or why they stay eager."""
+        if not self.blocks_to_compile:
+            return
+        engine = self.pipeline
+        split = engine is not None and any(a.kind == "I" for acts in engine.schedule_for(
+            engine.config.smallest_micro_batches).workers for a in acts)
+        done = compile_blocks(self.model.pipeline_layers(), self.blocks_to_compile, self.device)
+        self.blocks_to_compile = []  # once: a second fit keeps the compiled blocks
+        if done.fallback is not None:
+            rank_zero_warn(done.describe())
+        else:
+            rank_zero_info(done.describe(split))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.model_config is not None:
@@ -431,10 +454,11 @@ def _batch_size(batch: Batch) -> int:
 
 
 def share_gpus(strategy: DDPStrategy, gpu_of_rank: list[int]) -> None:
-    """Run a node's ranks on shared GPUs (more processes than GPUs, :func:`recipe.accelerator.shared_devices`):
-    local rank r on ``cuda:gpu_of_rank[r]``, over gloo, since NCCL refuses two ranks on one GPU; the
-    pipeline stages its messages through the host then (:mod:`strategies.p2p`). Call it before the
-    ``Trainer`` is built: Lightning keeps a strategy's own ``parallel_devices``."""
+    """Run a node's ranks on shared GPUs (more processes than GPUs,
+    :func:`pipeline_recipes.recipe.accelerator.shared_devices`): local rank r on ``cuda:gpu_of_rank[r]``,
+    over gloo, since NCCL refuses two ranks on one GPU; the pipeline stages its messages through the host
+    then (:mod:`pipeline_recipes.strategies.p2p`). Call it before the ``Trainer`` is built: Lightning keeps
+    a strategy's own ``parallel_devices``."""
     if not isinstance(strategy, DDPStrategy):
         raise TypeError(f"{type(strategy).__name__} runs one process; only DDP-style strategies share GPUs")
     strategy.parallel_devices = [torch.device("cuda", index) for index in gpu_of_rank]

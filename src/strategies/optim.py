@@ -10,8 +10,9 @@
   ``min_lr_ratio`` times the peak at ``total_steps``. The factor is a closed form of the step count,
   so a resumed run continues the schedule exactly from the restored step.
 
-The Hydra configs instantiate these with ``_partial_: true``; :class:`~strategies.lightning.PipelineModule`
-completes them with the parameter groups, the optimizer and the run's number of steps.
+The Hydra configs instantiate these with ``_partial_: true``;
+:class:`~pipeline_recipes.strategies.lightning.PipelineModule` completes them with the parameter groups, the optimizer
+and the run's number of steps.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Point-to-point transport of activations and activation gradients, one round at a time.
 
-:mod:`strategies.schedules.comm` decides which messages go out together around each action; this
+:mod:`pipeline_recipes.strategies.schedules.comm` decides which messages go out together around each action; this
 module moves them. Each round's sends and receives are issued as one ``dist.batch_isend_irecv`` on
 a process group that carries nothing but this pipeline replica's p2p traffic (torch.distributed.pipelining
 and Megatron do the same), so under NCCL both directions of a round progress together and no
@@ -25,7 +25,7 @@ the host.
 
 Idle host time: where a host wait would block (gloo, the receive not complete yet), the rank has
 nothing to compute until the peer delivers, a pipeline bubble (GPipe §2): :meth:`PipeComm.would_block`
-tells the executor, which runs host work there (the next step's batch, :mod:`strategies.fetch_ahead`).
+tells the executor, which runs host work there (the next step's batch, :mod:`pipeline_recipes.strategies.fetch_ahead`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ gradients across the stages that hold them, so training equals the unsplit model
 
 Per-stage construction: a model may be built on the meta device (no memory) and define
 ``materialize(layers, device)``, which gives only the listed layers real, initialised tensors on
-``device`` (:meth:`models.base.HFPipelineModel.materialize`); the runtime calls it for the rank's
+``device`` (:meth:`pipeline_recipes.models.base.HFPipelineModel.materialize`); the runtime calls it for the rank's
 own layers, so no rank ever holds the whole model.
 
 Exact mini-batch losses: a model whose loss is a mean over items that differ per micro-batch

@@ -1,10 +1,10 @@
 """Record what every rank of a pipeline really posts, without processes or GPUs, for the NCCL replay.
 
-:func:`record_programs` builds the real :class:`~strategies.engine.PipelineEngine` once per rank
+:func:`record_programs` builds the real :class:`~pipeline_recipes.strategies.engine.PipelineEngine` once per rank
 under torch's ``fake`` process-group backend (every collective a no-op), swaps its transport for
 a :class:`RecordingComm` and runs real steps: the executor's own rounds, waits and shape headers,
 and the engine's collectives (loss normalisers, gradient all-reduces, the loss), become events
-(:mod:`strategies.nccl_replay`) exactly in the order the rank issues them. Receives return zeros
+(:mod:`pipeline_recipes.strategies.nccl_replay`) exactly in the order the rank issues them. Receives return zeros
 of the announced shape: the order of operations does not depend on the values.
 """
 
@@ -18,7 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from .engine import PipelineEngine
 from .nccl_replay import P2P, Event, HostRecv, HostSend, HostWait, Post, StreamWait
 from .p2p import Incoming, Outgoing
 
@@ -51,7 +53,7 @@ class _RecordedRound:
 
 
 class RecordingComm:
-    """Stands in for :class:`~strategies.p2p.PipeComm`: records rounds, waits and headers as NCCL
+    """Stands in for :class:`~pipeline_recipes.strategies.p2p.PipeComm`: records rounds, waits and headers as NCCL
     would see them (batches on the rank's p2p stream, stream-ordered waits)."""
 
     def __init__(self, recorder: _Recorder, device: torch.device, timeout: timedelta,
@@ -145,10 +147,6 @@ def record_programs(
     """Each rank's events: build the engine for ``config`` with ``replicas`` replicas, then run
     ``step(engine, rank)`` for every step (e.g. a train step and an eval step), a host
     synchronisation after each (the loss is read)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from .engine import PipelineEngine
-
     world = replicas * config.stages
     programs = []
     for rank in range(world):

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -34,9 +36,6 @@ def free_port() -> int:
 def _entry(
     rank: int, world_size: int, port: int, threads: int, backend: str, fn: Callable, args: tuple, queue: Any
 ) -> None:
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     device_id = None

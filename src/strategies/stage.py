@@ -1,13 +1,13 @@
 """One stage copy on one rank: its layers, the graphs its forwards keep, its weight versions.
 
-The executor (:mod:`strategies.executor`) decides which stage runs what, in the schedule's order,
+The executor (:mod:`pipeline_recipes.strategies.executor`) decides which stage runs what, in the schedule's order,
 and moves messages; a :class:`PipelineStage` only computes. Each forward keeps what its backward
 needs under a :data:`GraphKey`: the graph, or with recomputation (GPipe §2.3, re-materialization)
 only the input and the RNG state. Backwards come whole (``B``) or split as in Zero Bubble
 Pipeline Parallelism (Qi et al. 2024, §2): ``I`` runs the backward with the linear layers' weight
-gradients deferred (:mod:`strategies.deferred_weights`) and returns the input gradient; ``W`` later
+gradients deferred (:mod:`pipeline_recipes.strategies.deferred_weights`) and returns the input gradient; ``W`` later
 computes the deferred weight gradients, accumulated in ``.grad``. Asynchronous schedules run
-forwards on the step's stashed weight version (:class:`~strategies.versions.WeightVersions`,
+forwards on the step's stashed weight version (:class:`~pipeline_recipes.strategies.versions.WeightVersions`,
 PipeDream's weight stashing).
 
 The activation bytes a forward keeps (the executor's stored-bytes figures) are counted by
@@ -104,10 +104,10 @@ class PipelineStage:
 
     def _run(self, inp: Tensor, batch: Batch, loss: LossFn | None, train: bool) -> Tensor:
         if self.versions is not None and train:
-            with self.versions.forward_weights(self.index):
+            with self.versions.forward_weights(self.index):  # the loss too: it may read the head's weights
                 out = run_layers(self.layers, inp, batch)
-        else:
-            out = run_layers(self.layers, inp, batch)
+                return loss(out, batch) if self.is_last and loss is not None else out
+        out = run_layers(self.layers, inp, batch)
         return loss(out, batch) if self.is_last and loss is not None else out
 
     def forward(self, key: GraphKey, inp: Tensor, batch: Batch, loss: LossFn | None, train: bool) -> Tensor:

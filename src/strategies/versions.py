@@ -5,7 +5,7 @@ every forward of the step runs on that copy (the layers' parameters are swapped 
 graph each backward walks holds exactly the weights its forward used, also when the backward runs
 steps later, after the live weights were updated. A version's gradients accumulate on its copy.
 At the end of step ``t`` stage ``s`` hands version ``t - delay(s)``'s gradient to the live
-parameters (for the optimizer) and frees it (:func:`strategies.schedules.asynchronous.weight_delay`).
+parameters (for the optimizer) and frees it (:func:`pipeline_recipes.strategies.schedules.asynchronous.weight_delay`).
 A parameter tied across stages (GPT-2's embeddings on the first and last stage) takes the largest
 delay of its stages, so both copies get the same summed gradient at the same step and stay equal.
 """

@@ -5,15 +5,13 @@ stages per worker, pipelines, planner variants); everything that lists or checks
 """
 
 from .actions import Action, Schedule, parse_action
-from .generators import (
-    AUTO_CONCAT, CONCAT_METHODS, best_concat, chimera, chimera_placement, concat_choices, dapple, gems, gpipe,
-)
+from .generators import best_concat, chimera, chimera_placement, concat_choices, dapple, gems, gpipe
 from .graph import ActionIndex, dependencies, index_actions
 from .grid import format_grid
 from .registry import (
     SCHEDULES, ScheduleError, ScheduleSpec, build_schedule, get_spec, names, register, resolve_concat, specs,
 )
-from .rules import CLI, CONFIG, Naming, Settings
+from .rules import AUTO_CONCAT, CLI, CONCAT_METHODS, CONFIG, Naming, Settings
 from .simulate import DeadlockError, Simulation, TimedAction, peak_activations, simulate
 from .validate import validate
 

@@ -5,7 +5,10 @@ the stream of forwards and backwards never drains between optimizer steps. Micro
 numbered globally (step ``t`` owns ``t·N … t·N + N - 1``). Step ``t``'s *window* on a stage is its
 stream from the forward of micro-batch ``t·N`` up to the forward of ``(t + 1)·N``: every forward
 of step ``t`` and the backwards that interleave with them, some of an earlier step. A run of
-``T`` windows plus the final drain is exactly DAPPLE over ``T·N`` micro-batches with no flush.
+``T`` windows plus the final drain is exactly DAPPLE over ``T·N`` micro-batches with no flush: both
+are slices of one 1F1B order (:func:`~pipeline_recipes.strategies.schedules.one_f_one_b.one_f_one_b`).
+The layout rules (N per update) are the registry's; called directly with a layout they refuse, these
+functions raise a ``ValueError`` with the same rule's message.
 
 Weight versions (the rule the runtime executes):
 
@@ -20,33 +23,44 @@ Weight versions (the rule the runtime executes):
 from __future__ import annotations
 
 from .actions import Action, Schedule
+from .one_f_one_b import numbered, one_f_one_b
+from .rules import (
+    TWO_VERSIONS, Settings, at_least_stages, check_size, check_sizes, exact_micro_batches, raise_if,
+)
 from .simulate import Cost, simulate
 
-ASYNC_SCHEDULES = ("pipedream_2bw", "pipedream")
+
+def _micro_batches_error(name: str, stages: int, micro_batches: int) -> str | None:
+    """N per update, by the schedule's update rule: PipeDream updates after every micro-batch (N = 1),
+    PipeDream-2BW accumulates N ≥ D so that two weight versions suffice."""
+    settings = Settings(name, stages, micro_batches)
+    if name == "pipedream":
+        return exact_micro_batches(settings, 1)
+    if name == "pipedream_2bw":
+        return at_least_stages(settings, TWO_VERSIONS)
+    return None
 
 
 def _check(name: str, stages: int, micro_batches: int, step: int = 0) -> None:
-    for setting, value in (("stages", stages), ("micro_batches", micro_batches)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {setting} must be a positive integer, got {value!r}; use 1 or more")
-    if name in ASYNC_SCHEDULES:  # N per update: the schedule's rules, as its registry spec states them
-        from .registry import check
+    check_sizes(name, stages, micro_batches)
+    raise_if(name, _micro_batches_error(name, stages, micro_batches))
+    check_size(name, "step", step, 0)
 
-        check(name, stages, micro_batches)
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"{name}: step must be a non-negative integer, got {step!r}")
+
+def _stream(stage: int, stages: int, micro_batches: int, *, drain: bool) -> list[Action]:
+    """Stage ``stage``'s 1F1B stream over micro-batches ``0 … micro_batches − 1`` with warm-up
+    w = D − 1 − s: F(0) … F(w − 1), then F(m), B(m − w) for every m ≥ w, then (``drain``) the rest."""
+    def on_stage(_: int) -> int:
+        return stage
+
+    return one_f_one_b(numbered("F", on_stage, micro_batches, 0), numbered("B", on_stage, micro_batches, 0),
+                       warmup=stages - 1 - stage, cool_down=drain)
 
 
 def _window_of_stage(stage: int, stages: int, first: int, end: int) -> list[Action]:
-    """Stage ``stage``'s no-flush 1F1B stream from the forward of ``first`` up to that of ``end``:
-    the stream is F(0) … F(w-1) (warm-up, w = D - 1 - s), then F(m), B(m - w) for every m ≥ w."""
-    warmup = stages - 1 - stage
-    out: list[Action] = []
-    for m in range(first, end):
-        out.append(Action("F", 0, stage, (m,)))
-        if m >= warmup:
-            out.append(Action("B", 0, stage, (m - warmup,)))
-    return out
+    """Stage ``stage``'s no-flush 1F1B stream from the forward of ``first`` up to that of ``end``."""
+    stream = _stream(stage, stages, end, drain=False)
+    return stream[stream.index(Action("F", 0, stage, (first,))):]
 
 
 def window(name: str, stages: int, micro_batches: int, step: int) -> Schedule:
@@ -62,14 +76,9 @@ def run(name: str, stages: int, micro_batches: int, steps: int) -> Schedule:
     """``steps`` windows back to back plus the drain: one valid, finite schedule (to validate,
     simulate and draw); ``micro_batches`` of the result counts all ``steps·N`` micro-batches."""
     _check(name, stages, micro_batches)
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"{name}: steps must be a positive integer, got {steps!r}")
+    check_size(name, "steps", steps)
     total = steps * micro_batches
-    workers = []
-    for s in range(stages):
-        stream = _window_of_stage(s, stages, 0, total)
-        done = {a.mb for a in stream if a.kind == "B"}
-        workers.append(tuple(stream) + tuple(Action("B", 0, s, (m,)) for m in range(total) if m not in done))
+    workers = [tuple(_stream(s, stages, total, drain=True)) for s in range(stages)]
     return Schedule(name, stages, total, (tuple(range(stages)),), tuple(workers),
                     meta={"steps": steps, "micro_batches_per_step": micro_batches})
 
@@ -80,7 +89,8 @@ def weight_delay(name: str, stage: int, stages: int) -> int:
         return 1
     if name == "pipedream":
         return stages - 1 - stage
-    raise ValueError(f"unknown asynchronous schedule {name!r}; choose one of {', '.join(ASYNC_SCHEDULES)}")
+    raise ValueError(f"unknown asynchronous schedule {name!r}; choose pipedream_2bw or pipedream (the registry's "
+                     "asynchronous schedules)")
 
 
 def version_of(micro_batch: int, micro_batches: int) -> int:

@@ -21,7 +21,7 @@ receive waits across a step boundary (in front of the step's collectives). The n
 is told which messages are already in (``carried_in``).
 
 Whether a plan is safe under NCCL's rules is checked by replaying what the runtime really posts
-(:mod:`strategies.nccl_replay`), not by this module.
+(:mod:`pipeline_recipes.strategies.nccl_replay`), not by this module.
 """
 
 from __future__ import annotations
@@ -149,8 +149,13 @@ def comm_plan(schedule: Schedule, worker: int, train: bool = True,
     and its receive usually meet in rounds posted at the same moment. Receiving early is what
     keeps two peers that each send before receiving from blocking each other.
     """
+    return _plan(schedule, worker, train, carried_in, _timeline(schedule, train))
+
+
+def _plan(schedule: Schedule, worker: int, train: bool, carried_in: Iterable[Message],
+          end: dict[Action, float]) -> CommPlan:
+    """:func:`comm_plan` on the timeline ``end`` of the whole schedule (the same for every worker)."""
     actions = executed_actions(schedule, worker, train)
-    end = _timeline(schedule, train)
     post_time = [0.0] + [end[a] for a in actions]  # round i goes out when action i - 1 ends
     incoming: dict[int, list[tuple[Message, float]]] = defaultdict(list)  # peer → (message, sent at), its order
     for peer in range(schedule.num_workers):
@@ -196,4 +201,5 @@ def format_rounds(plan: CommPlan) -> str:
 
 def plans(schedule: Schedule, train: bool = True) -> Sequence[CommPlan]:
     """Every worker's plan (a synchronous step)."""
-    return [comm_plan(schedule, w, train) for w in range(schedule.num_workers)]
+    end = _timeline(schedule, train)
+    return [_plan(schedule, w, train, (), end) for w in range(schedule.num_workers)]

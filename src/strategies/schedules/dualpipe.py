@@ -32,11 +32,13 @@ PP = 2P stages) reads ``(P − 1)(t_f + 2 t_b − 3 t_w)`` per worker.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable
 
 from .actions import Action, Schedule
-from .placement import check_size, v_placement
+from .placement import v_placement
+from .rules import check_size
 from .validate import validate
+
+__all__ = ["dualpipev"]
 
 
 def dualpipev(workers: int, micro_batches: int) -> Schedule:
@@ -105,10 +107,3 @@ def _worker(P: int, N: int, r: int) -> tuple[Action, ...]:
         weight()
     return tuple(acts)
 
-
-GENERATORS: dict[str, Callable[..., Schedule]] = {
-    # dualpipev(workers: int, micro_batches: int) -> Schedule   (S = 2P, V placement, N ≥ 2P)
-    "dualpipev": dualpipev,
-}
-
-__all__ = ["GENERATORS", "dualpipev"]

@@ -1,11 +1,11 @@
 """What each action does to the graphs its stage keeps: the one definition the executor runs and the
-planner's memory walk (:mod:`planner.memory`) prices.
+planner's memory walk (:mod:`pipeline_recipes.planner.memory`) prices.
 
 A forward keeps one graph per micro-batch it covers (two for a doubled forward, Chimera §3.5), or
 two half graphs when the micro-batch's backward is halved. ``B`` walks a graph and frees it,
 computing input and weight gradients; the split backward of Zero Bubble Pipeline Parallelism (§2)
 divides that work: ``I`` walks the graph for the input gradient and keeps, per linear layer, the
-input and output gradient that its weight gradient needs (:mod:`strategies.deferred_weights`); ``W``
+input and output gradient that its weight gradient needs (:mod:`pipeline_recipes.strategies.deferred_weights`); ``W``
 computes those weight gradients and frees what was kept. Both are counted as one graph until ``W``.
 On the first stage there is no input gradient: its ``I`` does nothing and its ``W`` runs the whole
 backward (as torch.distributed.pipelining does).

@@ -1,10 +1,13 @@
-"""Schedule generators: GPipe (GPipe, Huang et al.), DAPPLE / 1F1B with flushes, GEMS and Chimera (Chimera, Li & Hoefler).
+"""Schedule generators: GPipe (Huang et al.), DAPPLE / 1F1B with flushes, GEMS and Chimera (Chimera, Li & Hoefler).
 
-Pure functions from sizes to :class:`~strategies.schedules.actions.Schedule` data; no torch.
+Pure functions from sizes to :class:`~pipeline_recipes.strategies.schedules.actions.Schedule` data; no torch,
+no registry (:mod:`pipeline_recipes.strategies.schedules.registry` checks the layout rules first; called
+directly, a generator refuses what it cannot build with the same rule's message).
 
 * GPipe: every stage runs all forwards, then all backwards (GPipe §2.2, Chimera Figure 2).
 * DAPPLE: 1F1B with a flush per iteration: ``min(D - s - 1, N)`` warm-up forwards on stage
-  ``s``, then one forward / one backward, then the cool-down backwards.
+  ``s``, then one forward / one backward, then the cool-down backwards
+  (:func:`~pipeline_recipes.strategies.schedules.one_f_one_b.one_f_one_b`).
 * Chimera (§3.1): ``2f`` pipelines through the same ``D`` workers. Down pipeline ``i`` maps
   stage ``s`` to worker ``(s + i·D/f) mod D`` (§3.6); up pipeline ``f + i`` is its exact
   reverse. Micro-batches are dealt to the pipelines in *basic units* of D (§3.5), each unit
@@ -36,17 +39,19 @@ from collections.abc import Callable, Sequence
 from .actions import Action, Schedule
 from .graph import dependencies, index_actions
 from .messages import fifo_violations, received_messages, sent_messages
+from .one_f_one_b import one_stage_per_worker
+from .rules import (
+    AUTO_CONCAT, BIDIRECTIONAL, CHIMERA_PIPELINES, CONCAT_METHODS, OPPOSITE_REPLICAS, Settings, check_sizes,
+    concat_error, pipelines_error, raise_if, stages_even,
+)
 from .simulate import Cost, simulate
 
-CONCAT_METHODS = ("direct", "forward_doubling", "backward_halving")
-AUTO_CONCAT = "auto"  # strategy.concat=auto: best_concat picks one of CONCAT_METHODS per layout
+__all__ = [
+    "AUTO_CONCAT", "CONCAT_METHODS", "PRACTICAL_COSTS", "best_concat", "chimera", "chimera_placement", "concat_choices",
+    "dapple", "gems", "gpipe",
+]
+
 PRACTICAL_COSTS = (1.0, 2.0)  # (t_f, t_b): a backward costs about two forwards (Chimera §3.4, §3.5)
-
-
-def _check_sizes(name: str, stages: int, micro_batches: int) -> None:
-    for setting, value in (("stages", stages), ("micro_batches", micro_batches)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {setting} must be a positive integer, got {value!r}; use 1 or more")
 
 
 def _identity_placement(stages: int) -> tuple[tuple[int, ...], ...]:
@@ -55,7 +60,7 @@ def _identity_placement(stages: int) -> tuple[tuple[int, ...], ...]:
 
 def gpipe(stages: int, micro_batches: int) -> Schedule:
     """GPipe: all forwards, then all backwards, on every stage."""
-    _check_sizes("gpipe", stages, micro_batches)
+    check_sizes("gpipe", stages, micro_batches)
     workers = tuple(
         tuple(Action("F", 0, s, (m,)) for m in range(micro_batches))
         + tuple(Action("B", 0, s, (m,)) for m in range(micro_batches))
@@ -64,38 +69,10 @@ def gpipe(stages: int, micro_batches: int) -> Schedule:
     return Schedule("gpipe", stages, micro_batches, _identity_placement(stages), workers)
 
 
-def _one_f_one_b(
-    pipe: int,
-    stage: int,
-    stages: int,
-    tasks: Sequence[tuple[int, ...]],
-    pieces: Sequence[Action],
-) -> list[Action]:
-    """1F1B order of one stage: warm-up forwards, one forward / one backward, cool-down.
-
-    ``tasks`` are the forward groups (one micro-batch, or two when doubled); ``pieces`` are the
-    backward actions in order (one per micro-batch, or two halves).
-    """
-    forwards = [Action("F", pipe, stage, mbs) for mbs in tasks]
-    warmup = min(stages - stage - 1, len(forwards))
-    order = forwards[:warmup]
-    backwards = iter(pieces)
-    for forward in forwards[warmup:]:
-        order.append(forward)
-        order.append(next(backwards))
-    order.extend(backwards)
-    return order
-
-
 def dapple(stages: int, micro_batches: int) -> Schedule:
-    """DAPPLE: 1F1B with a pipeline flush at the end of every iteration."""
-    _check_sizes("dapple", stages, micro_batches)
-    tasks = [(m,) for m in range(micro_batches)]
-    workers = tuple(
-        tuple(_one_f_one_b(0, s, stages, tasks, [Action("B", 0, s, (m,)) for m in range(micro_batches)]))
-        for s in range(stages)
-    )
-    return Schedule("dapple", stages, micro_batches, _identity_placement(stages), workers)
+    """DAPPLE: 1F1B with a pipeline flush at the end of every iteration (warm-up ``D − s − 1`` on stage s)."""
+    check_sizes("dapple", stages, micro_batches)
+    return one_stage_per_worker("dapple", stages, micro_batches, lambda s: stages - s - 1)
 
 
 def chimera_placement(stages: int, pipelines: int) -> tuple[tuple[int, ...], ...]:
@@ -106,16 +83,13 @@ def chimera_placement(stages: int, pipelines: int) -> tuple[tuple[int, ...], ...
     return tuple(down + up)
 
 
-def _check_rules(name: str, stages: int, micro_batches: int, **settings: object) -> None:
-    """The schedule's layout rules, as its registry spec states them (:mod:`strategies.schedules.rules`)."""
-    from .registry import check
-
-    check(name, stages, micro_batches, **settings)
-
-
 def _check_chimera(stages: int, micro_batches: int, pipelines: int, concat: str) -> None:
-    _check_sizes("chimera", stages, micro_batches)
-    _check_rules("chimera", stages, micro_batches, pipelines=pipelines, concat=concat)
+    """What Chimera's placement needs (the rules of :mod:`pipeline_recipes.strategies.schedules.rules`)."""
+    check_sizes("chimera", stages, micro_batches)
+    settings = Settings("chimera", stages, micro_batches, pipelines=pipelines, concat=concat)
+    for error in (stages_even(settings, BIDIRECTIONAL), pipelines_error(settings, CHIMERA_PIPELINES),
+                  concat_error(settings, True)):
+        raise_if("chimera", error)
     if concat not in CONCAT_METHODS:
         raise ValueError(f"chimera: concat = {concat!r} must be resolved to one of {', '.join(CONCAT_METHODS)} "
                          "first (resolve_concat or best_concat)")
@@ -405,8 +379,8 @@ def best_concat(
 
 def gems(stages: int, micro_batches: int) -> Schedule:
     """GEMS: two opposite replicas, micro-batches alternating, one micro-batch at a time per worker."""
-    _check_sizes("gems", stages, micro_batches)
-    _check_rules("gems", stages, micro_batches)
+    check_sizes("gems", stages, micro_batches)
+    raise_if("gems", stages_even(Settings("gems", stages, micro_batches), OPPOSITE_REPLICAS))
     placement = chimera_placement(stages, 2)
     workers = []
     for w in range(stages):

@@ -22,33 +22,26 @@ implementation runs every forward first when N = P.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable
-
-from .actions import Action, Schedule
-from .placement import check_size, loop_placement
+from .actions import Schedule
+from .one_f_one_b import numbered, one_f_one_b
+from .placement import loop_placement
+from .rules import Settings, check_size, equal_rounds_error, raise_if, rounds
 from .validate import validate
+
+__all__ = ["interleaved_1f1b", "interleaved_rounds"]
 
 
 def interleaved_rounds(workers: int, micro_batches: int) -> tuple[int, int]:
-    """``(rounds, micro-batches per round)`` of torch's relaxed rule; ``ValueError`` if N does not fit."""
-    rounds = max(1, micro_batches // workers)
-    if micro_batches % rounds:
-        def fits(m: int) -> bool:
-            return m % max(1, m // workers) == 0
-
-        below = next(m for m in range(micro_batches - 1, 0, -1) if fits(m))
-        above = next(m for m in range(micro_batches + 1, 2 * micro_batches + workers) if fits(m))
-        raise ValueError(
-            f"interleaved_1f1b: micro_batches N = {micro_batches} does not split into equal rounds on P = {workers} "
-            f"workers: N must be a multiple of rounds = max(1, N // P) = {rounds} (Megatron-LM requires N mod P = 0; "
-            f"torch's ScheduleInterleaved1F1B relaxes it to this rule); use N = {below} or N = {above}"
-        )
-    return rounds, micro_batches // rounds
+    """``(rounds, micro-batches per round)`` of torch's relaxed rule; ``ValueError`` if N does not fit
+    (:func:`~pipeline_recipes.strategies.schedules.rules.equal_rounds_error`)."""
+    raise_if("interleaved_1f1b", equal_rounds_error(Settings("interleaved_1f1b", workers, micro_batches)))
+    return rounds(workers, micro_batches)
 
 
 def interleaved_1f1b(workers: int, chunks: int, micro_batches: int) -> Schedule:
-    """Interleaved 1F1B on ``workers`` (P) workers with ``chunks`` (v ≥ 2) stages each, S = v·P."""
+    """Interleaved 1F1B on ``workers`` (P) workers with ``chunks`` (v ≥ 2) stages each, S = v·P: 1F1B whose
+    k-th forward slot runs chunk ``(k // per_round) mod v`` (depth first) and k-th backward slot the
+    mirror chunk, after ``(v − 1)·per_round + 2·(P − 1 − r)`` warm-up forwards on worker r."""
     check_size("interleaved_1f1b", "workers (P)", workers)
     check_size("interleaved_1f1b", "chunks (v)", chunks, 2, "use v ≥ 2 chunks per worker, or dapple (1F1B) for v = 1")
     check_size("interleaved_1f1b", "micro_batches (N)", micro_batches)
@@ -56,40 +49,12 @@ def interleaved_1f1b(workers: int, chunks: int, micro_batches: int) -> Schedule:
     P, v, N = workers, chunks, micro_batches
     orders = []
     for r in range(P):
-        total = v * N
-        warmup = min((v - 1) * per_round + 2 * (P - 1 - r), total)
-
-        def forward_stage(k: int, r: int = r) -> int:  # the k-th forward's chunk, depth first
+        def forward_stage(k: int, r: int = r) -> int:
             return (k // per_round) % v * P + r
 
-        def backward_stage(k: int, r: int = r) -> int:  # the k-th backward's chunk, last chunk first
+        def backward_stage(k: int, r: int = r) -> int:
             return (v - 1 - (k // per_round) % v) * P + r
 
-        orders.append(_one_f_one_b(total, warmup, forward_stage, backward_stage))
+        orders.append(tuple(one_f_one_b(numbered("F", forward_stage, v * N), numbered("B", backward_stage, v * N),
+                                        warmup=(v - 1) * per_round + 2 * (P - 1 - r))))
     return validate(Schedule("interleaved_1f1b", v * P, N, loop_placement(P, v), tuple(orders)))
-
-
-def _one_f_one_b(total: int, warmup: int, forward_stage: Callable[[int], int],
-                 backward_stage: Callable[[int], int]) -> tuple[Action, ...]:
-    """``warmup`` forwards, then forward/backward pairs, then the remaining backwards; each
-    stage's micro-batches in order."""
-    next_mb: dict[tuple[str, int], int] = defaultdict(int)
-
-    def take(kind: str, stage: int) -> Action:
-        m = next_mb[(kind, stage)]
-        next_mb[(kind, stage)] += 1
-        return Action(kind, 0, stage, (m,))  # type: ignore[arg-type]
-
-    order = [take("F", forward_stage(k)) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [take("F", forward_stage(warmup + k)), take("B", backward_stage(k))]
-    order += [take("B", backward_stage(k)) for k in range(total - warmup, total)]
-    return tuple(order)
-
-
-GENERATORS: dict[str, Callable[..., Schedule]] = {
-    # interleaved_1f1b(workers: int, chunks: int, micro_batches: int) -> Schedule   (S = chunks·workers)
-    "interleaved_1f1b": interleaved_1f1b,
-}
-
-__all__ = ["GENERATORS", "interleaved_1f1b", "interleaved_rounds"]

@@ -12,14 +12,6 @@
 from __future__ import annotations
 
 
-def check_size(name: str, setting: str, value: object, minimum: int = 1, fix: str = "") -> None:
-    """Raise a ``ValueError`` naming the generator, the setting, its value and the rule."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"{name}: {setting} must be an integer ≥ {minimum}, got {value!r}; {fix or f'use {minimum} or more'}"
-        )
-
-
 def loop_placement(workers: int, chunks: int) -> tuple[tuple[int, ...], ...]:
     """One pipeline of ``chunks·workers`` stages, stage ``s`` on worker ``s mod workers``."""
     return (tuple(s % workers for s in range(chunks * workers)),)

@@ -1,34 +1,52 @@
 """One registry of pipeline schedules: every schedule is described once, by a :class:`ScheduleSpec`.
 
-A spec names the schedule, its generator (sizes → :class:`~strategies.schedules.actions.Schedule`),
-its layout rules (:mod:`strategies.schedules.rules`), whether it is asynchronous, how many stages a
-worker holds (``chunks``), how many pipelines it runs and whether it concatenates units of
-micro-batches (Chimera §3.5), which gives the planner's variants. Everything that lists schedules or
+A spec names the schedule, its generator (sizes → :class:`~pipeline_recipes.strategies.schedules.actions.Schedule`,
+a pure function that imports no registry), its layout rules (:mod:`pipeline_recipes.strategies.schedules.rules`),
+whether it is asynchronous, how many stages a worker holds (``chunks``), how many pipelines it runs and
+whether it concatenates units of micro-batches (Chimera §3.5), which gives the planner's variants.
+:func:`build_schedule` checks the rules before it calls the generator. Everything that lists schedules or
 checks a layout reads this table: :func:`build_schedule`, the Hydra layout check
-(:mod:`recipe.layout`), the planner's candidates (:mod:`planner.predict`), the viewer's choices
-(``scripts/schedule.py``), Lightning's strategy names (:func:`strategies.lightning.register_strategies`)
-and the engine (:class:`strategies.engine.PipelineConfig`).
+(:mod:`pipeline_recipes.recipe.layout`), the planner's candidates (:mod:`pipeline_recipes.planner.predict`),
+the viewer's choices (``scripts/schedule.py``), Lightning's strategy names
+(:func:`pipeline_recipes.strategies.lightning.register_strategies`) and the engine
+(:class:`pipeline_recipes.strategies.engine.PipelineConfig`).
 
-Adding a schedule: write its generator, add its :class:`ScheduleSpec` to :data:`SCHEDULES` (with any
-rule of its own), add ``conf/strategy/<name>.yaml`` (``schedule: <name>`` on the shared base) and its
-tests. Schedules: GPipe (Huang et al.), DAPPLE / 1F1B with flushes (Fan et al.), GEMS and Chimera
-(Chimera, Li & Hoefler), PipeDream-2BW (Narayanan et al. 2020) and PipeDream (Narayanan et al. 2019).
+Adding a schedule: add its :class:`ScheduleSpec` to :data:`SCHEDULES` (with any rule of its own) and
+``conf/strategy/<name>.yaml`` (``schedule: <name>`` on the shared base); the test grids follow the registry.
+A 1F1B variant needs no new loop: its generator is a call of
+:func:`~pipeline_recipes.strategies.schedules.one_f_one_b.one_f_one_b` with its own parameters.
+
+Schedules:
+
+* GPipe (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism", 2019);
+* DAPPLE, 1F1B with a flush per step (Fan et al., "DAPPLE: A Pipelined Data Parallel Approach for Training
+  Large Models", 2021);
+* GEMS and Chimera with its 2f pipelines and concatenation methods (Li & Hoefler, "Chimera: Efficiently
+  Training Large-Scale Neural Networks with Bidirectional Pipelines", 2021);
+* interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM", 2021);
+* ZB-H1, ZB-H2 and ZBV (Qi et al., "Zero Bubble Pipeline Parallelism", 2024), and Chimera + zero bubble
+  (Chimera's pipelines with the zero-bubble split backward);
+* DualPipeV (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024);
+* PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", 2021) and PipeDream
+  (Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", 2019), asynchronous.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 from .actions import Schedule
 from .asynchronous import run as async_run
-from .generators import AUTO_CONCAT, best_concat, chimera, concat_choices, dapple, gems, gpipe
 from .dualpipe import dualpipev
+from .generators import best_concat, chimera, concat_choices, dapple, gems, gpipe
 from .interleaved import interleaved_1f1b
 from .rules import (
-    API, COMMON_RULES, Naming, Rule, Settings, chimera_pipeline_counts, equal_rounds, even_stages,
-    micro_batches_at_least_stages, micro_batches_at_least_twice_stages,
+    API, AUTO_CONCAT, BIDIRECTIONAL, CHIMERA_PIPELINES, COMMON_RULES, OPPOSITE_REPLICAS, TWO_VERSIONS, Naming,
+    Pipelines, Rule, Settings, did_you_mean, equal_rounds, even_stages, micro_batches_at_least_stages,
+    micro_batches_at_least_twice_stages,
 )
 from .zero_bubble import chimera_zb, zb_h1, zb_h2, zbv
 
@@ -37,17 +55,6 @@ ASYNC_VIEW_STEPS = 3  # steps of an asynchronous schedule that build_schedule re
 
 class ScheduleError(ValueError):
     """A schedule name or layout that the registry's rules refuse; the message says which rule and the fix."""
-
-
-@dataclass(frozen=True)
-class Pipelines:
-    """How many pipelines a schedule runs: ``default``, and where the user may choose, the valid counts
-    for D stages (``choices``) with the rule in words."""
-
-    default: int = 1
-    choices: Callable[[int], Sequence[int]] | None = None
-    rule: str = ""
-    what: str = "a single pipeline"
 
 
 @dataclass(frozen=True)
@@ -66,8 +73,11 @@ class ScheduleSpec:
     ``generator(stages, micro_batches, **options)`` builds it; the options it takes follow from the
     spec: ``pipelines`` when the user may choose them, ``concat`` when it concatenates units,
     ``chunks`` when chunks are choosable, ``steps`` when asynchronous. ``rules`` are its own layout
-    rules (checked before :data:`~strategies.schedules.rules.COMMON_RULES`). ``fixed_micro_batches``:
-    N per update when the schedule fixes it (PipeDream: 1).
+    rules (checked before :data:`~pipeline_recipes.strategies.schedules.rules.COMMON_RULES`). ``fixed_micro_batches``:
+    N per update when the schedule fixes it (PipeDream: 1). ``calibrates``: the planner's runtime calibration
+    (:mod:`pipeline_recipes.planner.comm`) runs it: GPipe's critical path has few messages, DAPPLE's one per
+    micro-batch and Chimera's one before nearly every action, which together separate the executor's cost
+    per action from its latency per message.
     """
 
     name: str
@@ -80,10 +90,11 @@ class ScheduleSpec:
     concat: bool = False
     fixed_micro_batches: int | None = None
     aliases: tuple[str, ...] = ()
+    calibrates: bool = False
 
     def errors(self, settings: Settings) -> list[str]:
         """Every rule's message for ``settings`` (empty: the layout is valid)."""
-        settings = replace(settings, schedule=self.name)
+        settings = replace(settings, schedule=self.name, registered=specs())
         out = []
         for rule in (COMMON_RULES[0], *self.rules, *COMMON_RULES[1:]):  # sizes first, then its own rules
             message = rule(self, settings)
@@ -170,7 +181,9 @@ def get_spec(name: str) -> ScheduleSpec:
     for spec in SCHEDULES.values():
         if name in spec.aliases:
             return spec
-    raise ScheduleError(f"unknown schedule {name!r}; choose one of {describe_names()}")
+    close = did_you_mean(name, names(aliases=True))
+    raise ScheduleError(f"unknown schedule {name!r}; choose one of {describe_names()}"
+                        + (f"; did you mean {close!r}?" if close else ""))
 
 
 def check(name: str, stages: int, micro_batches: int | None = None, *, naming: Naming = API,
@@ -189,7 +202,7 @@ def build_schedule(
     is resolved by :func:`best_concat` at ``micro_batch_size`` (``None``: any). An asynchronous
     schedule comes as ``steps`` (default ``ASYNC_VIEW_STEPS``) steps of N micro-batches without
     flushes plus the final drain; the runtime runs it window by window
-    (:mod:`strategies.schedules.asynchronous`)."""
+    (:mod:`pipeline_recipes.strategies.schedules.asynchronous`)."""
     return get_spec(name).build(Settings(name, stages, micro_batches, micro_batch_size, pipelines, concat, chunks,
                                          steps, naming=naming))
 
@@ -208,23 +221,21 @@ def resolve_concat(
                        micro_batch_size, generator=spec.generator)
 
 
-register(ScheduleSpec("gpipe", gpipe, "GPipe: all forwards, then all backwards, a flush per step"))
-register(ScheduleSpec("dapple", dapple, "DAPPLE: 1F1B with a flush per step", aliases=("1f1b",)))
+register(ScheduleSpec("gpipe", gpipe, "GPipe: all forwards, then all backwards, a flush per step", calibrates=True))
+register(ScheduleSpec("dapple", dapple, "DAPPLE: 1F1B with a flush per step", aliases=("1f1b",), calibrates=True))
 register(ScheduleSpec(
     "gems", gems, "GEMS: two opposite replicas, one micro-batch at a time per worker (Chimera §2)",
-    rules=(even_stages("each worker holds one stage of each of its two replicas"),),
+    rules=(even_stages(OPPOSITE_REPLICAS),),
     pipelines=Pipelines(2, what="exactly 2 pipelines (two opposite replicas)"),
 ))
 register(ScheduleSpec(
     "chimera", chimera, "Chimera: 2f bidirectional pipelines, units of D micro-batches concatenated (Chimera §3)",
-    rules=(even_stages("its down and up pipelines merge without conflict, Chimera §3.1"),),
-    pipelines=Pipelines(2, chimera_pipeline_counts, "2f for a divisor f of D/2 (Chimera §3.6)", "2f pipelines"),
-    concat=True,
+    rules=(even_stages(BIDIRECTIONAL),), pipelines=CHIMERA_PIPELINES, concat=True, calibrates=True,
 ))
 register(ScheduleSpec(
     "pipedream_2bw", partial(async_run, "pipedream_2bw"),
     "PipeDream-2BW: asynchronous 1F1B without flushes, two weight versions, N ≥ D per update",
-    rules=(micro_batches_at_least_stages("so that only two weight versions are in flight"),), asynchronous=True,
+    rules=(micro_batches_at_least_stages(TWO_VERSIONS),), asynchronous=True,
 ))
 register(ScheduleSpec(
     "pipedream", partial(async_run, "pipedream"),
@@ -255,7 +266,5 @@ register(ScheduleSpec(
 ))
 register(ScheduleSpec(
     "chimera_zb", chimera_zb, "Chimera + zero bubble: Chimera's bidirectional pipelines, bubbles filled by "
-    "deferred weight gradients", rules=(even_stages("its down and up pipelines merge without conflict, Chimera §3.1"),),
-    pipelines=Pipelines(2, chimera_pipeline_counts, "2f for a divisor f of D/2 (Chimera §3.6)", "2f pipelines"),
-    concat=True,
+    "deferred weight gradients", rules=(even_stages(BIDIRECTIONAL),), pipelines=CHIMERA_PIPELINES, concat=True,
 ))

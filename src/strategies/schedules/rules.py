@@ -3,20 +3,28 @@ precise error message (the setting, its value, the rule and the fix) or ``None``
 
 The rules serve every front end: the Hydra layout check (``strategy.D``), the schedule viewer
 (``--stages``) and the Python API (``stages``). A :class:`Naming` says how the caller spells each
-setting, so one rule names what its user typed. :mod:`strategies.schedules.registry` attaches the
+setting, so one rule names what its user typed. :mod:`pipeline_recipes.strategies.schedules.registry` attaches the
 rules to the schedules; the papers behind them are Chimera (Li & Hoefler, §3.1, §3.5, §3.6 and
 Table 2), PipeDream (Narayanan et al. 2019) and PipeDream-2BW (Narayanan et al. 2020).
+
+Each rule is one function of :class:`Settings` (``settings.schedule`` names the schedule in the
+message); the registry's rules wrap them, and a generator called directly with settings it cannot
+build raises a ``ValueError`` with the same message (:func:`check_size`, :func:`raise_if`). This module
+imports nothing of the package: the generators and the registry both import it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .registry import ScheduleSpec
 
+CONCAT_METHODS = ("direct", "forward_doubling", "backward_halving")
+AUTO_CONCAT = "auto"  # strategy.concat=auto: best_concat picks one of CONCAT_METHODS per layout
 CONCAT_RULE = "direct, forward_doubling, backward_halving or auto (the fastest simulated; Chimera §3.5)"
 
 
@@ -69,9 +77,46 @@ class Settings:
     grad_sync: str = "end"
     recompute: str = "none"
     naming: Naming = API
+    registered: tuple[ScheduleSpec, ...] = ()  # every registered schedule (the registry fills it): fixes name them
 
 
 Rule = Callable[["ScheduleSpec", Settings], "str | None"]
+
+
+@dataclass(frozen=True)
+class Pipelines:
+    """How many pipelines a schedule runs: ``default``, and where the user may choose, the valid counts
+    for D stages (``choices``) with the rule in words."""
+
+    default: int = 1
+    choices: Callable[[int], Sequence[int]] | None = None
+    rule: str = ""
+    what: str = "a single pipeline"
+
+
+def size_error(setting: str, value: object, minimum: int = 1, fix: str = "") -> str | None:
+    """The one check of a size: an integer (not a bool) of at least ``minimum``; the message otherwise."""
+    if not isinstance(value, bool) and isinstance(value, int) and value >= minimum:
+        return None
+    rule = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer ≥ {minimum}")
+    return f"{setting} must be {rule}, got {value!r}; {fix or f'use {minimum} or more'}"
+
+
+def raise_if(name: str, message: str | None) -> None:
+    """A generator's refusal: ``ValueError`` with a rule's message (prefixed by ``name:`` unless it names it)."""
+    if message is not None:
+        raise ValueError(message if message.startswith(name) else f"{name}: {message}")
+
+
+def check_size(name: str, setting: str, value: object, minimum: int = 1, fix: str = "") -> None:
+    """Raise a ``ValueError`` naming the generator, the setting, its value and the rule (:func:`size_error`)."""
+    raise_if(name, size_error(setting, value, minimum, fix))
+
+
+def check_sizes(name: str, stages: object, micro_batches: object) -> None:
+    """``stages`` and ``micro_batches`` are positive integers (a generator's own check)."""
+    check_size(name, "stages", stages)
+    check_size(name, "micro_batches", micro_batches)
 
 
 def _even_near(d: int) -> str:
@@ -79,96 +124,138 @@ def _even_near(d: int) -> str:
     return " or ".join(str(v) for v in sorted({max(d - 1, 2), d + 1}))
 
 
-def _names_where(predicate: Callable[[ScheduleSpec], bool]) -> str:
+def _names_where(s: Settings, predicate: Callable[[ScheduleSpec], bool]) -> str:
     """The registered schedules that satisfy ``predicate``, for a message's fix ("none" if none)."""
-    from .registry import specs
-
-    return ", ".join(sp.name for sp in specs() if predicate(sp)) or "none"
+    return ", ".join(sp.name for sp in s.registered if predicate(sp)) or "none"
 
 
-def _or_use(what: str, predicate: Callable[[ScheduleSpec], bool]) -> str:
+def _or_use(s: Settings, what: str, predicate: Callable[[ScheduleSpec], bool]) -> str:
     """", or use a schedule with <what> (names)" when one is registered, else nothing."""
-    others = _names_where(predicate)
+    others = _names_where(s, predicate)
     return "" if others == "none" else f", or use a schedule with {what} ({others})"
 
 
 def positive_sizes(spec: ScheduleSpec, s: Settings) -> str | None:
     """D and N (when known) are positive integers."""
     for name, value in ((s.naming.stages, s.stages), (s.naming.micro_batches, s.micro_batches)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            return f"{name} must be a positive integer, got {value!r}; use 1 or more"
+        error = None if value is None else size_error(name, value)
+        if error is not None:
+            return error
     return None
 
 
+def stages_even(s: Settings, reason: str) -> str | None:
+    """D is even: the schedule places two pipelines in opposite directions on the same workers."""
+    if s.stages % 2 == 0:
+        return None
+    n = s.naming
+    return (f"{s.schedule} needs {n.stages} to be even ({reason}), got {n.stages} = {s.stages}; "
+            f"use {n.stages} = {_even_near(s.stages)}{n.stages_note}")
+
+
 def even_stages(reason: str) -> Rule:
-    """The schedule places two pipelines in opposite directions on the same workers: D must be even."""
+    """A spec's rule: :func:`stages_even` for ``reason``."""
 
     def rule(spec: ScheduleSpec, s: Settings) -> str | None:
-        if s.stages % 2 == 0:
-            return None
-        n = s.naming
-        return (f"{spec.name} needs {n.stages} to be even ({reason}), got {n.stages} = {s.stages}; "
-                f"use {n.stages} = {_even_near(s.stages)}{n.stages_note}")
+        return stages_even(s, reason)
 
     return rule
+
+
+BIDIRECTIONAL = "its down and up pipelines merge without conflict, Chimera §3.1"
+"""Why Chimera's D is even (:func:`stages_even`)."""
+OPPOSITE_REPLICAS = "each worker holds one stage of each of its two replicas"
+"""Why GEMS's D is even (:func:`stages_even`)."""
+TWO_VERSIONS = "so that only two weight versions are in flight"
+"""Why PipeDream-2BW takes N ≥ D (:func:`at_least_stages`)."""
+
+
+def at_least_stages(s: Settings, reason: str) -> str | None:
+    """N ≥ D micro-batches per update."""
+    if s.micro_batches is None or s.micro_batches >= s.stages:
+        return None
+    n = s.naming
+    return (f"{s.schedule} needs N ≥ D micro-batches per update ({reason}), got N = {s.micro_batches} "
+            f"({n.micro_batches}) < D = {s.stages} ({n.stages}); {n.more_micro_batches}, or lower {n.stages}")
 
 
 def micro_batches_at_least_stages(reason: str) -> Rule:
-    """N ≥ D micro-batches per update."""
+    """A spec's rule: :func:`at_least_stages` for ``reason``."""
 
     def rule(spec: ScheduleSpec, s: Settings) -> str | None:
-        if s.micro_batches is None or s.micro_batches >= s.stages:
-            return None
-        n = s.naming
-        return (f"{spec.name} needs N ≥ D micro-batches per update ({reason}), got N = {s.micro_batches} "
-                f"({n.micro_batches}) < D = {s.stages} ({n.stages}); {n.more_micro_batches}, or lower {n.stages}")
+        return at_least_stages(s, reason)
 
     return rule
 
 
-def fixed_micro_batches(spec: ScheduleSpec, s: Settings) -> str | None:
-    """A schedule that takes exactly ``spec.fixed_micro_batches`` micro-batches per update (PipeDream: 1)."""
-    want = spec.fixed_micro_batches
+def exact_micro_batches(s: Settings, want: int | None) -> str | None:
+    """N is exactly ``want`` per update where the schedule fixes it (PipeDream: 1)."""
     if want is None or s.micro_batches is None or s.micro_batches == want:
         return None
     n = s.naming
     per = "after every micro-batch" if want == 1 else f"every {want} micro-batches"
-    return (f"{spec.name} updates the weights {per}, so N must be {want}, got N = {s.micro_batches} "
+    return (f"{s.schedule} updates the weights {per}, so N must be {want}, got N = {s.micro_batches} "
             f"({n.micro_batches}); "
             f"{n.exact_micro_batches.format(n=want, times='' if want == 1 else f'{want}·')}")
 
 
-def pipelines_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
+def fixed_micro_batches(spec: ScheduleSpec, s: Settings) -> str | None:
+    """A schedule that takes exactly ``spec.fixed_micro_batches`` micro-batches per update (PipeDream: 1)."""
+    return exact_micro_batches(s, spec.fixed_micro_batches)
+
+
+def pipelines_error(s: Settings, pipelines: Pipelines) -> str | None:
     """``pipelines`` is one the schedule runs: its fixed count, or one of its choices for this D."""
-    p, n, spec_p = s.pipelines, s.naming, spec.pipelines
+    p, n = s.pipelines, s.naming
     if p is None:
         return None
-    if spec_p.choices is None:
-        if p == spec_p.default:
+    if pipelines.choices is None:
+        if p == pipelines.default:
             return None
-        return (f"{spec.name} runs {spec_p.what}, got {n.pipelines} = {p}; leave {n.pipelines} unset "
-                f"(or {spec_p.default}){_or_use('a choice of pipelines', lambda sp: sp.pipelines.choices is not None)}")
-    valid = list(spec_p.choices(s.stages))
+        return (f"{s.schedule} runs {pipelines.what}, got {n.pipelines} = {p}; leave {n.pipelines} unset "
+                f"(or {pipelines.default})"
+                f"{_or_use(s, 'a choice of pipelines', lambda sp: sp.pipelines.choices is not None)}")
+    valid = list(pipelines.choices(s.stages))
     if p in valid:
         return None
-    return (f"{spec.name}: {n.pipelines} = {p} must be {spec_p.rule}, with {n.stages} = {s.stages}; "
+    return (f"{s.schedule}: {n.pipelines} = {p} must be {pipelines.rule}, with {n.stages} = {s.stages}; "
             f"choose one of {valid}")
 
 
-def concat_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
-    """``concat`` is a Chimera §3.5 method where the schedule has units to concatenate, else unset/direct."""
-    from .generators import AUTO_CONCAT, CONCAT_METHODS
+def pipelines_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
+    """A spec's rule: :func:`pipelines_error` for its pipelines."""
+    return pipelines_error(s, spec.pipelines)
 
+
+def did_you_mean(value: object, options: Iterable[object]) -> str | None:
+    """The option closest to a misspelled ``value`` (difflib's ratio ≥ 0.6), or None."""
+    close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
+    return close[0] if close else None
+
+
+def _suggest(value: object, options: Iterable[object]) -> str:
+    close = did_you_mean(value, options)
+    return f"; did you mean {close!r}?" if close else ""
+
+
+def concat_error(s: Settings, concatenates: bool) -> str | None:
+    """``concat`` is a Chimera §3.5 method where the schedule has units to concatenate, else unset/direct."""
     c, n = s.concat, s.naming
-    if spec.concat:
+    if concatenates:
         if c is None or c in (*CONCAT_METHODS, AUTO_CONCAT):
             return None
-        return f"{spec.name}: {n.concat} = {c!r} is not a concatenation method; use {CONCAT_RULE}"
+        return (f"{s.schedule}: {n.concat} = {c!r} is not a concatenation method; use {CONCAT_RULE}"
+                + _suggest(c, (*CONCAT_METHODS, AUTO_CONCAT)))
     if c in (None, "direct"):
         return None
-    others = _names_where(lambda sp: sp.concat)
+    others = _names_where(s, lambda sp: sp.concat)
     return (f"{n.concat} applies to schedules that concatenate units of micro-batches ({others}) only: "
-            f"{spec.name} has none, got {n.concat} = {c}; drop {n.concat}")
+            f"{s.schedule} has none, got {n.concat} = {c}; drop {n.concat}")
+
+
+def concat_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
+    """A spec's rule: :func:`concat_error` for whether it concatenates units."""
+    return concat_error(s, spec.concat)
 
 
 def chunks_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
@@ -181,8 +268,8 @@ def chunks_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
             return None
         per = "one stage" if spec_v.default == 1 else f"{spec_v.default} stages"
         return (f"{spec.name} runs {per} per worker, got {n.chunks} = {v}; drop {n.chunks}"
-                f"{_or_use('a choice of chunks per worker', lambda sp: sp.chunks.choosable)}")
-    if isinstance(v, bool) or not isinstance(v, int) or v < spec_v.minimum:
+                f"{_or_use(s, 'a choice of chunks per worker', lambda sp: sp.chunks.choosable)}")
+    if size_error(n.chunks, v, spec_v.minimum) is not None:
         return (f"{spec.name}: {n.chunks} = {v!r} must be an integer ≥ {spec_v.minimum} (stages per worker); "
                 f"use {n.chunks} = {max(spec_v.default, spec_v.minimum)}")
     return None
@@ -194,9 +281,10 @@ def steps_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
         return None
     n = s.naming
     if not spec.asynchronous:
-        return (f"{n.steps} applies to asynchronous schedules only ({_names_where(lambda sp: sp.asynchronous)}: their "
+        others = _names_where(s, lambda sp: sp.asynchronous)
+        return (f"{n.steps} applies to asynchronous schedules only ({others}: their "
                 f"windows run without flushes), got {n.steps} = {s.steps} for {spec.name}; drop {n.steps}")
-    if isinstance(s.steps, bool) or not isinstance(s.steps, int) or s.steps < 1:
+    if size_error(n.steps, s.steps) is not None:
         return f"{spec.name}: {n.steps} must be a positive number of optimizer steps, got {s.steps!r}; e.g. 3"
     return None
 
@@ -211,22 +299,36 @@ def stashed_versions(spec: ScheduleSpec, s: Settings) -> str | None:
             "drop those settings")
 
 
-def equal_rounds(spec: ScheduleSpec, s: Settings) -> str | None:
-    """Interleaved 1F1B runs rounds of equal size: N a multiple of max(1, N // D) (torch's relaxation of
-    Megatron-LM's N mod D = 0; :mod:`strategies.schedules.interleaved`)."""
-    N, D = s.micro_batches, s.stages
-    if N is None or N % max(1, N // D) == 0:
+def _fits_rounds(micro_batches: int, workers: int) -> bool:
+    return micro_batches % max(1, micro_batches // workers) == 0
+
+
+def rounds(workers: int, micro_batches: int) -> tuple[int, int]:
+    """``(rounds, micro-batches per round)`` of interleaved 1F1B: ``rounds = max(1, N // P)`` (torch's rule;
+    :func:`equal_rounds` says whether N splits)."""
+    count = max(1, micro_batches // workers)
+    return count, micro_batches // count
+
+
+def equal_rounds_error(s: Settings) -> str | None:
+    """Interleaved 1F1B runs rounds of equal size on its P workers (``stages``): N a multiple of
+    max(1, N // P) (torch's relaxation of Megatron-LM's N mod P = 0;
+    :mod:`pipeline_recipes.strategies.schedules.interleaved`)."""
+    N, P = s.micro_batches, s.stages
+    if N is None or _fits_rounds(N, P):
         return None
-
-    def fits(m: int) -> bool:
-        return m % max(1, m // D) == 0
-
-    below = next(m for m in range(N - 1, 0, -1) if fits(m))
-    above = next(m for m in range(N + 1, 2 * N + D) if fits(m))
+    below = next(m for m in range(N - 1, 0, -1) if _fits_rounds(m, P))
+    above = next(m for m in range(N + 1, 2 * N + P) if _fits_rounds(m, P))
     n = s.naming
-    return (f"{spec.name} runs rounds of equal size: N must be a multiple of max(1, N // D) = {N // D} "
-            f"(Megatron-LM: N a multiple of D), got N = {N} ({n.micro_batches}) with D = {D} ({n.stages}); "
-            f"use N = {below} or N = {above}: {n.more_micro_batches}")
+    return (f"{s.schedule} runs rounds of equal size: N must be a multiple of rounds = max(1, N // P) = {N // P} "
+            f"(Megatron-LM requires N mod P = 0; torch's ScheduleInterleaved1F1B relaxes it to this rule), got "
+            f"N = {N} ({n.micro_batches}) with P = {P} workers ({n.stages}); use N = {below} or N = {above}: "
+            f"{n.more_micro_batches}")
+
+
+def equal_rounds(spec: ScheduleSpec, s: Settings) -> str | None:
+    """A spec's rule: :func:`equal_rounds_error`."""
+    return equal_rounds_error(s)
 
 
 def micro_batches_at_least_twice_stages(reason: str) -> Rule:
@@ -238,7 +340,7 @@ def micro_batches_at_least_twice_stages(reason: str) -> Rule:
         n = s.naming
         return (f"{spec.name} needs N ≥ 2·D micro-batches per step ({reason}), got N = {s.micro_batches} "
                 f"({n.micro_batches}) < 2·D = {2 * s.stages} ({n.stages} = {s.stages}); {n.more_micro_batches}, "
-                f"lower {n.stages}{_or_use('no such bound', lambda sp: sp.name == 'zbv')}")
+                f"lower {n.stages}{_or_use(s, 'no such bound', lambda sp: sp.name == 'zbv')}")
 
     return rule
 
@@ -254,3 +356,7 @@ def chimera_pipeline_counts(stages: int) -> tuple[int, ...]:
     """Chimera's valid numbers of pipelines for D stages: 2f for every divisor f of D/2 (§3.6)."""
     half = stages // 2
     return tuple(2 * f for f in range(1, half + 1) if half % f == 0)
+
+
+CHIMERA_PIPELINES = Pipelines(2, chimera_pipeline_counts, "2f for a divisor f of D/2 (Chimera §3.6)", "2f pipelines")
+"""Chimera's (and Chimera + zero bubble's) pipelines: 2f, f a divisor of D/2."""

@@ -34,19 +34,19 @@ takes ``t_b`` for the whole backward and ``t_w`` for its W share, so the paper's
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 from .actions import Action, Schedule
 from .generators import chimera
 from .graph import dependencies, index_actions
-from .placement import check_size, v_placement
+from .one_f_one_b import one_stage_per_worker
+from .placement import v_placement
+from .rules import check_size
 from .simulate import peak_activations
 from .validate import validate
 
-
-def _identity(stages: int) -> tuple[tuple[int, ...], ...]:
-    return (tuple(range(stages)),)
+__all__ = ["chimera_zb", "defer_weight_gradients", "split_backwards", "zb_h1", "zb_h2", "zbv"]
 
 
 def zb_h1(workers: int, micro_batches: int) -> Schedule:
@@ -54,19 +54,8 @@ def zb_h1(workers: int, micro_batches: int) -> Schedule:
     check_size("zb_h1", "workers (P)", workers)
     check_size("zb_h1", "micro_batches (N)", micro_batches)
     P, N = workers, micro_batches
-    orders = []
-    for r in range(P):
-        warmup = min(P - 1 - r, N)
-        acts = [Action("F", 0, r, (m,)) for m in range(warmup)]
-        for k in range(N):
-            if warmup + k < N:
-                acts.append(Action("F", 0, r, (warmup + k,)))
-            acts.append(Action("I", 0, r, (k,)))
-            if k >= r:  # worker r holds back r weight gradients: P micro-batches in flight everywhere
-                acts.append(Action("W", 0, r, (k - r,)))
-        acts += [Action("W", 0, r, (m,)) for m in range(max(N - r, 0), N)]
-        orders.append(tuple(acts))
-    return validate(Schedule("zb_h1", P, N, _identity(P), tuple(orders)))
+    # 1F1B's warm-up; worker r holds back r weight gradients: P micro-batches in flight everywhere
+    return validate(one_stage_per_worker("zb_h1", P, N, lambda r: P - 1 - r, split=True, weight_lag=lambda r: r))
 
 
 def zb_h2(workers: int, micro_batches: int) -> Schedule:
@@ -75,16 +64,7 @@ def zb_h2(workers: int, micro_batches: int) -> Schedule:
     check_size("zb_h2", "workers (P)", workers)
     check_size("zb_h2", "micro_batches (N)", micro_batches)
     P, N = workers, micro_batches
-    skeleton = []
-    for r in range(P):
-        warmup = min(2 * (P - 1 - r) + 1, N)
-        acts = [Action("F", 0, r, (m,)) for m in range(warmup)]
-        for k in range(N):
-            acts.append(Action("B", 0, r, (k,)))
-            if warmup + k < N:
-                acts.append(Action("F", 0, r, (warmup + k,)))
-        skeleton.append(tuple(acts))
-    base = Schedule("zb_h2", P, N, _identity(P), tuple(skeleton))
+    base = one_stage_per_worker("zb_h2", P, N, lambda r: 2 * (P - 1 - r) + 1, backward_first=True)
     bound = [float(min(2 * P - 1, N))] * P
     return validate(replace(defer_weight_gradients(base, max_activations=bound), name="zb_h2"))
 
@@ -248,16 +228,3 @@ def chimera_zb(stages: int, micro_batches: int, pipelines: int = 2, concat: str 
     base = chimera(stages, micro_batches, pipelines, concat)
     return validate(replace(defer_weight_gradients(base), name="chimera_zb"))
 
-
-GENERATORS: dict[str, Callable[..., Schedule]] = {
-    # zb_h1(workers: int, micro_batches: int) -> Schedule        (S = P, one stage per worker)
-    "zb_h1": zb_h1,
-    # zb_h2(workers: int, micro_batches: int) -> Schedule        (S = P)
-    "zb_h2": zb_h2,
-    # zbv(workers: int, micro_batches: int) -> Schedule          (S = 2P, V placement)
-    "zbv": zbv,
-    # chimera_zb(stages: int, micro_batches: int, pipelines: int = 2, concat: str = "direct") -> Schedule
-    "chimera_zb": chimera_zb,
-}
-
-__all__ = ["GENERATORS", "chimera_zb", "defer_weight_gradients", "split_backwards", "zb_h1", "zb_h2", "zbv"]
