@@ -368,6 +368,15 @@ def test_plan_all_ranks_fitting_first_and_best_config() -> None:
         best_config(costs, 4, 16, Budget(per_rank=1))
 
 
+def test_plan_all_gives_the_same_rows_spread_over_processes() -> None:
+    """Predicting the layouts in forked processes (grouped by schedule) changes nothing: the same rows in
+    the same order as in this process."""
+    costs = toy(6)
+    serial = plan_all(costs, 8, 32, Budget(per_rank=10**12), workers=1)
+    spread = plan_all(costs, 8, 32, Budget(per_rank=10**12), workers=2)
+    assert len(serial) > 64 and [p.to_json() for p in spread] == [p.to_json() for p in serial]
+
+
 def test_plan_script_json_keys(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
@@ -416,6 +425,23 @@ def test_preflight_passes_and_suggests_layouts_that_fit() -> None:
     with pytest.raises(PreflightError, match="predicted to fit") as err:
         preflight(cfg, layout, budget_bytes=20 * 2**20)
     assert "strategy.micro_batch_size=" in str(err.value)
+
+
+def test_preflight_suggestions_are_the_same_spread_over_processes() -> None:
+    """The walk for fitting layouts predicts the same memory in forked processes as in this one, so it
+    suggests the same layouts in the same order (the serial walk is the reference)."""
+    from pipeline_recipes.models import hydra_config
+    from pipeline_recipes.planner import preflight as pf
+    from pipeline_recipes.planner.memory import Budget
+
+    cfg = {"model": hydra_config("gpt2-tiny"), "trainer": {"accelerator": "cpu", "devices": 8},
+           "strategy": {"name": "dapple", "recompute": "none"}}
+    layout = {"strategy": "dapple", "W": 1, "D": 8, "B": 8, "N": 8, "pipelines": 1}
+    costs, cand, per_node, keep_sends, _ = pf._setup(cfg, layout)
+    budget = Budget(per_rank=12 * 2**20)
+    serial = pf._fitting_options(costs, cand, budget, per_node, keep_sends, 5, workers=1)
+    spread = pf._fitting_options(costs, cand, budget, per_node, keep_sends, 5, workers=2)
+    assert serial and [(c.overrides(), peak) for c, peak in spread] == [(c.overrides(), peak) for c, peak in serial]
 
 
 def test_profile_cache_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,9 @@ same devices and global batch that would fit. :func:`predict_layout` gives the p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from pipeline_recipes.strategies.schedules import get_spec
@@ -21,6 +23,7 @@ from .costs import format_bytes
 from .estimate import estimate_costs
 from .memory import Budget, MemoryPrediction, device_budget, predict_memory
 from .model_costs import ADAMW_STATES, ModelCosts
+from .parallel import map_groups, planner_pool, workers_for
 from .predict import Candidate, candidates, runtime_partition
 
 BASELINES = ("ddp", "single")
@@ -149,26 +152,42 @@ def _states_bound(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: 
     return k * states / cand.D + budget.process_bytes * k
 
 
+def _peaks(costs: ModelCosts, keep_sends: bool, partitions: Mapping[int, list[range]],
+           cands: Sequence[Candidate]) -> list[MemoryPrediction]:
+    return [predict_memory(costs, c, partitions[c.S], keep_sends=keep_sends) for c in cands]
+
+
 def _fitting_options(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int, keep_sends: bool,
-                     limit: int) -> list[tuple[Candidate, int]]:
+                     limit: int, workers: int | None = None) -> list[tuple[Candidate, int]]:
     """Fitting layouts, closest first: same schedule, then the largest B (fewest micro-batches), then
-    the smallest peak. Layouts whose model states alone cannot fit are not walked, and the walk stops
-    once ``limit`` layouts fit and no later one can precede them in that order."""
+    the smallest peak. Layouts whose model states alone cannot fit are not walked. In one process the
+    walk stops once ``limit`` layouts fit and no later one can precede them in that order; spread over
+    processes (:mod:`pipeline_recipes.planner.parallel`) every layout is predicted, those on one schedule
+    in the same process (each builds the schedule once), and the same order picks them."""
 
     def rank(c: Candidate) -> tuple:
         return (c.strategy != cand.strategy, c.recompute != "none", -c.B)
 
+    walk = [c for c in sorted(candidates(cand.world_size, cand.global_batch_size, costs.num_layers,
+                                         grad_sync=cand.grad_sync), key=rank)
+            if _states_bound(costs, c, budget, per_node) <= budget.limit()]
+    partitions = {S: runtime_partition(costs, S) for S in {c.S for c in walk}}  # the split ignores the schedule
+    peaks = partial(_peaks, costs, keep_sends, partitions)
+    workers = workers_for(len(walk), workers)
+    predicted: dict[int, MemoryPrediction] = {}
+    if workers > 1:
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for k, c in enumerate(walk):
+            groups[c.strategy, c.D, c.N, c.pipelines, c.chunks].append(k)
+        keys = list(groups.values())
+        with planner_pool(workers) as pool:
+            results = map_groups(pool, peaks, [[walk[k] for k in group] for group in keys])
+        predicted = {k: mem for group, mems in zip(keys, results) for k, mem in zip(group, mems)}
     found: list[tuple[Candidate, int]] = []
-    partitions: dict[int, list[range]] = {}  # by stage count: the split does not depend on the schedule
-    for c in sorted(candidates(cand.world_size, cand.global_batch_size, costs.num_layers, grad_sync=cand.grad_sync),
-                    key=rank):
+    for k, c in enumerate(walk):
         if len(found) >= limit and rank(c) > rank(found[limit - 1][0]):
             break
-        if _states_bound(costs, c, budget, per_node) > budget.limit():
-            continue
-        if c.S not in partitions:
-            partitions[c.S] = runtime_partition(costs, c.S)
-        mem: MemoryPrediction = predict_memory(costs, c, partitions[c.S], keep_sends=keep_sends)
+        mem = predicted[k] if k in predicted else peaks([c])[0]
         if budget.fits(mem.per_rank, per_node):
             found.append((c, mem.max_rank))
             found.sort(key=lambda x: (*rank(x[0]), x[1]))

@@ -59,6 +59,7 @@ from pipeline_recipes.strategies.recompute import SavedBytes, parameter_storages
 from .comm import load_or_measure_comm
 from .costs import AlphaBeta, fit_line, quantile
 from .model_costs import CommCosts, LayerCosts, ModelCosts
+from .parallel import available_cores
 
 DEFAULT_CACHE = Path(os.environ.get("PIPELINE_RECIPES_CACHE", Path.home() / ".cache" / "pipeline-recipes")) / "planner"
 PROFILE_VERSION = 5
@@ -85,13 +86,6 @@ def device_description(device: torch.device, threads: int) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return f"cpu:{platform.machine()}:{platform.processor() or 'cpu'}:{available_cores()}cores:{threads}threads"
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def cache_key(model_cfg: Mapping[str, Any], device: str, settings: Mapping[str, Any]) -> str:

@@ -9,19 +9,17 @@ overrides (for a future ``strategy=auto``).
 
 from __future__ import annotations
 
-import multiprocessing
-import sys
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from .costs import format_bytes
 from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
 from .partition import recommend_partition
-from .profile import available_cores
+from .parallel import map_groups, planner_pool, workers_for
 from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, predict_time, runtime_partition
 
 JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "predicted_iteration_s",
@@ -59,35 +57,26 @@ def plan_one(costs: ModelCosts, cand: Candidate, budget: Budget | None = None, *
     return Plan(cand, time, memory, fits, tuple(part))
 
 
-PARALLEL_CANDIDATES = 64  # smaller searches take well under a second: no processes
-
-
-def _plan_group(costs: ModelCosts, cands: Sequence[Candidate], budget: Budget | None,
-                ranks_per_node: int | None) -> list[Plan]:
+def _plan_group(costs: ModelCosts, budget: Budget | None, ranks_per_node: int | None,
+                cands: Sequence[Candidate]) -> list[Plan]:
     return [plan_one(costs, cand, budget, ranks_per_node=ranks_per_node) for cand in cands]
 
 
 def _plan_each(costs: ModelCosts, cands: Sequence[Candidate], budget: Budget | None, ranks_per_node: int | None,
                workers: int | None) -> list[Plan]:
-    """``plan_one`` of every candidate, in order. Building and simulating the schedules is pure Python,
-    so a large search spreads over ``workers`` forked processes; candidates on one schedule (they
-    differ in recomputation or concatenation) go to the same process, which builds it once."""
-    if workers is None:
-        forks = sys.platform.startswith("linux")
-        workers = available_cores() if forks and len(cands) >= PARALLEL_CANDIDATES else 1
-    if workers <= 1:
-        return _plan_group(costs, cands, budget, ranks_per_node)
+    """``plan_one`` of every candidate, in order, spread over processes (:mod:`pipeline_recipes.planner.parallel`):
+    candidates on one schedule (they differ in recomputation or concatenation) go to the same process."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for k, cand in enumerate(cands):
         groups[cand.strategy, cand.D, cand.N, cand.pipelines, cand.chunks].append(k)
-    ordered = sorted(groups.values(), key=len, reverse=True)  # the largest first: the processes end together
+    keys = list(groups.values())
     out: list[Plan | None] = [None] * len(cands)
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        jobs = [pool.submit(_plan_group, costs, [cands[k] for k in group], budget, ranks_per_node)
-                for group in ordered]
-        for group, job in zip(ordered, jobs):
-            for k, plan in zip(group, job.result()):
-                out[k] = plan
+    with planner_pool(workers_for(len(cands), workers)) as pool:
+        results = map_groups(pool, partial(_plan_group, costs, budget, ranks_per_node),
+                             [[cands[k] for k in group] for group in keys])
+    for group, plans in zip(keys, results):
+        for k, plan in zip(group, plans):
+            out[k] = plan
     return out  # type: ignore[return-value]
 
 
@@ -98,7 +87,7 @@ def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Bu
     """Every candidate predicted and ranked (fitting first, then by predicted samples/s).
 
     ``workers``: processes that predict the candidates (default: one per available core where
-    processes fork, for a search of at least ``PARALLEL_CANDIDATES`` candidates; 1: in this process).
+    processes fork, for a large search; 1: in this process).
 
     ``partition``: ``runtime`` (what ``train.py`` runs: ``model.partition(D)``), ``time`` or ``memory``:
     the ``refine`` best candidates (and every one that does not fit) are re-predicted with
