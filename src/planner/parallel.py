@@ -11,7 +11,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
@@ -55,3 +56,20 @@ def map_groups(pool: Executor | None, fn: Callable[[Sequence[T]], list[R]],
     order = sorted(range(len(groups)), key=lambda k: len(groups[k]), reverse=True)
     jobs: dict[int, Any] = {k: pool.submit(fn, groups[k]) for k in order}
     return [jobs[k].result() for k in range(len(groups))]
+
+
+def map_grouped(fn: Callable[[Sequence[T]], list[R]], items: Sequence[T], key: Callable[[T], Hashable],
+                workers: int) -> list[R]:
+    """``fn`` over ``items`` (one result per item, in the items' order), items of equal ``key`` handed to
+    the same process together (``workers`` forked processes, or here for one)."""
+    groups: dict[Hashable, list[int]] = defaultdict(list)
+    for k, item in enumerate(items):
+        groups[key(item)].append(k)
+    indices = list(groups.values())
+    with planner_pool(workers) as pool:
+        results = map_groups(pool, fn, [[items[k] for k in group] for group in indices])
+    out: list[Any] = [None] * len(items)
+    for group, values in zip(indices, results):
+        for k, value in zip(group, values):
+            out[k] = value
+    return out

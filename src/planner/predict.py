@@ -95,6 +95,11 @@ class Candidate:
                              costs=lambda m: stage_costs(costs, replace(self, concat=m), part))
         return replace(self, concat=method)
 
+    def schedule_key(self) -> tuple:
+        """What its schedule depends on (layouts that differ only in B, W, recomputation, gradient sync
+        or concatenation method share one ``(strategy, D, N, pipelines, chunks)`` family)."""
+        return self.strategy, self.D, self.N, self.pipelines, self.chunks
+
     def recompute_stages(self) -> frozenset[int]:
         return recompute_stages(self.recompute, self.S)
 

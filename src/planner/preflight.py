@@ -12,7 +12,6 @@ same devices and global batch that would fit. :func:`predict_layout` gives the p
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -23,7 +22,7 @@ from .costs import format_bytes
 from .estimate import estimate_costs
 from .memory import Budget, MemoryPrediction, device_budget, predict_memory
 from .model_costs import ADAMW_STATES, ModelCosts
-from .parallel import map_groups, planner_pool, workers_for
+from .parallel import map_grouped, workers_for
 from .predict import Candidate, candidates, runtime_partition
 
 BASELINES = ("ddp", "single")
@@ -174,15 +173,7 @@ def _fitting_options(costs: ModelCosts, cand: Candidate, budget: Budget, per_nod
     partitions = {S: runtime_partition(costs, S) for S in {c.S for c in walk}}  # the split ignores the schedule
     peaks = partial(_peaks, costs, keep_sends, partitions)
     workers = workers_for(len(walk), workers)
-    predicted: dict[int, MemoryPrediction] = {}
-    if workers > 1:
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for k, c in enumerate(walk):
-            groups[c.strategy, c.D, c.N, c.pipelines, c.chunks].append(k)
-        keys = list(groups.values())
-        with planner_pool(workers) as pool:
-            results = map_groups(pool, peaks, [[walk[k] for k in group] for group in keys])
-        predicted = {k: mem for group, mems in zip(keys, results) for k, mem in zip(group, mems)}
+    predicted = dict(enumerate(map_grouped(peaks, walk, Candidate.schedule_key, workers))) if workers > 1 else {}
     found: list[tuple[Candidate, int]] = []
     for k, c in enumerate(walk):
         if len(found) >= limit and rank(c) > rank(found[limit - 1][0]):

@@ -9,7 +9,6 @@ overrides (for a future ``strategy=auto``).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -19,7 +18,7 @@ from .costs import format_bytes
 from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
 from .partition import recommend_partition
-from .parallel import map_groups, planner_pool, workers_for
+from .parallel import map_grouped, workers_for
 from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, predict_time, runtime_partition
 
 JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "predicted_iteration_s",
@@ -65,19 +64,9 @@ def _plan_group(costs: ModelCosts, budget: Budget | None, ranks_per_node: int | 
 def _plan_each(costs: ModelCosts, cands: Sequence[Candidate], budget: Budget | None, ranks_per_node: int | None,
                workers: int | None) -> list[Plan]:
     """``plan_one`` of every candidate, in order, spread over processes (:mod:`pipeline_recipes.planner.parallel`):
-    candidates on one schedule (they differ in recomputation or concatenation) go to the same process."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for k, cand in enumerate(cands):
-        groups[cand.strategy, cand.D, cand.N, cand.pipelines, cand.chunks].append(k)
-    keys = list(groups.values())
-    out: list[Plan | None] = [None] * len(cands)
-    with planner_pool(workers_for(len(cands), workers)) as pool:
-        results = map_groups(pool, partial(_plan_group, costs, budget, ranks_per_node),
-                             [[cands[k] for k in group] for group in keys])
-    for group, plans in zip(keys, results):
-        for k, plan in zip(group, plans):
-            out[k] = plan
-    return out  # type: ignore[return-value]
+    candidates on one schedule go to the same process, which builds it once."""
+    return map_grouped(partial(_plan_group, costs, budget, ranks_per_node), cands, Candidate.schedule_key,
+                       workers_for(len(cands), workers))
 
 
 def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget | None = None, *,
