@@ -52,9 +52,9 @@ from typing import Any
 
 import torch
 
-from bench_e2e import TORCH_STAGES  # torch's classes and the stages each rank holds: one table for both parts
 from pipeline_recipes.strategies.schedules import specs
 from pipeline_recipes.strategies.spawn import run_world
+from torch_stages import TORCH_STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 

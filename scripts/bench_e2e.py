@@ -11,7 +11,7 @@ within a fraction of a second (paired ratios, as the rest of ``bench.py``).
 * The job's iteration time is measured from the end of this hook to its next call: everything
   Lightning does for one step (fetching the batch, the hooks, the training step, the optimizer,
   logging, the other callbacks). The largest time over the ranks counts.
-* ``torch``: each of torch's classes in :data:`TORCH_STAGES` (``ScheduleGPipe``, ``Schedule1F1B``,
+* ``torch``: each of torch's classes in ``scripts/torch_stages.py`` (``ScheduleGPipe``, ``Schedule1F1B``,
   ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
   ``ScheduleDualPipeV``) on the same model, stage split (the engine's ``even_partition`` over the
   class's number of stages, each rank holding the stages ours would), micro-batches and gloo
@@ -44,6 +44,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch_stages import TORCH_STAGES
 
 SIZE = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1000, "seq": 64}  # the benchmark model of BENCHMARKS.md §0
 SIZE_QUICK = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 1000, "seq": 32}
@@ -64,17 +65,6 @@ def _max_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, dist.ReduceOp.MAX)
     return float(t)
-
-
-TORCH_STAGES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
-    # torch.distributed.pipelining's class -> the stage indices rank r of P holds (the placement of ours)
-    "ScheduleGPipe": lambda r, P: (r,),
-    "Schedule1F1B": lambda r, P: (r,),
-    "ScheduleInterleaved1F1B": lambda r, P: (r, r + P),  # loop placement, v = 2
-    "ScheduleInterleavedZeroBubble": lambda r, P: (r,),  # ZB-H1 with one stage per rank
-    "ScheduleZBVZeroBubble": lambda r, P: (r, 2 * P - 1 - r),  # V placement
-    "ScheduleDualPipeV": lambda r, P: (r, 2 * P - 1 - r),
-}
 
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]

@@ -14,9 +14,13 @@ at 16 samples per step split as micro-batch 16 × 1 and 4 × 4, in one process a
   logits of the whole micro-batch, the head's product done twice). ``eager``; ``compiled``: the same
   path with every repeated block compiled by
   :func:`pipeline_recipes.strategies.compile.compile_blocks`, the function training's ``model.compile``
-  calls, with its default backend (inductor). CUDA graphs do not exist in this version: the rows
-  ``eager+cuda_graphs`` and ``compiled+cuda_graphs`` are listed with the status
-  ``not available in this version`` and no figures.
+  calls, with its default backend (inductor). ``eager+cuda_graphs`` and ``compiled+cuda_graphs``: the same
+  two with ``strategy.cuda_graphs`` (:mod:`pipeline_recipes.strategies.cuda_graphs`: each repeated block's
+  forward and backward replayed as CUDA graphs), at 4 × 4 only (at 16 × 1 the graph pool would hold a second
+  copy of a 16-sample micro-batch's activations: status ``not measured ...``), under autocast
+  without its weight cache (``make_graphed_callables`` needs that; Lightning's ``bf16-mixed`` runs so), and
+  measured in rounds of their own after the other rows (their pools stay allocated while they run); on a
+  CPU their status is ``needs CUDA: ...``.
 * ``transformers``: the plain loop of ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (the same config and
   weights, so the same GELU; ``sdpa`` attention): forward with ``labels``, i.e. the whole micro-batch's
   logits upcast to fp32 and ``ForCausalLMLoss``, backward of the loss over the micro-batches.
@@ -88,7 +92,11 @@ SAMPLES = 16  # per step
 MICRO_BATCHES = ((16, 1), (4, 4))  # (micro-batch size, micro-batches)
 SCHEDULE = "dapple"  # at D = 1: forward, backward, forward, backward, ... (gradient accumulation)
 STAGE_MODES = ("eager", "compiled", "eager+cuda_graphs", "compiled+cuda_graphs")
-NOT_AVAILABLE = "not available in this version"
+NEEDS_CUDA = "needs CUDA: CUDA graphs replay on a GPU only"
+NOT_LAUNCH_BOUND = ("not measured at 16 x 1: its CUDA graph pool would keep a second copy of a 16-sample "
+                    "micro-batch's activations beside the other rows'")
+CUDA_GRAPHS_MAX_MICRO_BATCH = 4  # the graph rows run the small micro-batches only
+CUDA_GRAPHS_WARMUP = 3  # warm-up steps of a CUDA graph row at least: records, captures (and compiles), replays
 COMPILE_BACKEND = "inductor"  # torch.compile's default, as model.compile uses it
 COMPILE_WARMUP = 2  # warm-up steps of a compiled row at least: the first compiles, the second runs the graphs
 PRECISION = "bf16-mixed"
@@ -388,6 +396,39 @@ def compile_stage(model: Any, device: torch.device,
     return compiled, done.describe()
 
 
+def graph_stage(model: Any, batch: dict[str, Tensor], optimizer: torch.optim.Optimizer, micro_batch_size: int,
+                device: torch.device, blocks: Callable[[], AbstractContextManager]) -> tuple[Step | None, str]:
+    """The stage row with ``strategy.cuda_graphs``: its own engine whose repeated blocks replay CUDA graphs
+    (:mod:`pipeline_recipes.strategies.cuda_graphs`), switched on during its steps only (inside ``blocks()``:
+    the compiled blocks for ``compiled+cuda_graphs``), under autocast without its weight cache, as
+    ``make_graphed_callables`` requires (Lightning's ``bf16-mixed`` runs so). Its first warm-up step records
+    the blocks' calls, the second captures them. None and the reason where it cannot run."""
+    from pipeline_recipes.strategies.compile import repeated_blocks
+    from pipeline_recipes.strategies.cuda_graphs import StageGraphs
+    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+
+    if device.type != "cuda":
+        return None, NEEDS_CUDA
+    if micro_batch_size > CUDA_GRAPHS_MAX_MICRO_BATCH:
+        return None, NOT_LAUNCH_BOUND
+    engine = PipelineEngine(model, PipelineConfig(SCHEDULE, 1, micro_batch_size, cuda_graphs=True), 1, device)
+    layers = model.pipeline_layers()
+    graphs = StageGraphs(engine.stage_layers, layers, repeated_blocks(layers), 0,
+                         report=lambda line: print(f"[gpu bench] {line}", file=sys.stderr, flush=True))
+    graphs.switch(False)  # the other rows run the same block modules
+    engine.stage_graphs = graphs
+
+    @contextmanager
+    def switched_on() -> Iterator[None]:
+        with graphs.switched_on(), blocks():
+            yield
+
+    def autocast() -> AbstractContextManager:
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+
+    return _stage_step(engine, batch, optimizer, autocast, switched_on), "ok"
+
+
 def _out_of_memory(err: BaseException) -> BaseException | None:
     """The out-of-memory error behind ``err`` (the engine wraps an action's error in a ``StepError``)."""
     seen: set[int] = set()
@@ -504,7 +545,7 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int,
     def hand_loss(blocks: list[Callable[..., Tensor]] | None) -> Callable[[Tensor], Tensor]:
         return lambda x: handwritten_loss(hand, x, chunk, blocks)
 
-    rows = []
+    rows, graph_rows = [], []
     for mbs, n in MICRO_BATCHES:
         batches = list(ids.split(mbs))
         engine, batch = engines[(mbs, n)], {"input_ids": ids}
@@ -514,9 +555,14 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int,
             elif mode == "compiled" and compiled is not None:
                 rows.append(Row(name, mbs, n, "stage", mode, _stage_step(engine, batch, optimizer, autocast, compiled),
                                 min_warmup=COMPILE_WARMUP))
+            elif mode == "compiled":
+                rows.append(Row(name, mbs, n, "stage", mode, None, not_compiled))
             else:
-                status = not_compiled if mode == "compiled" else NOT_AVAILABLE
-                rows.append(Row(name, mbs, n, "stage", mode, None, status))
+                blocks = compiled if mode == "compiled+cuda_graphs" else nullcontext
+                step, status = (graph_stage(model, batch, optimizer, mbs, device, blocks) if blocks is not None
+                                else (None, not_compiled))
+                rows.append(Row(name, mbs, n, "stage", mode, step, status, min_warmup=CUDA_GRAPHS_WARMUP))
+                graph_rows.append(rows[-1])
         rows.append(Row(name, mbs, n, "transformers", "eager",
                         _loop_step(lambda x: hf(input_ids=x, labels=x).loss, batches, optimizer, autocast, device)))
         rows.append(Row(name, mbs, n, "handwritten", "eager",
@@ -525,7 +571,11 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int,
                         _loop_step(hand_loss(hand_blocks), batches, optimizer, autocast, device)
                         if hand_blocks is not None else None,
                         "ok" if hand_blocks is not None else not_compiled, min_warmup=COMPILE_WARMUP))
-    graphs_in_rounds = _measure(rows, device, params, warmup, rounds)
+    graphs_in_rounds = _measure([r for r in rows if r not in graph_rows], device, params, warmup, rounds)
+    # the CUDA graph rows after the others: their memory pools stay allocated while they are measured
+    graphs_in_rounds += _measure(graph_rows, device, params, warmup, rounds)
+    for row in graph_rows:
+        row.step = None  # the engine, its graphs and their pools go with the closure
     out = []
     for row in rows:
         entry: dict[str, Any] = {"model": name, "micro_batch": f"{row.micro_batch_size}x{row.micro_batches}",

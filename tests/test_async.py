@@ -16,7 +16,7 @@ import torch
 from distributed import run_world
 from pipeline_recipes.strategies.executor import WindowPlans
 from pipeline_recipes.strategies.late_loss import LateLosses
-from pipeline_recipes.strategies.schedules import dapple, simulate, validate
+from pipeline_recipes.strategies.schedules import build_schedule, dapple, simulate, validate
 from pipeline_recipes.strategies.schedules.comm import comm_plan, unconsumed_messages
 from pipeline_recipes.strategies.schedules.messages import Message
 from pipeline_recipes.strategies.schedules.asynchronous import (
@@ -129,8 +129,8 @@ def test_late_losses_come_lag_steps_late_from_all_reduces_started_half_the_lag_b
 
 
 @pytest.mark.parametrize("call, fragment", [
-    (lambda: window("pipedream_2bw", 4, 3, 0), "N ≥ D"),
-    (lambda: window("pipedream", 4, 2, 0), "N must be 1"),
+    (lambda: build_schedule("pipedream_2bw", 4, 3), "N ≥ D"),
+    (lambda: build_schedule("pipedream", 4, 2), "N must be 1"),
     (lambda: window("pipedream", 4, 1, -1), "step must be a non-negative integer"),
     (lambda: weight_delay("gpipe", 0, 2), "unknown asynchronous schedule"),
 ])

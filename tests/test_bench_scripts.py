@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench_e2e  # noqa: E402
 import bench_planner  # noqa: E402
 import bench_tables  # noqa: E402
+import torch_stages  # noqa: E402
 
 
 def _row(ours: str, theirs: str, ratio: float, same: bool = False) -> dict:
@@ -55,10 +56,10 @@ def test_every_torch_class_has_the_placement_of_ours() -> None:
     from pipeline_recipes.strategies.schedules import build_schedule
 
     for name, cls in bench_e2e.SAME_SCHEDULE.items():
-        schedule = build_schedule(name, 2, 4, chunks=2 if len(bench_e2e.TORCH_STAGES[cls](0, 2)) == 2 else None)
+        schedule = build_schedule(name, 2, 4, chunks=2 if len(torch_stages.TORCH_STAGES[cls](0, 2)) == 2 else None)
         for rank in range(2):
             held = tuple(s for s in range(len(schedule.placement[0])) if schedule.placement[0][s] == rank)
-            assert sorted(held) == sorted(bench_e2e.TORCH_STAGES[cls](rank, 2)), (name, rank)
+            assert sorted(held) == sorted(torch_stages.TORCH_STAGES[cls](rank, 2)), (name, rank)
 
 
 def test_the_committed_record_re_derives_from_its_per_round_times() -> None:

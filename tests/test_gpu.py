@@ -3,7 +3,7 @@
 The ``gpu`` tests are skipped without CUDA (CI is CPU-only; the bf16-autocast comparison and the
 timeout path also run on CPU over gloo, and every case's model, schedule and ``train.py`` layout is
 built on the meta device, so a case that cannot run fails in CI); run wherever a GPU is available with
-``python -m pytest -q -m gpu tests/test_gpu.py``, or every GPU check at once with
+``python -m pytest -q -n 0 -m gpu tests/test_gpu.py``, or every GPU check at once with
 ``bash scripts/gpu_check.sh OUT_DIR``.
 
 * Over NCCL, one rank per GPU, on every visible GPU (the largest of 8, 4, 2, 1): every schedule and

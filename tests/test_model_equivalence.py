@@ -99,8 +99,6 @@ def _hf_loss(hf, batch: dict):
 
 def _reference(model, batches: list[dict]) -> tuple[list[float], dict]:
     """Train the unsplit HF model (``model.reference()`` of a deep copy) in this process."""
-    import torch
-
     twin = copy.deepcopy(model)  # shares nothing with ``model``; its layers share with its HF model
     hf = twin.reference()
     assert {id(p) for p in hf.parameters()} == {id(p) for p in twin.parameters()}

@@ -204,7 +204,7 @@ def test_dualpipev_matches_torch(p: int) -> None:
     for n in range(2 * p, 4 * p + 3):
         assert ours(dualpipev(p, n)) == torch_order("ScheduleDualPipeV", p, 2, n), (p, n)
     assert torch_order("ScheduleDualPipeV", p, 2, 2 * p - 1) is None  # both need N ≥ 2P
-    with pytest.raises(ValueError, match=f"N ≥ {2 * p}"):
+    with pytest.raises(ValueError, match=f"got N = {2 * p - 1} .* < 2·D = {2 * p}"):
         dualpipev(p, 2 * p - 1)
 
 
@@ -369,7 +369,7 @@ def test_defer_weight_gradients_respects_the_bound() -> None:
         (lambda: zb_h1(4, 0), ["micro_batches (N)", "got 0"]),
         (lambda: zb_h2(2.5, 4), ["workers (P)", "2.5"]),
         (lambda: zbv(3, -1), ["micro_batches (N)", "-1"]),
-        (lambda: dualpipev(4, 7), ["micro_batches (N)", "got 7", "N ≥ 8", "zbv"]),
+        (lambda: dualpipev(4, 7), ["micro_batches (N)", "got N = 7", "2·D = 8", "zbv"]),
         (lambda: chimera_zb(3, 4), ["needs stages to be even", "stages = 2 or 4"]),
     ],
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,18 @@ def test_a_1f1b_variant_is_one_spec(monkeypatch: pytest.MonkeyPatch) -> None:
                                                                         "1F0 1F1 1B0 1F2 1B1 1B2"]
     with pytest.raises(ScheduleError, match="micro_batches must be a positive integer"):
         build_schedule("eager_1f1b", 2, 0)
+
+
+def test_the_registry_validates_what_a_generator_produces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generator that loses an action (here stage 1's last backward) is caught by ``build_schedule``
+    before anyone runs it: the registry checks what generators produce, not only their settings."""
+    def generator(stages: int, micro_batches: int) -> Schedule:
+        schedule = one_stage_per_worker("lossy_1f1b", stages, micro_batches, lambda s: stages - 1 - s)
+        return replace(schedule, workers=(schedule.workers[0], schedule.workers[1][:-1]))
+
+    monkeypatch.setitem(SCHEDULES, "lossy_1f1b", ScheduleSpec("lossy_1f1b", generator, "1F1B, one action lost"))
+    with pytest.raises(ValueError, match="lossy_1f1b.* is invalid"):
+        build_schedule("lossy_1f1b", 2, 3)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .layout import ConfigError, did_you_mean
+from .layout import GPU_NAMES, ConfigError, did_you_mean
 
 AUTO = "auto"
-GPU_NAMES = ("gpu", "cuda")
 CPU_DEVICES = 2  # `trainer=auto` without CUDA and without trainer.devices: the README's 2-process CPU job
 FP16_MIXED = ("16-mixed", "16")  # Lightning's spellings of fp16 autocast with a GradScaler
 BASELINES = ("ddp", "single")

@@ -8,13 +8,14 @@ misspelled keys by ``train.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline_recipes.strategies.schedules import (
-    CONFIG, ScheduleError, Settings, build_schedule, get_spec, names, resolve_concat, validate,
+    CONFIG, ScheduleError, Settings, build_schedule, get_spec, names, resolve_concat,
 )
+from pipeline_recipes.strategies.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.schedules.rules import did_you_mean
 
 
@@ -43,6 +44,7 @@ class Layout:
     concat: str = "direct"  # Chimera's N > D method that runs (strategy.concat=auto resolved)
     concat_auto: bool = False  # strategy.concat=auto chose it
     S: int | None = None  # stages the model is split into when a worker holds several (v·D); None: D
+    cuda_graphs: bool = False  # strategy.cuda_graphs: repeated blocks replayed as CUDA graphs per micro-batch slot
 
     @property
     def label(self) -> str:
@@ -70,6 +72,7 @@ class Layout:
             f"B={self.B} × N={self.N} micro-batches × W={self.W} = global batch {self.global_batch_size}"
             + (f"; {self.pipelines} pipelines" if self.pipelines > 1 else "")
             + (f"; concat=auto → {self.concat}" if self.concat_auto else "")
+            + ("; CUDA graphs per micro-batch slot (strategy.cuda_graphs=true)" if self.cuda_graphs else "")
         )
 
 
@@ -234,9 +237,14 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
     pipelines = settings.pipelines or spec.pipelines.default
     requested = str(settings.concat or "direct") if spec.concat else "direct"
     concat = resolve_concat(name, D, N, pipelines, B, requested)
-    _check_schedule(spec, D, N, B, pipelines, concat, settings.chunks)
+    schedule = _check_schedule(spec, D, N, B, pipelines, concat, settings.chunks)
+    cuda_graphs = strategy.get("cuda_graphs", False)
+    message = cuda_graphs_device_error(cuda_graphs, trainer.get("accelerator")) or cuda_graphs_error(
+        cuda_graphs, spec, strategy.get("recompute", "none"), schedule)
+    if message is not None:
+        raise ConfigError(message)
     return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, spec, pipelines, concat),
-                  concat, requested == "auto", S if S != D else None)
+                  concat, requested == "auto", S if S != D else None, cuda_graphs)
 
 
 def _batch_error(global_batch_size: int, W: int, B: int, world: int, D: int, w_set: bool) -> str:
@@ -270,11 +278,11 @@ def _check_trainer_keys(trainer: dict[str, Any]) -> None:
                           "for MFU) or null (looked up from the GPU's name)")
 
 
-def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: str, chunks: int | None = None) -> None:
-    """Build (and validate) the schedule the workers will run, so a bad combination stops here."""
+def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: str, chunks: int | None = None) -> Any:
+    """Build (and validate) the schedule the workers will run, so a bad combination stops here; returns it."""
     name = spec.name
     try:
-        schedule = validate(build_schedule(name, D, N, pipelines, concat, chunks=chunks, micro_batch_size=B))
+        schedule = build_schedule(name, D, N, pipelines, concat, chunks=chunks, micro_batch_size=B)
     except ValueError as err:
         extra = f", concat = {concat}" if spec.concat else ""
         raise ConfigError(f"strategy={name} with D = {D}, N = {N} micro-batches{extra}: {err}") from err
@@ -282,6 +290,19 @@ def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: s
     if halved and B % 2:
         raise ConfigError(f"concat = backward_halving splits micro-batches in two halves, but strategy.micro_batch_size "
                           f"= {B} is odd; use an even micro_batch_size (e.g. {B + 1}) or concat = direct")
+    return schedule
+
+
+GPU_NAMES = ("gpu", "cuda")  # trainer.accelerator values that mean CUDA devices (recipe.accelerator re-exports it)
+
+
+def cuda_graphs_device_error(value: Any, accelerator: Any) -> str | None:
+    """``strategy.cuda_graphs = true`` needs CUDA devices (``trainer.accelerator`` None or auto: not known yet,
+    checked again once the launcher resolved it)."""
+    if value is not True or accelerator in (None, "auto", *GPU_NAMES):
+        return None
+    return (f"strategy.cuda_graphs = true but trainer.accelerator = {accelerator}: CUDA graphs need CUDA devices; "
+            "run on GPUs (trainer=gpu, or trainer=auto on a node with CUDA) or set strategy.cuda_graphs=false")
 
 
 def _variant(strategy: dict[str, Any], spec: Any, pipelines: int, concat: str = "direct") -> str:
@@ -319,7 +340,7 @@ def check_model(model: dict[str, Any], data: dict[str, Any]) -> None:
 def check_devices(trainer: dict[str, Any], available_gpus: int | None) -> None:
     """More GPUs per node than this node has (CPU processes are not limited; ``available_gpus`` None:
     not checked, e.g. under ``trainer=auto``, whose processes share the GPUs then)."""
-    if trainer.get("accelerator") in ("gpu", "cuda") and available_gpus is not None:
+    if trainer.get("accelerator") in GPU_NAMES and available_gpus is not None:
         devices = int(trainer.get("devices", 1))
         if devices > available_gpus == 0:
             raise ConfigError(f"trainer.devices = {devices} GPUs but this node has no GPU; use trainer=cpu")

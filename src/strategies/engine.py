@@ -32,14 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .cuda_graph_rules import cuda_graphs_error
+from .cuda_graphs import StageGraphs
 from .executor import AsyncWindows, StageExecutor, StepRecord, loss_counts
 from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
 from .late_loss import LateLosses
 from .pipeline_model import Batch, split_batch
 from .rank_setup import RankSetup, assemble, even_partition
 from .recompute import RECOMPUTE_MODES
-from .schedules import Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat, validate
-from .schedules.asynchronous import run as async_run
+from .schedules import Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat
 from .schedules.asynchronous import weight_delay, window
 from .stage import unique_parameters
 from .topology import Topology
@@ -65,6 +66,7 @@ class PipelineConfig:
     grad_sync: str = "end"
     recompute: str = "none"
     chunks: int | None = None  # stages per worker (v); None: the schedule's own (interleaved 1F1B: 2)
+    cuda_graphs: bool = False  # repeated blocks replayed as CUDA graphs per micro-batch slot (.cuda_graphs)
 
     def __post_init__(self) -> None:
         for name, value, choices in (("grad_sync", self.grad_sync, GRAD_SYNC_MODES),
@@ -75,6 +77,11 @@ class PipelineConfig:
         get_spec(self.schedule).check(Settings(self.schedule, self.stages, None, self.micro_batch_size, self.pipelines,
                                                self.concat, self.chunks, grad_sync=self.grad_sync,
                                                recompute=self.recompute))
+        if self.cuda_graphs is not False:  # the launcher's rules, for users of the engine itself
+            message = cuda_graphs_error(self.cuda_graphs, get_spec(self.schedule), self.recompute,
+                                        self.build(self.smallest_micro_batches))
+            if message is not None:
+                raise ValueError(message)
 
     @property
     def num_stages(self) -> int:
@@ -98,8 +105,8 @@ class PipelineConfig:
                               self.concat)
 
     def build(self, micro_batches: int) -> Schedule:
-        return validate(build_schedule(self.schedule, self.stages, micro_batches, self.pipelines,
-                                       self.concat_for(micro_batches), chunks=self.chunks))
+        return build_schedule(self.schedule, self.stages, micro_batches, self.pipelines,
+                              self.concat_for(micro_batches), chunks=self.chunks)
 
 
 def build_engine(
@@ -132,7 +139,10 @@ class PipelineEngine(metaclass=_BuiltBySetUp):
 
     ``steps_taken``: the optimizer steps run; ``loss_step``: the step whose loss :meth:`train_step` returned
     last; ``last_record``: what the last step measured; ``idle_work``: host work for a step's longest bubble
-    (the next batch, :mod:`pipeline_recipes.strategies.fetch_ahead`), which only a synchronous step has."""
+    (the next batch, :mod:`pipeline_recipes.strategies.fetch_ahead`), which only a synchronous step has;
+    ``stage_graphs``: the repeated blocks' CUDA graphs under ``cuda_graphs``
+    (:class:`~pipeline_recipes.strategies.cuda_graphs.StageGraphs`, set by whoever knows the blocks: the Lightning
+    module when fitting starts), captured at the start of a synchronous step."""
 
     def __init__(self, setup: RankSetup, executor: StageExecutor) -> None:
         self.setup, self.executor = setup, executor
@@ -140,6 +150,7 @@ class PipelineEngine(metaclass=_BuiltBySetUp):
         self.loss_step = 0
         self.last_record: StepRecord | None = None
         self.idle_work: Callable[[], None] | None = None
+        self.stage_graphs: StageGraphs | None = None  # strategy.cuda_graphs, installed once the blocks are known
         # collected on first use, after materialisation (which replaces the meta parameters)
         self._local_parameters: tuple[nn.Parameter, ...] | None = None
 
@@ -290,6 +301,8 @@ class SynchronousStep(PipelineEngine):
         micro_batches = self.split(batch)
         sync = self.synchronizer
         sync.zero_grad(self.local_parameters())
+        if self.stage_graphs is not None:  # captured here, before this step posts any message
+            self.stage_graphs.before_step(self.schedule_for(len(micro_batches)))
         plan = self.launch_plan(len(micro_batches))
 
         def after_backward(action: Action) -> None:
@@ -393,7 +406,7 @@ class AsynchronousStep(PipelineEngine):
 
     def whole_run(self, micro_batches: int) -> Schedule:
         """The steps so far without flushes: the bubbles are the first fill and the final drain."""
-        return validate(async_run(self.config.schedule, self.config.stages, micro_batches, max(self.steps_taken, 1)))
+        return build_schedule(self.config.schedule, self.config.stages, micro_batches, steps=max(self.steps_taken, 1))
 
     def norm_groups(self) -> list[tuple[list[nn.Parameter], Tensor]]:
         """Each stage's own norm: its copies hold the same summed gradient, so the norm needs no collective and

@@ -39,6 +39,7 @@ from typing_extensions import override
 from ..recipe.heartbeat import record_handled_error
 from . import checkpoint as ckpt
 from .compile import compile_blocks, repeated_blocks
+from .cuda_graphs import StageGraphs
 from .engine import PipelineConfig, PipelineEngine
 from .executor import loss_counts, micro_batch_loss
 from .fetch_ahead import fetch_during_waits
@@ -66,6 +67,7 @@ class PipelineStrategy(DDPStrategy):
         grad_sync: str = "end",
         recompute: str = "none",
         chunks: int | None = None,
+        cuda_graphs: bool = False,
         **kwargs: Any,
     ) -> None:
         if schedule is not None and name is not None and schedule != name:
@@ -74,7 +76,7 @@ class PipelineStrategy(DDPStrategy):
         super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
         self.pipeline_config = PipelineConfig(
             schedule or name or "gpipe", D, micro_batch_size, pipelines, concat, timeout_s,
-            grad_sync=grad_sync, recompute=recompute, chunks=chunks,
+            grad_sync=grad_sync, recompute=recompute, chunks=chunks, cuda_graphs=cuda_graphs,
         )
         self.requested_W = W
         self.engine: PipelineEngine | None = None
@@ -312,13 +314,25 @@ class PipelineModule(pl.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         # how to rebuild the model (a Hydra config with _target_): kept in checkpoints for scripts/export_hf.py
         self.model_config = dict(model_config) if model_config is not None else None
-        # the blocks to compile, listed while every layer is here (a pipeline drops the other ranks' layers)
-        self.blocks_to_compile = repeated_blocks(model.pipeline_layers()) if compile_blocks else []
+        # the repeated blocks, listed while every layer is here (a pipeline drops the other ranks' layers): compiled
+        # with compile_blocks, captured as CUDA graphs under strategy.cuda_graphs
+        layers = getattr(model, "pipeline_layers", None)  # a plain module (strategy=single, ddp) has no stages
+        self.repeated_blocks = repeated_blocks(layers()) if layers is not None else []
+        self.blocks_to_compile = list(self.repeated_blocks) if compile_blocks else []
 
     @override
     def on_fit_start(self) -> None:
         """Compile the repeated blocks this rank holds (``compile_blocks``), once the strategy has built its
-        stages on their device; one line says so, or why they stay eager."""
+        stages on their device; one line says so, or why they stay eager. Then, under ``strategy.cuda_graphs``,
+        route them through their CUDA graphs (:mod:`pipeline_recipes.strategies.cuda_graphs`)."""
+        self._compile_blocks()
+        engine = self.pipeline
+        if engine is not None and engine.config.cuda_graphs and engine.stage_graphs is None:
+            engine.stage_graphs = StageGraphs(engine.stage_layers, self.model.pipeline_layers(), self.repeated_blocks,
+                                              engine.topology.worker_of(engine.setup.rank), report=rank_zero_info)
+            rank_zero_info(engine.stage_graphs.describe())
+
+    def _compile_blocks(self) -> None:
         if not self.blocks_to_compile:
             return
         engine = self.pipeline

@@ -7,8 +7,8 @@ stream from the forward of micro-batch ``t·N`` up to the forward of ``(t + 1)·
 of step ``t`` and the backwards that interleave with them, some of an earlier step. A run of
 ``T`` windows plus the final drain is exactly DAPPLE over ``T·N`` micro-batches with no flush: both
 are slices of one 1F1B order (:func:`~pipeline_recipes.strategies.schedules.one_f_one_b.one_f_one_b`).
-The layout rules (N per update) are the registry's; called directly with a layout they refuse, these
-functions raise a ``ValueError`` with the same rule's message.
+The order is defined for any N; how many micro-batches an update takes (PipeDream: 1, PipeDream-2BW:
+N ≥ D) is each schedule's rule in the registry, checked before the runtime asks for a window.
 
 Weight versions (the rule the runtime executes):
 
@@ -24,26 +24,12 @@ from __future__ import annotations
 
 from .actions import Action, Schedule
 from .one_f_one_b import numbered, one_f_one_b
-from .rules import (
-    TWO_VERSIONS, Settings, at_least_stages, check_size, check_sizes, exact_micro_batches, raise_if,
-)
+from .rules import check_size, check_sizes
 from .simulate import Cost, simulate
-
-
-def _micro_batches_error(name: str, stages: int, micro_batches: int) -> str | None:
-    """N per update, by the schedule's update rule: PipeDream updates after every micro-batch (N = 1),
-    PipeDream-2BW accumulates N ≥ D so that two weight versions suffice."""
-    settings = Settings(name, stages, micro_batches)
-    if name == "pipedream":
-        return exact_micro_batches(settings, 1)
-    if name == "pipedream_2bw":
-        return at_least_stages(settings, TWO_VERSIONS)
-    return None
 
 
 def _check(name: str, stages: int, micro_batches: int, step: int = 0) -> None:
     check_sizes(name, stages, micro_batches)
-    raise_if(name, _micro_batches_error(name, stages, micro_batches))
     check_size(name, "step", step, 0)
 
 

@@ -35,8 +35,7 @@ from collections import defaultdict, deque
 
 from .actions import Action, Schedule
 from .placement import v_placement
-from .rules import check_size
-from .validate import validate
+from .rules import GENERATOR, V_STAGES, Settings, at_least_twice_stages, check_size, raise_if
 
 __all__ = ["dualpipev"]
 
@@ -44,11 +43,11 @@ __all__ = ["dualpipev"]
 def dualpipev(workers: int, micro_batches: int) -> Schedule:
     """DualPipeV on ``workers`` (P) workers, two stages each in a V (S = 2P); needs N ≥ 2P."""
     check_size("dualpipev", "workers (P)", workers)
-    check_size("dualpipev", "micro_batches (N)", micro_batches, 2 * workers,
-               f"DualPipeV needs at least as many micro-batches as stages (S = 2P = {2 * workers}): use N ≥ "
-               f"{2 * workers}, or zbv for fewer")
+    check_size("dualpipev", "micro_batches (N)", micro_batches)
+    settings = Settings("dualpipev", workers, micro_batches, naming=GENERATOR)
+    raise_if("dualpipev", at_least_twice_stages(settings, V_STAGES))  # the construction needs it too
     P, N = workers, micro_batches
-    return validate(Schedule("dualpipev", 2 * P, N, v_placement(P), tuple(_worker(P, N, r) for r in range(P))))
+    return Schedule("dualpipev", 2 * P, N, v_placement(P), tuple(_worker(P, N, r) for r in range(P)))
 
 
 def _worker(P: int, N: int, r: int) -> tuple[Action, ...]:

@@ -4,7 +4,8 @@ A spec names the schedule, its generator (sizes → :class:`~pipeline_recipes.st
 a pure function that imports no registry), its layout rules (:mod:`pipeline_recipes.strategies.schedules.rules`),
 whether it is asynchronous, how many stages a worker holds (``chunks``), how many pipelines it runs and
 whether it concatenates units of micro-batches (Chimera §3.5), which gives the planner's variants.
-:func:`build_schedule` checks the rules before it calls the generator. Everything that lists schedules or
+:func:`build_schedule` checks the rules before it calls the generator and validates what it produces
+(:func:`~pipeline_recipes.strategies.schedules.validate.validate`). Everything that lists schedules or
 checks a layout reads this table: :func:`build_schedule`, the Hydra layout check
 (:mod:`pipeline_recipes.recipe.layout`), the planner's candidates (:mod:`pipeline_recipes.planner.predict`),
 the viewer's choices (``scripts/schedule.py``), Lightning's strategy names
@@ -44,10 +45,11 @@ from .dualpipe import dualpipev
 from .generators import best_concat, chimera, concat_choices, dapple, gems, gpipe
 from .interleaved import interleaved_1f1b
 from .rules import (
-    API, AUTO_CONCAT, BIDIRECTIONAL, CHIMERA_PIPELINES, COMMON_RULES, OPPOSITE_REPLICAS, TWO_VERSIONS, Naming,
+    API, AUTO_CONCAT, BIDIRECTIONAL, CHIMERA_PIPELINES, COMMON_RULES, OPPOSITE_REPLICAS, TWO_VERSIONS, V_STAGES, Naming,
     Pipelines, Rule, Settings, did_you_mean, equal_rounds, even_stages, micro_batches_at_least_stages,
     micro_batches_at_least_twice_stages,
 )
+from .validate import validate
 from .zero_bubble import chimera_zb, zb_h1, zb_h2, zbv
 
 ASYNC_VIEW_STEPS = 3  # steps of an asynchronous schedule that build_schedule returns (then the drain)
@@ -109,7 +111,8 @@ class ScheduleSpec:
             raise ScheduleError(errors[0])
 
     def build(self, settings: Settings) -> Schedule:
-        """The schedule of a valid layout (``concat=auto`` resolved by :func:`best_concat`)."""
+        """The schedule of a valid layout (``concat=auto`` resolved by :func:`best_concat`), checked by
+        :func:`~pipeline_recipes.strategies.schedules.validate.validate` before anyone runs it."""
         self.check(settings)
         options: dict[str, object] = {}
         pipelines = self.pipelines.default if settings.pipelines is None else settings.pipelines
@@ -122,7 +125,7 @@ class ScheduleSpec:
             options["chunks"] = self.chunks.default if settings.chunks is None else settings.chunks
         if self.asynchronous:
             options["steps"] = ASYNC_VIEW_STEPS if settings.steps is None else settings.steps
-        return self.generator(settings.stages, settings.micro_batches, **options)
+        return validate(self.generator(settings.stages, settings.micro_batches, **options))
 
     def planner_variants(self, stages: int, micro_batches: int,
                          micro_batch_size: int | None) -> tuple[tuple[int, str], ...]:
@@ -261,7 +264,7 @@ register(ScheduleSpec(
 ))
 register(ScheduleSpec(
     "dualpipev", dualpipev, "DualPipeV: two chunks per worker in a V, overlapped forward/backward pairs "
-    "(DeepSeek-V3 technical report)", rules=(micro_batches_at_least_twice_stages("one per stage of the V"),),
+    "(DeepSeek-V3 technical report)", rules=(micro_batches_at_least_twice_stages(V_STAGES),),
     chunks=Chunks(2),
 ))
 register(ScheduleSpec(

@@ -57,6 +57,9 @@ CONFIG = Naming(
     "(B = data.global_batch_size / {times}W)",
     stages_note=" (a divisor of trainer.devices × trainer.num_nodes)",
 )
+GENERATOR = Naming("workers (P)", "micro_batches (N)", "pipelines", "concat", "chunks (v)", "steps", "grad_sync",
+                   "recompute", "raise micro_batches (N)", "pass micro_batches={n}")
+"""A generator's own parameters (called directly, a generator names what its caller passed)."""
 CLI = Naming("--stages", "--micro-batches", "--pipelines", "--concat", "--chunks", "--steps", "grad_sync",
              "recompute", "raise --micro-batches", "pass --micro-batches {n}")
 
@@ -168,6 +171,8 @@ OPPOSITE_REPLICAS = "each worker holds one stage of each of its two replicas"
 """Why GEMS's D is even (:func:`stages_even`)."""
 TWO_VERSIONS = "so that only two weight versions are in flight"
 """Why PipeDream-2BW takes N ≥ D (:func:`at_least_stages`)."""
+V_STAGES = "one per stage of the V"
+"""Why DualPipeV takes N ≥ 2D (:func:`at_least_twice_stages`)."""
 
 
 def at_least_stages(s: Settings, reason: str) -> str | None:
@@ -331,16 +336,21 @@ def equal_rounds(spec: ScheduleSpec, s: Settings) -> str | None:
     return equal_rounds_error(s)
 
 
+def at_least_twice_stages(s: Settings, reason: str) -> str | None:
+    """N ≥ 2D micro-batches per step (DualPipeV: one per stage of its V; the generator's precondition too)."""
+    if s.micro_batches is None or s.micro_batches >= 2 * s.stages:
+        return None
+    n = s.naming
+    return (f"{s.schedule} needs N ≥ 2·D micro-batches per step ({reason}), got N = {s.micro_batches} "
+            f"({n.micro_batches}) < 2·D = {2 * s.stages} ({n.stages} = {s.stages}); {n.more_micro_batches}, "
+            f"lower {n.stages}, or use a schedule with no such bound (zbv)")
+
+
 def micro_batches_at_least_twice_stages(reason: str) -> Rule:
-    """N ≥ 2D micro-batches per step."""
+    """A spec's rule: :func:`at_least_twice_stages` for ``reason``."""
 
     def rule(spec: ScheduleSpec, s: Settings) -> str | None:
-        if s.micro_batches is None or s.micro_batches >= 2 * s.stages:
-            return None
-        n = s.naming
-        return (f"{spec.name} needs N ≥ 2·D micro-batches per step ({reason}), got N = {s.micro_batches} "
-                f"({n.micro_batches}) < 2·D = {2 * s.stages} ({n.stages} = {s.stages}); {n.more_micro_batches}, "
-                f"lower {n.stages}{_or_use(s, 'no such bound', lambda sp: sp.name == 'zbv')}")
+        return at_least_twice_stages(s, reason)
 
     return rule
 

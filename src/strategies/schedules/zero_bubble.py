@@ -44,7 +44,6 @@ from .one_f_one_b import one_stage_per_worker
 from .placement import v_placement
 from .rules import check_size
 from .simulate import peak_activations
-from .validate import validate
 
 __all__ = ["chimera_zb", "defer_weight_gradients", "split_backwards", "zb_h1", "zb_h2", "zbv"]
 
@@ -55,7 +54,7 @@ def zb_h1(workers: int, micro_batches: int) -> Schedule:
     check_size("zb_h1", "micro_batches (N)", micro_batches)
     P, N = workers, micro_batches
     # 1F1B's warm-up; worker r holds back r weight gradients: P micro-batches in flight everywhere
-    return validate(one_stage_per_worker("zb_h1", P, N, lambda r: P - 1 - r, split=True, weight_lag=lambda r: r))
+    return one_stage_per_worker("zb_h1", P, N, lambda r: P - 1 - r, split=True, weight_lag=lambda r: r)
 
 
 def zb_h2(workers: int, micro_batches: int) -> Schedule:
@@ -66,7 +65,7 @@ def zb_h2(workers: int, micro_batches: int) -> Schedule:
     P, N = workers, micro_batches
     base = one_stage_per_worker("zb_h2", P, N, lambda r: 2 * (P - 1 - r) + 1, backward_first=True)
     bound = [float(min(2 * P - 1, N))] * P
-    return validate(replace(defer_weight_gradients(base, max_activations=bound), name="zb_h2"))
+    return replace(defer_weight_gradients(base, max_activations=bound), name="zb_h2")
 
 
 def zbv(workers: int, micro_batches: int) -> Schedule:
@@ -111,7 +110,7 @@ def zbv(workers: int, micro_batches: int) -> Schedule:
         while w0 < b0:
             add("W", c0, w0); w0 += 1
         orders.append(tuple(a for a in acts if a.mb < N))
-    return validate(Schedule("zbv", S, N, v_placement(P), tuple(orders)))
+    return Schedule("zbv", S, N, v_placement(P), tuple(orders))
 
 
 # --- deferring weight gradients into idle time -----------------------------------------------
@@ -226,5 +225,5 @@ def chimera_zb(stages: int, micro_batches: int, pipelines: int = 2, concat: str 
     """Chimera with its bubbles filled by deferred weight gradients (:func:`defer_weight_gradients`
     on :func:`~.generators.chimera`), holding no more activations per worker than Chimera (≤ D)."""
     base = chimera(stages, micro_batches, pipelines, concat)
-    return validate(replace(defer_weight_gradients(base), name="chimera_zb"))
+    return replace(defer_weight_gradients(base), name="chimera_zb")
 

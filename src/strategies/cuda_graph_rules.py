@@ -1,0 +1,42 @@
+"""What ``strategy.cuda_graphs`` cannot capture, as one rule with a message (the setting, the value, the rule and
+the fix): the launcher refuses it before any process starts (:mod:`pipeline_recipes.recipe.layout`, which must not
+import torch) and the engine's config for direct users (:class:`pipeline_recipes.strategies.engine.PipelineConfig`).
+Why each case cannot be captured: :mod:`pipeline_recipes.strategies.cuda_graphs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .schedules import Schedule, ScheduleSpec, specs
+
+
+def cuda_graphs_error(value: Any, spec: ScheduleSpec, recompute: str, schedule: Schedule) -> str | None:
+    """Why ``strategy.cuda_graphs = value`` cannot run ``schedule`` (of ``spec``) with ``strategy.recompute``, or
+    None: a captured graph replays fixed addresses and shapes, and its backward computes every gradient at once."""
+    if not isinstance(value, bool):
+        return (f"strategy.cuda_graphs = {value!r} is not true or false (whether each repeated block's forward and "
+                "backward are captured as CUDA graphs); set strategy.cuda_graphs=true or strategy.cuda_graphs=false")
+    if not value:
+        return None
+    off = "or set strategy.cuda_graphs=false"
+    if spec.asynchronous:
+        synchronous = ", ".join(s.name for s in specs() if not s.asynchronous)
+        return (f"strategy.cuda_graphs = true with strategy={spec.name}: an asynchronous schedule runs its forwards "
+                "on stashed weight versions whose parameter storage changes every step, while a CUDA graph replays "
+                f"the addresses it captured; use a synchronous schedule ({synchronous}) {off}")
+    if recompute != "none":
+        return (f"strategy.cuda_graphs = true with strategy.recompute = {recompute}: a recomputed stage keeps no graph "
+                "between its forward and its backward and replays its forward later under the saved RNG state, which "
+                f"a captured graph cannot do; set strategy.recompute=none {off}")
+    actions = [a for acts in schedule.workers for a in acts]
+    if any(a.kind == "I" for a in actions):
+        return (f"strategy.cuda_graphs = true with strategy={spec.name}: it splits backwards into I and W (Zero Bubble "
+                "Pipeline Parallelism §2), but a captured backward computes the weight gradients together with the "
+                "input gradient, so W would find nothing to do; use a schedule with whole backwards (B, not I and W) "
+                f"{off}")
+    if any(a.half is not None for a in actions):
+        return (f"strategy.cuda_graphs = true with strategy={spec.name} and concat = backward_halving: the halved "
+                "backwards run half micro-batches, a second shape the graphs were not captured for; set "
+                f"strategy.concat=direct or strategy.concat=forward_doubling {off}")
+    return None
