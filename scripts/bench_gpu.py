@@ -683,23 +683,119 @@ def _write(out: Path, record: dict[str, Any]) -> None:
     out.write_text(json.dumps(record, indent=1) + "\n")
 
 
-def markdown_table(record: dict[str, Any]) -> str:
-    """The rows as BENCHMARKS.md shows them."""
+def markdown_table(record: dict[str, Any], again: dict[str, Any] | None = None) -> str:
+    """The rows as BENCHMARKS.md shows them; with ``again`` (a second run of the same command) its tokens/s
+    beside the first's, and each status cut to its first words (the JSON keeps the whole message)."""
 
     def num(value: Any, scale: float = 1.0, digits: int = 1) -> str:
         if value is None or (isinstance(value, float) and math.isnan(value)):
             return ""
         return f"{value * scale:.{digits}f}"
 
-    lines = ["| model | micro-batch | system | mode | tokens/s | MFU % | step ms | forward ms | backward ms "
-             "| peak reserved GiB | status |", "|" + "---|" * 11]
+    def status(r: dict[str, Any]) -> str:
+        return "" if r["status"] == "ok" else r["status"].split(":")[0] if again else r["status"]
+
+    second = {} if again is None else {(r["model"], r["micro_batch"], r["system"], r["mode"]): r
+                                       for r in again["rows"]}
+    head = ("| model | micro-batch | system | mode | tokens/s |" + (" run 2 |" if again else "")
+            + " MFU % | step ms | forward ms | backward ms | peak reserved GiB | status |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in record["rows"]:
+        other = second.get((r["model"], r["micro_batch"], r["system"], r["mode"]), {})
         lines.append(f"| {r['model']} | {r['micro_batch']} | {r['system']} | {r['mode']} "
-                     f"| {num(r.get('tokens_per_s'), 1, 0)} | {num(r.get('mfu'), 100)} "
-                     f"| {num(r.get('step_s'), 1e3)} | {num(r.get('forward_s'), 1e3)} "
-                     f"| {num(r.get('backward_s'), 1e3)} "
-                     f"| {num(r.get('peak_reserved_bytes'), 2**-30, 2)} "
-                     f"| {'' if r['status'] == 'ok' else r['status']} |")
+                     f"| {num(r.get('tokens_per_s'), 1, 0)} "
+                     + (f"| {num(other.get('tokens_per_s'), 1, 0)} " if again else "")
+                     + f"| {num(r.get('mfu'), 100)} "
+                     f"| {num(r.get('step_s'), 1e3, 0)} | {num(r.get('forward_s'), 1e3, 0)} "
+                     f"| {num(r.get('backward_s'), 1e3, 0)} "
+                     f"| {num(r.get('peak_reserved_bytes'), 2**-30)} "
+                     f"| {status(r)} |")
+    return "\n".join(lines)
+
+
+# -- the issue's targets, read off one or two records -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of the GPU benchmark: a ratio of two rows' figures and the bound it must keep."""
+
+    micro_batch: str
+    what: str
+    goal: str  # ">= 0.95" or "<= 1.1"
+
+    def met(self, value: float) -> bool:
+        bound = float(self.goal.split()[1])
+        return value >= bound if self.goal.startswith(">=") else value <= bound
+
+
+def _row(record: dict[str, Any], model: str, micro_batch: str, system: str, mode: str) -> dict[str, Any] | None:
+    for r in record["rows"]:
+        if (r["model"], r["micro_batch"], r["system"], r["mode"], r["status"]) == (model, micro_batch, system,
+                                                                                     mode, "ok"):
+            return r
+    return None
+
+
+def fastest_stage_mode(record: dict[str, Any], model: str, micro_batch: str) -> str | None:
+    """The stage row with the most tokens/s at this micro-batch (what a user tuning the run would pick)."""
+    rows = [r for r in record["rows"] if (r["model"], r["micro_batch"], r["system"], r["status"])
+            == (model, micro_batch, "stage", "ok")]
+    return max(rows, key=lambda r: r["tokens_per_s"])["mode"] if rows else None
+
+
+def _ratios(record: dict[str, Any], model: str, fast_mode: str | None) -> dict[Target, float | None]:
+    """Each target's value in one record; ``fast_mode``: the 4 x 4 stage row the targets on it read."""
+
+    def ratio(mb: str, a: tuple[str, str], b: tuple[str, str], key: str) -> float | None:
+        x, y = _row(record, model, mb, *a), _row(record, model, mb, *b)
+        return None if x is None or y is None else x[key] / y[key]
+
+    fast = ("stage", fast_mode or "")
+    row = _row(record, model, "4x4", *fast)
+    return {
+        Target("16x1", "stage eager ÷ hand-written eager, tokens/s", ">= 0.95"):
+            ratio("16x1", ("stage", "eager"), ("handwritten", "eager"), "tokens_per_s"),
+        Target("16x1", "stage compiled ÷ hand-written compiled, tokens/s", ">= 0.95"):
+            ratio("16x1", ("stage", "compiled"), ("handwritten", "compiled"), "tokens_per_s"),
+        Target("16x1", "stage eager ÷ hand-written eager, peak reserved", "<= 1.1"):
+            ratio("16x1", ("stage", "eager"), ("handwritten", "eager"), "peak_reserved_bytes"),
+        Target("4x4", f"stage {fast_mode} ÷ hand-written compiled, tokens/s", ">= 0.95"):
+            ratio("4x4", fast, ("handwritten", "compiled"), "tokens_per_s"),
+        Target("4x4", f"stage {fast_mode} ÷ stage eager, tokens/s", ">= 1.4"):
+            ratio("4x4", fast, ("stage", "eager"), "tokens_per_s"),
+        Target("4x4", f"stage {fast_mode}: forward ÷ backward", "<= 0.6"):
+            None if row is None or not row.get("backward_s") else row["forward_s"] / row["backward_s"],
+    }
+
+
+def target_table(record: dict[str, Any], again: dict[str, Any] | None = None) -> str:
+    """The targets of every model in ``record`` as a markdown table; with ``again`` (a second run of the
+    same command) each value from both runs and the run-to-run spread of the 4 x 4 stage row the targets
+    read (|a - b| ÷ the smaller, goal <= 0.05)."""
+    head = "| model | micro-batch | target | goal | run 1 |" + (" run 2 |" if again else "") + " met |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def cell(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.3f}"
+
+    for model in record["models"]:
+        fast_mode = fastest_stage_mode(record, model, "4x4")
+        first = _ratios(record, model, fast_mode)
+        second = _ratios(again, model, fast_mode) if again else {}
+        for target, value in first.items():
+            values = [value] + ([second.get(target)] if again else [])
+            met = all(v is not None and target.met(v) for v in values)
+            lines.append(f"| {model} | {target.micro_batch} | {target.what} | {target.goal} | "
+                         + " | ".join(cell(v) for v in values) + f" | {'yes' if met else 'no'} |")
+        if again:
+            a, b = _row(record, model, "4x4", "stage", fast_mode or ""), _row(again, model, "4x4", "stage",
+                                                                               fast_mode or "")
+            spread = None if a is None or b is None else (abs(a["tokens_per_s"] - b["tokens_per_s"])
+                                                          / min(a["tokens_per_s"], b["tokens_per_s"]))
+            met = spread is not None and spread <= 0.05
+            lines.append(f"| {model} | 4x4 | stage {fast_mode}: run-to-run spread of tokens/s | <= 0.05 | "
+                         f"{cell(spread)} | | {'yes' if met else 'no'} |")
     return "\n".join(lines)
 
 
@@ -735,12 +831,21 @@ def summarize(out_dir: Path, exit_codes: dict[str, int], wall_s: float | None = 
             "bench": record if record is not None else "no record (the benchmark did not finish: see gpu_check.log)"}
 
 
+USAGE = ("usage: bench_gpu.py --summary OUT_DIR tests=RC bench=RC [wall_s=S]  (gpu_check.sh's summary.json)\n"
+         "       bench_gpu.py --targets RUN.json [RUN2.json]  (the targets table; RUN2: the same command again)\n"
+         "the benchmark itself runs as python scripts/bench.py --parts gpu")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``--summary OUT_DIR tests=RC bench=RC [wall_s=S]``: write OUT_DIR/summary.json (used by gpu_check.sh)."""
+    """``--summary OUT_DIR tests=RC bench=RC [wall_s=S]``: write OUT_DIR/summary.json (used by gpu_check.sh);
+    ``--targets RUN.json [RUN2.json]``: print the targets table (and the measured rows' table)."""
     args = sys.argv[1:] if argv is None else argv
+    if len(args) in (2, 3) and args[0] == "--targets":
+        records = [json.loads(Path(a).read_text()) for a in args[1:]]
+        print(markdown_table(*records) + "\n\n" + target_table(*records))
+        return 0
     if len(args) < 2 or args[0] != "--summary":
-        print("usage: bench_gpu.py --summary OUT_DIR tests=RC bench=RC [wall_s=S]; the benchmark itself runs as "
-              "python scripts/bench.py --parts gpu", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     out_dir = Path(args[1])
     values = dict(a.split("=", 1) for a in args[2:])

@@ -380,3 +380,39 @@ def test_cuda_graph_steps_equal_eager_steps_on_gpu(world: int) -> None:
     results = run_world(world, _train, cases, timeout=300)
     assert all(r["device"] == "cuda:0" for rank in results for r in rank)
     _check(results, TOL_FP32, TOL_BF16)
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "bert-tiny"])
+def test_the_cost_model_finds_the_blocks_the_graphs_capture(model: str) -> None:
+    """The planner's repeated layers (from its cost names) are the modules ``strategy.cuda_graphs`` and
+    ``model.compile`` treat (:func:`repeated_blocks` on the built model)."""
+    from pipeline_recipes.planner.estimate import estimate_costs
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("config", overrides=[f"model={model}"]), resolve=True)
+    layers = build_model(cfg["model"]).pipeline_layers()
+    costs = estimate_costs(cfg["model"])
+    assert costs.repeated_layers() == frozenset(repeated_blocks(layers)) and len(costs.repeated_layers()) >= 2
+
+
+@pytest.mark.parametrize("D, N", [(2, 4), (3, 5)])
+def test_graph_pools_count_one_copy_per_micro_batch_held(D: int, N: int) -> None:
+    """GPipe holds all N micro-batches on every stage, 1F1B D − s (GPipe §2.2; the Chimera paper's Table 2):
+    the predicted pools of stage s are that many times one copy of its blocks."""
+    from pipeline_recipes.planner.estimate import estimate_costs
+    from pipeline_recipes.planner.memory import predict_memory
+    from pipeline_recipes.planner.predict import Candidate, runtime_partition
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("config", overrides=["model=gpt2-tiny"]), resolve=True)
+    costs = estimate_costs(cfg["model"], precision="bf16-mixed", device="cuda")
+    partition = runtime_partition(costs, D)
+    for name, held in (("gpipe", lambda s: N), ("dapple", lambda s: min(N, D - s))):
+        cand = Candidate(name, 1, D, 2, N, cuda_graphs=True)
+        with_graphs = predict_memory(costs, cand, partition).workers
+        without = predict_memory(costs, Candidate(name, 1, D, 2, N), partition).workers
+        for s in range(D):
+            copy = costs.graph_slot_bytes(partition[s], 2)
+            assert copy > 0
+            assert with_graphs[s].graph_pools == pytest.approx(held(s) * copy)
+            assert with_graphs[s].peak == pytest.approx(without[s].peak + held(s) * copy)

@@ -247,8 +247,8 @@ def test_docstring_references_import(path: Path) -> None:
 
 
 def test_benchmarks_md_stays_one_readable_page_of_results() -> None:
-    """BENCHMARKS.md holds the latest results and how to reproduce them (history is git's): at most 25 KB,
-    headline table first."""
+    """BENCHMARKS.md holds the latest results and how to reproduce them (history is git's): at most 32 KB
+    (25 KB for the CPU parts, then §7's GPU rows and targets), headline table first."""
     text = (ROOT / "BENCHMARKS.md").read_text()
-    assert len(text.encode()) <= 25_000
+    assert len(text.encode()) <= 32_000
     assert text.index("## Headline results") < text.index("## Method") < text.index("## 0.")

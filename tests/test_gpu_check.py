@@ -249,3 +249,48 @@ def test_gpu_check_names_a_missing_package(tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "pytest.xml").exists()
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert any("missing: omegaconf." in line for line in summary["environment"])
+
+
+def _bench_row(mb: str, system: str, mode: str, tokens: float, peak: float = 1.0, fwd: float = 1.0,
+               bwd: float = 2.0, status: str = "ok") -> dict:
+    return {"model": "m", "micro_batch": mb, "system": system, "mode": mode, "status": status,
+            "tokens_per_s": tokens, "peak_reserved_bytes": peak, "forward_s": fwd, "backward_s": bwd}
+
+
+def test_targets_table_reads_the_ratios_of_the_rows_and_the_spread_of_two_runs() -> None:
+    """Hand-computed: 16 x 1 stage/hand-written 90/100 = 0.900 (< 0.95: not met) and memory 105/100 = 1.050;
+    at 4 x 4 the fastest stage row is the graph row (300; the out-of-memory row is ignored), 300/200 = 1.500
+    of the hand-written compiled row and 300/100 = 3.000 of the eager stage, forward/backward 1/4 = 0.250;
+    the second run's graph row 330: spread 30/300 = 0.100 (> 0.05: not met)."""
+    def record(graphs: float) -> dict:
+        return {"models": {"m": {}}, "rows": [
+            _bench_row("16x1", "stage", "eager", 90, peak=105), _bench_row("16x1", "handwritten", "eager", 100, peak=100),
+            _bench_row("16x1", "stage", "compiled", 99), _bench_row("16x1", "handwritten", "compiled", 100),
+            _bench_row("4x4", "stage", "eager", 100), _bench_row("4x4", "stage", "compiled", 150),
+            _bench_row("4x4", "stage", "compiled+cuda_graphs", graphs, fwd=1.0, bwd=4.0),
+            _bench_row("4x4", "stage", "eager+cuda_graphs", 1e9, status="out of memory: ..."),
+            _bench_row("4x4", "handwritten", "compiled", 200)]}
+
+    assert bench_gpu.fastest_stage_mode(record(300), "m", "4x4") == "compiled+cuda_graphs"
+    lines = bench_gpu.target_table(record(300), record(330)).splitlines()
+    assert "| m | 16x1 | stage eager ÷ hand-written eager, tokens/s | >= 0.95 | 0.900 | 0.900 | no |" in lines
+    assert "| m | 16x1 | stage compiled ÷ hand-written compiled, tokens/s | >= 0.95 | 0.990 | 0.990 | yes |" in lines
+    assert "| m | 16x1 | stage eager ÷ hand-written eager, peak reserved | <= 1.1 | 1.050 | 1.050 | yes |" in lines
+    assert ("| m | 4x4 | stage compiled+cuda_graphs ÷ hand-written compiled, tokens/s | >= 0.95 | 1.500 | 1.650 "
+            "| yes |") in lines
+    assert "| m | 4x4 | stage compiled+cuda_graphs ÷ stage eager, tokens/s | >= 1.4 | 3.000 | 3.300 | yes |" in lines
+    assert "| m | 4x4 | stage compiled+cuda_graphs: forward ÷ backward | <= 0.6 | 0.250 | 0.250 | yes |" in lines
+    assert "| m | 4x4 | stage compiled+cuda_graphs: run-to-run spread of tokens/s | <= 0.05 | 0.100 | | no |" in lines
+    one_run = bench_gpu.target_table(record(300)).splitlines()
+    assert one_run[0] == "| model | micro-batch | target | goal | run 1 | met |" and len(one_run) == 2 + 6
+
+
+def test_the_committed_gpu_records_are_two_runs_of_one_command() -> None:
+    """benchmarks/bench_gpu.json and bench_gpu_run2.json (BENCHMARKS.md §7): the same rows and settings, on
+    one GPU model, from one commit, so their spread says what a rerun does."""
+    first, second = (json.loads((ROOT / "benchmarks" / name).read_text())
+                     for name in ("bench_gpu.json", "bench_gpu_run2.json"))
+    assert first["settings"] == second["settings"] and first["meta"]["git_commit"] == second["meta"]["git_commit"]
+    assert [(r["model"], r["micro_batch"], r["system"], r["mode"]) for r in first["rows"]] == \
+        [(r["model"], r["micro_batch"], r["system"], r["mode"]) for r in second["rows"]]
+    assert first["meta"]["device_name"] == second["meta"]["device_name"] and not first["settings"]["tiny"]

@@ -183,3 +183,62 @@ def test_planner_costs_take_the_memory_of_the_runs_precision() -> None:
                                                                        for e in bf16.layers]
     assert sum(m.cast_bytes for m in mixed.layers) > 0
     assert with_run_memory(profiled, cfg, precision="32-true", device="cuda") is profiled
+
+
+def _bench_row(record: dict[str, Any], model: str, micro_batch: str, mode: str) -> dict[str, Any]:
+    (row,) = [r for r in record["rows"] if (r["model"], r["micro_batch"], r["system"], r["mode"])
+              == (model, micro_batch, "stage", mode)]
+    return row
+
+
+def test_cuda_graph_pools_are_predicted_as_measured_on_one_h200() -> None:
+    """The GPU benchmark's D = 1 stage path (benchmarks/bench_gpu.json: the model as conf builds it, DAPPLE,
+    micro-batch 4 × 4, bf16 autocast, fused AdamW) measured on one H200 with and without
+    ``strategy.cuda_graphs``: the pre-flight's peak with the graphs within 10 % of the measured peak, and
+    its pools within 10 % of what the graphs added to the eager row's peak."""
+    from pipeline_recipes.planner.preflight import predict_layout
+
+    record = json.loads((ROOT / "benchmarks" / "bench_gpu.json").read_text())
+    eager = _bench_row(record, "gpt2", "4x4", "eager")["peak_reserved_bytes"]
+    graphs = _bench_row(record, "gpt2", "4x4", "eager+cuda_graphs")["peak_reserved_bytes"]
+    assert "H200" in record["meta"]["device_name"]
+    cfg, layout = _config(("trainer=gpu", "trainer.devices=1", "model=gpt2", "data.global_batch_size=16",
+                           "logger=none", "strategy=dapple", "strategy.D=1", "strategy.micro_batch_size=4",
+                           "strategy.cuda_graphs=true"))
+    report = predict_layout(cfg, layout)
+    (peak,) = report["predicted_peak_bytes_per_rank"]
+    pools = report["cuda_graph_pools_bytes"]
+    assert abs(peak - graphs) <= 0.10 * graphs, f"predicted {peak / GIB:.2f} GiB, measured {graphs / GIB:.2f} GiB"
+    assert abs(pools - (graphs - eager)) <= 0.10 * (graphs - eager), \
+        f"predicted pools {pools / GIB:.2f} GiB, the graphs added {(graphs - eager) / GIB:.2f} GiB"
+    cfg["strategy"]["cuda_graphs"] = False
+    assert predict_layout(cfg, layout)["predicted_peak_bytes_per_rank"][0] == pytest.approx(peak - pools)
+
+
+def test_a_refusal_with_cuda_graphs_counts_their_pools_and_suggests_what_they_can_run() -> None:
+    """The message names the pools; every suggested layout can run with ``strategy.cuda_graphs=true`` (no
+    recomputation, no split backward, synchronous) and is predicted with its pools."""
+    from pipeline_recipes.planner.preflight import PreflightError, candidate_from_config, predict_layout, preflight
+    from pipeline_recipes.strategies.cuda_graph_rules import cuda_graphs_error
+    from pipeline_recipes.strategies.schedules import get_spec
+
+    overrides = ("trainer=gpu", "trainer.devices=4", "model=gpt2-tiny", "strategy=dapple", "strategy.D=2",
+                 "strategy.micro_batch_size=4", "data.global_batch_size=32", "logger=none",
+                 "strategy.cuda_graphs=true")
+    cfg, layout = _config(overrides)
+    need = predict_layout(cfg, layout)["predicted_peak_bytes_per_rank"]
+    with pytest.raises(PreflightError) as err:
+        preflight(cfg, layout, budget_bytes=int(max(need) * 0.9))
+    message = str(err.value)
+    assert "CUDA graph pools (strategy.cuda_graphs)" in message
+    suggested = [line.split("#")[0].split() for line in message.splitlines() if line.startswith("  strategy=")]
+    assert suggested, message
+    for line in suggested:
+        settings = dict(item.split("=", 1) for item in line)
+        name, D = settings["strategy"], int(settings["strategy.D"])
+        cfg_s, layout_s = _config((*overrides, *line))
+        schedule = candidate_from_config(cfg_s, layout_s).schedule()
+        assert (schedule.name, schedule.stages) == (name, D * len(schedule.stages_of(0))), line
+        assert cuda_graphs_error(True, get_spec(name), settings["strategy.recompute"], schedule) is None, line
+        report = predict_layout(cfg_s, layout_s)
+        assert report["cuda_graph_pools_bytes"] > 0 and max(report["predicted_peak_bytes_per_rank"]) <= max(need) * 0.9

@@ -17,6 +17,9 @@ count, :func:`worker_peak` walks the worker's actions in schedule order, as the 
   one per weight and step, whatever the number of micro-batches in flight;
 * on gloo (CPU) a sent tensor stays referenced until the end of the step (:mod:`pipeline_recipes.strategies.p2p`), so
   sent activations and activation gradients stay counted until the end (``keep_sends``);
+* with ``strategy.cuda_graphs`` every stage adds one graph pool per micro-batch it holds at once
+  (:func:`pipeline_recipes.strategies.schedules.slots_needed`) of
+  :meth:`~pipeline_recipes.planner.model_costs.ModelCosts.graph_slot_bytes`, on top of the walk's peak;
 * where a stage has copies on other ranks, its gradients are views of its all-reduce bucket's flat
   buffer (:mod:`pipeline_recipes.strategies.grad_sync`), allocated once and kept across steps, so they count from
   the start and the all-reduce (at the end or eager) needs no buffer of its own; elsewhere they
@@ -35,7 +38,7 @@ from functools import lru_cache
 import psutil
 import torch
 
-from pipeline_recipes.strategies.schedules import Schedule, get_spec
+from pipeline_recipes.strategies.schedules import Schedule, get_spec, slots_needed
 from pipeline_recipes.strategies.schedules.asynchronous import stashed_versions
 from pipeline_recipes.strategies.schedules.comm import CommPlan, plans
 from pipeline_recipes.strategies.schedules.effects import graph_effect
@@ -52,6 +55,7 @@ class WorkerMemory:
     states: float  # weights + gradients + optimizer state
     activations: float  # the most activation bytes kept at once (the walk's peak minus states and casts)
     casts: float = 0.0  # autocast's half-precision weight copies, one per weight and step
+    graph_pools: float = 0.0  # strategy.cuda_graphs: the pools of the stages' graph copies, kept across steps
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,10 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     live -= retained  # the messenger's flush at the end of the step
     peak = max(peak, live)
     held = params * (2 + ADAMW_STATES) + versions
-    return WorkerMemory(peak, held, peak - held - casts, casts)
+    pools = 0.0
+    if cand.cuda_graphs:  # beside the walk: the eager allocator cannot use a graph's private pool
+        pools = sum(count * costs.graph_slot_bytes(ranges[s], B) for s, count in slots_needed(schedule, worker).items())
+    return WorkerMemory(peak + pools, held, peak - held - casts, casts, pools)
 
 
 def predict_memory(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,

@@ -27,6 +27,7 @@ Model states (weights, gradients and AdamW's two moments) follow from ``param_by
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -153,6 +154,24 @@ class ModelCosts:
 
     def stage_in_bytes(self, stage: range, B: float) -> float:
         return self.layers[stage.start - 1].out_bytes.clamp(B) if stage.start > 0 else 0.0
+
+    def repeated_layers(self) -> frozenset[int]:
+        """The layers with parameters whose kind (the name before its index: ``block.3`` → ``block``)
+        occurs more than once: the transformer blocks, which ``model.compile`` and ``strategy.cuda_graphs``
+        treat (:func:`pipeline_recipes.strategies.compile.repeated_blocks` finds the same on the modules)."""
+        kinds = [layer.name.split(".")[0] for layer in self.layers]
+        counts = Counter(k for k, layer in zip(kinds, self.layers) if layer.params)
+        return frozenset(i for i, k in enumerate(kinds) if counts[k] > 1 and self.layers[i].params)
+
+    def graph_slot_bytes(self, stage: range, B: float) -> float:
+        """One CUDA graph copy of a stage's repeated blocks at micro-batch ``B`` (``strategy.cuda_graphs``):
+        its private memory pool keeps what the blocks save for backward, their outputs and their weights'
+        gradients (the graphed backward's static outputs) whatever the allocator does elsewhere. On one
+        H200 this came to 13.8 GiB predicted against 13.7 GiB measured for ``model=gpt2`` at micro-batch 4
+        (BENCHMARKS.md §7)."""
+        blocks = self.repeated_layers()
+        return sum(self.layers[i].stored_alone.clamp(B) + self.layers[i].out_bytes.clamp(B)
+                   + self.layers[i].param_bytes for i in stage if i in blocks)
 
     def cast_bytes(self, layers: set[int]) -> int:
         """Autocast's weight copies held for ``layers`` in one step."""

@@ -62,6 +62,7 @@ class Candidate:
     recompute: str = "none"
     grad_sync: str = "end"
     chunks: int | None = None  # stages per worker (interleaved 1F1B); None: the schedule's own
+    cuda_graphs: bool = False  # strategy.cuda_graphs: each held micro-batch's graph pool counts (planner.memory)
 
     @property
     def world_size(self) -> int:

@@ -13,9 +13,11 @@ same devices and global batch that would fit. :func:`predict_layout` gives the p
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from pipeline_recipes.strategies.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.schedules import get_spec
 
 from .costs import format_bytes
@@ -52,7 +54,7 @@ def candidate_from_config(cfg: Mapping[str, Any], layout: Any) -> Candidate:
     return Candidate(name, W, D, B, N, int(_get(layout, "pipelines", 1) or 1),
                      concat if get_spec(name).concat else "direct",
                      str(strategy.get("recompute") or "none"), str(strategy.get("grad_sync") or "end"),
-                     strategy.get("chunks"))
+                     strategy.get("chunks"), bool(strategy.get("cuda_graphs", False)))
 
 
 def run_precision(trainer: Mapping[str, Any]) -> tuple[str, str]:
@@ -89,7 +91,8 @@ def predict_layout(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: in
             "precision": precision, "strategy": str(_get(layout, "strategy", cand.strategy)),
             "W": cand.W, "D": cand.D, "B": cand.B, "N": cand.N,
             "states_bytes": int(worst.states), "autocast_weight_copies_bytes": int(worst.casts),
-            "activations_bytes": int(worst.activations), "ranks_per_node": per_node,
+            "activations_bytes": int(worst.activations), "cuda_graph_pools_bytes": int(worst.graph_pools),
+            "ranks_per_node": per_node,
             "budget_bytes": None if budget is None else budget.limit(), "fits": fits}
 
 
@@ -120,12 +123,13 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
     worst = max(range(len(peaks)), key=lambda r: peaks[r])
     w = mem.workers[worst % cand.D]
     casts = f" + {format_bytes(w.casts)} autocast weight copies" if w.casts else ""
+    pools = f" + {format_bytes(w.graph_pools)} CUDA graph pools (strategy.cuda_graphs)" if w.graph_pools else ""
     lines = [
         f"predicted memory does not fit: {cand.label()} W={cand.W} D={cand.D} B={cand.B} N={cand.N} of model "
         f"{costs.model} needs {format_bytes(budget.need(peaks, per_node))} against {budget.describe()} "
         f"(short by {format_bytes(short)}).",
         f"largest rank {worst}: {format_bytes(w.peak)} = {format_bytes(w.states)} weights+gradients+AdamW state"
-        f"{casts} + {format_bytes(w.activations)} activations and buffers; per rank: "
+        f"{casts} + {format_bytes(w.activations)} activations and buffers{pools}; per rank: "
         + ", ".join(format_bytes(p) for p in peaks[: min(len(peaks), 8)]) + (" ..." if len(peaks) > 8 else ""),
     ]
     options = _fitting_options(costs, cand, budget, per_node, keep_sends, max_options)
@@ -170,6 +174,9 @@ def _fitting_options(costs: ModelCosts, cand: Candidate, budget: Budget, per_nod
     walk = [c for c in sorted(candidates(cand.world_size, cand.global_batch_size, costs.num_layers,
                                          grad_sync=cand.grad_sync), key=rank)
             if _states_bound(costs, c, budget, per_node) <= budget.limit()]
+    if cand.cuda_graphs:  # the user's strategy.cuda_graphs=true holds for the suggestions: those it can run, pools counted
+        walk = [replace(c, cuda_graphs=True) for c in walk
+                if cuda_graphs_error(True, get_spec(c.strategy), c.recompute, c.schedule()) is None]
     partitions = {S: runtime_partition(costs, S) for S in {c.S for c in walk}}  # the split ignores the schedule
     peaks = partial(_peaks, costs, keep_sends, partitions)
     workers = workers_for(len(walk), workers)

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from .compile import compile_target
 from .deferred_weights import is_deferring
 from .schedules import Schedule
+from .schedules.simulate import slots_needed
 
 WARMUP_ITERS = 3  # make_graphed_callables' warm-up passes before capture (its default)
 SHAPE_FIX = ("keep every micro-batch of one shape: pad to a fixed model.seq_len and set data.drop_last=true, "
@@ -59,22 +60,6 @@ SHAPE_FIX = ("keep every micro-batch of one shape: pad to a fixed model.seq_len 
 
 class ShapeChanged(RuntimeError):
     """A micro-batch reached a captured block with shapes other than those its graphs were captured for."""
-
-
-def slots_needed(schedule: Schedule, worker: int) -> dict[int, int]:
-    """Stage → the most micro-batches whose forward on ``worker`` ran and whose last backward there has not:
-    the graph copies the stage needs. A micro-batch holds its slot from its forward (a doubled forward takes
-    two) until the backward that completes its weight gradient (``B``, or ``W`` after ``I``)."""
-    live: dict[int, set[tuple[int, int]]] = {}
-    most: dict[int, int] = {}
-    for action in schedule.workers[worker]:
-        held = live.setdefault(action.stage, set())
-        if action.kind == "F":
-            held.update((action.pipe, mb) for mb in action.mbs)
-        elif action.completes_weight_gradient and action.half in (None, 1):
-            held.discard((action.pipe, action.mb))
-        most[action.stage] = max(most.get(action.stage, 0), len(held))
-    return most
 
 
 def _is_graph_value(value: Any) -> bool:

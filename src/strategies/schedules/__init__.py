@@ -12,7 +12,7 @@ from .registry import (
     SCHEDULES, ScheduleError, ScheduleSpec, build_schedule, get_spec, names, register, resolve_concat, specs,
 )
 from .rules import AUTO_CONCAT, CLI, CONCAT_METHODS, CONFIG, Naming, Settings
-from .simulate import DeadlockError, Simulation, TimedAction, peak_activations, simulate
+from .simulate import DeadlockError, Simulation, TimedAction, peak_activations, simulate, slots_needed
 from .validate import validate
 
 __all__ = [
@@ -20,5 +20,5 @@ __all__ = [
     "Schedule", "ScheduleError", "ScheduleSpec", "Settings", "Simulation", "TimedAction", "best_concat",
     "build_schedule", "chimera", "chimera_placement", "concat_choices", "dapple", "dependencies", "format_grid",
     "gems", "get_spec", "gpipe", "index_actions", "names", "parse_action", "peak_activations", "register",
-    "resolve_concat", "simulate", "specs", "validate",
+    "resolve_concat", "simulate", "slots_needed", "specs", "validate",
 ]

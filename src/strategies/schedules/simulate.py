@@ -1,5 +1,6 @@
 """Discrete-event simulation of a schedule (Chimera §2, §3.4): start/end of every action,
-makespan, bubble ratio and per-worker peak in-flight activations.
+makespan, bubble ratio, per-worker peak in-flight activations and per-stage micro-batches held
+(the CUDA graph copies a stage needs).
 
 Each worker runs its actions in order, each as soon as its worker is free and its
 dependencies (:mod:`.graph`) are done (plus ``t_comm`` when the producer is another worker).
@@ -87,6 +88,22 @@ def peak_activations(schedule: Schedule) -> tuple[float, ...]:
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
+
+
+def slots_needed(schedule: Schedule, worker: int) -> dict[int, int]:
+    """Stage → the most micro-batches whose forward on ``worker`` ran and whose last backward there has not:
+    the graph copies the stage needs. A micro-batch holds its slot from its forward (a doubled forward takes
+    two) until the backward that completes its weight gradient (``B``, or ``W`` after ``I``)."""
+    live: dict[int, set[tuple[int, int]]] = {}
+    most: dict[int, int] = {}
+    for action in schedule.workers[worker]:
+        held = live.setdefault(action.stage, set())
+        if action.kind == "F":
+            held.update((action.pipe, mb) for mb in action.mbs)
+        elif action.completes_weight_gradient and action.half in (None, 1):
+            held.discard((action.pipe, action.mb))
+        most[action.stage] = max(most.get(action.stage, 0), len(held))
+    return most
 
 
 def simulate(schedule: Schedule, t_f: Cost = 1.0, t_b: Cost = 2.0, *, t_w: Cost | None = None,
