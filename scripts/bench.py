@@ -217,10 +217,33 @@ def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: 
         times = _rounds(runners, steps, warmup, on_step=lambda name: _collect(durations[name], engines[name]))
         for name, runner in runners.items():
             measured = runner.steady_step_s() if isinstance(runner, _Stream) else statistics.median(times[name])
+            actions = _measured_action_times(durations[name])
             rows.append({"schedule": name, "D": world, "N": N, "measured_s": measured,
                          "simulated_s": simulated[name], "times_s": times[name],
-                         "simulated_actions_s": _simulate_measured(engines[name], N, durations[name])})
+                         "simulated_actions_s": _step_makespan(engines[name], N, *actions),
+                         "hop_s": None if engines[name].config.is_async
+                         else hop_seconds(engines[name].schedule_for(N), measured, *actions)})
     return rows
+
+
+def hop_seconds(schedule: Any, measured_s: float, t_f: float, t_b: float, t_w: float | None = None) -> float:
+    """The time per message between workers that makes the simulator's makespan of ``schedule`` (at the
+    action times the ranks measured) equal the measured step: ``simulate(..., t_comm=c)`` solved for ``c``
+    by bisection (0 if the step ran no slower than the simulation without messages). It is what the
+    transport adds per hop of the step's critical path, so schedules with more hops between workers
+    (several chunks per worker) read a higher ratio at the same ``c``."""
+    from pipeline_recipes.strategies.schedules import simulate
+
+    def makespan(c: float) -> float:
+        return simulate(schedule, t_f, t_b, t_w=t_w, t_comm=c).makespan
+
+    low, high = 0.0, max(measured_s, 1e-6)
+    if makespan(low) >= measured_s:
+        return 0.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if makespan(mid) < measured_s else (low, mid)
+    return (low + high) / 2
 
 
 def _step_makespan(engine: Any, N: int, t_f: float, t_b: float, t_w: float | None = None) -> float:
@@ -240,10 +263,10 @@ def _collect(into: dict[str, list[float]], engine: Any) -> None:
         into[action.kind].append((end - start) / (len(action.mbs) if action.kind == "F" else 1.0))
 
 
-def _simulate_measured(engine: Any, N: int, durations: dict[str, list[float]]) -> float:
-    """The simulator's step time with the mean durations every rank measured per kind of action (a
-    split backward: t_b = mean I + mean W, t_w = mean W), so measured / this = what scheduling and
-    communication add beyond the actions' own times."""
+def _measured_action_times(durations: dict[str, list[float]]) -> tuple[float, float, float | None]:
+    """``(t_f, t_b, t_w)``: the mean durations every rank measured per kind of action (a split backward:
+    t_b = mean I + mean W, t_w = mean W), for the simulator: measured / its makespan at these times = what
+    scheduling and communication add beyond the actions' own times."""
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -256,7 +279,7 @@ def _simulate_measured(engine: Any, N: int, durations: dict[str, list[float]]) -
     t_f, t_b, t_i, t_w = mean("F"), mean("B"), mean("I"), mean("W")
     if t_b is None:  # every backward split
         t_b = (t_i or 0.0) + (t_w or 0.0)
-    return _step_makespan(engine, N, t_f, t_b, t_w if t_w is not None and t_w <= t_b else None)
+    return t_f, t_b, t_w if t_w is not None and t_w <= t_b else None
 
 
 def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, steps: int, warmup: int,
@@ -376,6 +399,7 @@ def part_efficiency(quick: bool) -> dict[str, list[dict]]:
     for row in rows:
         row["ratio"] = row["measured_s"] / row["simulated_s"]
         row["ratio_actions"] = row["measured_s"] / row["simulated_actions_s"]
+        row["hop_ms"] = None if row["hop_s"] is None else round(row["hop_s"] * 1e3, 2)
     by = {(r["schedule"], r["D"], r["N"]): r for r in rows}
     versus = []
     for (name, D, N), chimera in by.items():
@@ -472,7 +496,7 @@ EFFICIENCY_KEYS = ("schedule", "D", "N", "measured_s", "simulated_s", "ratio")
 
 def _contract(data: dict[str, Any]) -> dict[str, Any]:
     """The JSON file's exact keys; the efficiency rows' extra columns (``simulated_actions_s``,
-    ``ratio_actions``) go to ``details.schedule_efficiency``."""
+    ``ratio_actions``, ``hop_s``, ``hop_ms``) go to ``details.schedule_efficiency``."""
     out = {k: data[k] for k in KEYS}
     out["schedule_efficiency"] = [{k: row[k] for k in EFFICIENCY_KEYS} for row in data["schedule_efficiency"]]
     if any(set(row) - set(EFFICIENCY_KEYS) for row in data["schedule_efficiency"]):
@@ -501,7 +525,7 @@ def report(data: dict[str, Any]) -> str:
     out = []
     if data.get("schedule_efficiency"):
         out += ["schedule efficiency (emulated compute; ratio = measured / simulated)",
-                _table(data["schedule_efficiency"], ["schedule", "D", "N", "measured_s", "simulated_s", "ratio", "simulated_actions_s", "ratio_actions"]), ""]
+                _table(data["schedule_efficiency"], ["schedule", "D", "N", "measured_s", "simulated_s", "ratio", "simulated_actions_s", "ratio_actions", "hop_ms"]), ""]
     if data.get("chimera_vs_dapple"):
         out += ["chimera / dapple step time",
                 _table(data["chimera_vs_dapple"], ["D", "N", "measured_ratio", "theory_ratio"]), ""]

@@ -59,7 +59,8 @@ JSON: ``{"rows": [...], "models": {name: sizes, FLOPs per token, loss_chunk_toke
 graphs_compiled_in_timed_rounds}, "settings": {...}, "meta": {...}}``;
 a row: ``model``, ``micro_batch`` ("16x1"), ``system``, ``mode``, ``status``, and where it ran ``step_s``,
 ``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``forward_s``, ``backward_s``, ``peak_reserved_bytes``,
-``peak_allocated_bytes``, ``times_s`` (every round). ``python scripts/bench_gpu.py --summary OUT_DIR
+``peak_allocated_bytes``, ``allocated_before_bytes`` (allocated when that step began: the weights and
+optimizer state, and anything an earlier row left behind), ``times_s`` (every round). ``python scripts/bench_gpu.py --summary OUT_DIR
 tests=RC bench=RC`` writes ``scripts/gpu_check.sh``'s ``summary.json``.
 """
 
@@ -308,6 +309,7 @@ class Row:
     backward_s: list[float] = field(default_factory=list)
     peak_reserved_bytes: int | None = None
     peak_allocated_bytes: int | None = None
+    allocated_before_bytes: int | None = None  # what was allocated when its memory step began
 
     @property
     def label(self) -> str:
@@ -505,6 +507,7 @@ def _measure(rows: list[Row], device: torch.device, params: list[nn.Parameter], 
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        row.allocated_before_bytes = int(torch.cuda.memory_allocated(device))
         if _run(row, device, params):
             row.peak_reserved_bytes = int(torch.cuda.max_memory_reserved(device))
             row.peak_allocated_bytes = int(torch.cuda.max_memory_allocated(device))
@@ -591,6 +594,7 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int,
                           "backward_s": statistics.median(row.backward_s),
                           "peak_reserved_bytes": row.peak_reserved_bytes,
                           "peak_allocated_bytes": row.peak_allocated_bytes,
+                          "allocated_before_bytes": row.allocated_before_bytes,
                           "times_s": row.times_s})
         out.append(entry)
     shared = {id(p) for p in model.parameters()}

@@ -45,10 +45,11 @@ def meta_lines(data: dict[str, Any]) -> str:
 def efficiency(data: dict[str, Any]) -> str:
     rows = (data.get("details") or {}).get("schedule_efficiency") or data["schedule_efficiency"]
     body = [[r["schedule"], r["D"], r["N"], r["measured_s"], r["simulated_s"], round(r["ratio"], 3),
-             r.get("simulated_actions_s", ""), round(r["ratio_actions"], 3) if "ratio_actions" in r else ""]
+             r.get("simulated_actions_s", ""), round(r["ratio_actions"], 3) if "ratio_actions" in r else "",
+             "" if r.get("hop_ms") is None else r["hop_ms"]]
             for r in rows]
-    return table(["schedule", "D", "N", "measured_s", "simulated_s", "ratio", "simulated_actions_s", "ratio_actions"],
-                 body)
+    return table(["schedule", "D", "N", "measured_s", "simulated_s", "ratio", "simulated_actions_s", "ratio_actions",
+                  "hop_ms"], body)
 
 
 def chimera_vs_dapple(data: dict[str, Any]) -> str:

@@ -2,8 +2,10 @@
 say so here (before ``datasets``/``transformers`` are imported) and in the environments of the
 processes they start."""
 
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -23,12 +25,28 @@ def _rank_zero_stays_rank_zero() -> Iterator[None]:
     rank_zero_only.rank = rank
 
 
+DURATIONS = Path(__file__).with_name("durations.json")  # scripts/test_durations.py writes it
+SLOW_TEST_S = 20.0  # a file missing from it: this per multi-process or end-to-end test, else nothing
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with the most multi-process and end-to-end (``slow``) tests first, each module's tests in their
-    own order: pytest-xdist hands whole files to its workers in this order, so the long ones start early and
-    no worker is left with one at the end."""
-    slow: dict[str, int] = {}
+    """The longest files first, each file's tests in their own order: pytest-xdist hands whole files to
+    its workers in this order, so the long ones start early and no worker is left with one at the end
+    (longest processing time first). A file's seconds come from ``durations.json``; a file not in it is
+    estimated from its ``slow`` tests."""
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    estimate: dict[str, float] = {}
     for item in items:
-        slow[item.module.__name__] = slow.get(item.module.__name__, 0) + bool(item.get_closest_marker("slow"))
-    first = {name: i for i, name in enumerate(dict.fromkeys(item.module.__name__ for item in items))}
-    items.sort(key=lambda item: (-slow[item.module.__name__], first[item.module.__name__]))
+        name = Path(item.nodeid.split("::")[0]).as_posix()
+        if name in recorded:
+            estimate[name] = recorded[name]
+        else:
+            estimate[name] = estimate.get(name, 0.0) + SLOW_TEST_S * bool(item.get_closest_marker("slow"))
+    first = {name: i for i, name in enumerate(dict.fromkeys(Path(item.nodeid.split("::")[0]).as_posix()
+                                                               for item in items))}
+
+    def key(item: pytest.Item) -> tuple[float, int]:
+        name = Path(item.nodeid.split("::")[0]).as_posix()
+        return -estimate[name], first[name]
+
+    items.sort(key=key)

@@ -7,6 +7,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -97,3 +98,20 @@ def test_planner_timer_reports_a_childs_own_cpu_memory_and_cache() -> None:
     assert row["returncode"] == 3 and row["cpu_s"] >= 0.3 and row["wall_s"] >= row["cpu_s"] - 0.1
     assert 200 * 2**20 <= row["peak_rss_bytes"] < 2**30
     assert row["last_lines"][-1] == "['output.txt']"  # only the timer's own log: an empty cache
+
+
+def test_hop_seconds_recovers_the_transfer_time_the_simulator_was_given() -> None:
+    """``bench.hop_seconds`` inverts ``simulate(..., t_comm=c)``: a step as long as the simulation with
+    3 ms per message between workers reads 3 ms, for one-chunk and two-chunk schedules and split
+    backwards; a step no longer than the simulation without messages reads 0."""
+    import bench
+
+    from pipeline_recipes.strategies.engine import PipelineConfig
+    from pipeline_recipes.strategies.schedules import simulate
+
+    for name, D, N, t_w in [("dapple", 2, 4, None), ("gpipe", 3, 5, None), ("interleaved_1f1b", 2, 4, None),
+                            ("zbv", 2, 4, 0.01), ("chimera", 4, 4, None)]:
+        schedule = PipelineConfig(name, D, 1).build(N)
+        step = simulate(schedule, 0.02, 0.04, t_w=t_w, t_comm=0.003).makespan
+        assert bench.hop_seconds(schedule, step, 0.02, 0.04, t_w) == pytest.approx(0.003, rel=1e-6), name
+        assert bench.hop_seconds(schedule, simulate(schedule, 0.02, 0.04, t_w=t_w).makespan, 0.02, 0.04, t_w) == 0.0
