@@ -49,15 +49,14 @@ class StoredBytes:
 class _Saved:
     """What a forward keeps for its backward: the graph (``out``), or for recomputation only the
     input and the RNG state to replay it. ``split``: ``I`` ran, and the stage's weight store holds
-    what ``W`` computes; on the first stage, which has no input gradient to compute, ``I`` keeps the
-    graph and the output gradient and ``W`` runs the whole backward (as torch.distributed.pipelining does)."""
+    what ``W`` computes. The first stage splits its backward too (no input gradient leaves it, but ``I``
+    computes the gradients inside it, as the Zero Bubble paper's costs assume)."""
 
     inp: Tensor | None
     out: Tensor | None
     rng: RngState | None
     nbytes: int
     split: bool = False
-    output_grad: Tensor | None = None
 
 
 def _forward_shapes(inp: Tensor, batch: Batch, loss: LossFn | None, modules: Sequence[nn.Module],
@@ -89,7 +88,7 @@ class PipelineStage:
         self.parameter_storages = parameter_storages
         self.parameters = unique_parameters(self.layers)
         self.weight_store = WeightGradientStore()  # what I defers for W
-        if split_backward and not self.is_first:  # the first stage's W runs its whole backward
+        if split_backward:  # I walks the stage for the input-side gradients, W computes the weights'
             defer_weight_gradients(self.layers, self.weight_store)
         # what the saved-bytes key reads on every forward, listed once (no module tree walk per forward)
         self._all_modules = [m for layer in self.layers for m in layer.modules()]
@@ -168,21 +167,15 @@ class PipelineStage:
         """``I``: the backward with the weight gradients the store defers kept for ``W``; returns the
         input gradient at once."""
         saved = self._graph(key, batch, loss, keep=True)
-        if self.is_first:
-            saved.output_grad = output_grad
-            return None
         with self.weight_store.deferring(key):
             torch.autograd.backward(saved.out, output_grad)
         saved.out, saved.split = None, True
-        return saved.inp.grad
+        return None if saved.inp is None else saved.inp.grad
 
     def weight_gradient(self, key: GraphKey, batch: Batch, loss: LossFn | None) -> None:
         """``W``: the weight gradients ``I`` deferred, accumulated into ``.grad``."""
-        saved = self._graph(key, batch, loss, keep=False)
-        if self.is_first:
-            torch.autograd.backward(saved.out, saved.output_grad)
-        else:
-            self.weight_store.run(key)
+        self._graph(key, batch, loss, keep=False)
+        self.weight_store.run(key)
 
 
 def forget_autocast_casts() -> None:

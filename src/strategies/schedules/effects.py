@@ -7,8 +7,11 @@ computing input and weight gradients; the split backward of Zero Bubble Pipeline
 divides that work: ``I`` walks the graph for the input gradient and keeps, per linear layer, the
 input and output gradient that its weight gradient needs (:mod:`pipeline_recipes.strategies.deferred_weights`); ``W``
 computes those weight gradients and frees what was kept. Both are counted as one graph until ``W``.
-On the first stage there is no input gradient: its ``I`` does nothing and its ``W`` runs the whole
-backward (as torch.distributed.pipelining does).
+The first stage sends no input gradient, but its ``I`` still walks the graph for the gradients inside
+the stage, and its ``W`` computes the weight gradients, at the costs the paper's schedules assume
+(torch.distributed.pipelining instead runs the first stage's whole backward in ``W``, which moves
+``t_b − t_w`` of work per micro-batch to wherever the schedule put its ``W``: the end of the step, in
+Chimera + zero bubble).
 """
 
 from __future__ import annotations
@@ -42,5 +45,5 @@ def graph_effect(action: Action, halved: Collection[int]) -> GraphEffect:
     if action.kind == "B":
         return GraphEffect(action.stage, walks=key, frees=key, input_gradient=not first, weight_gradient=True)
     if action.kind == "I":
-        return GraphEffect(action.stage, walks=() if first else key, input_gradient=not first)
+        return GraphEffect(action.stage, walks=key, input_gradient=not first)
     return GraphEffect(action.stage, walks=key, frees=key, input_gradient=False, weight_gradient=True)
