@@ -4,6 +4,7 @@ plain logger (read back from the offline run file); failures and stalls surface 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,8 +28,13 @@ def test_rows_reach_the_offline_run_in_order(tmp_path: Path) -> None:
         logger.finalize("success")
     finally:
         wandb.finish()
-    (run,) = find_offline_runs(tmp_path)
-    rows = [r for r in run.history if "train/lr" in r]
+    deadline = time.monotonic() + 60  # W&B's service may still be writing the run file when finish() returns
+    while True:
+        (run,) = find_offline_runs(tmp_path)
+        rows = [r for r in run.history if "train/lr" in r]
+        if len(rows) >= 30 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert [r["trainer/global_step"] for r in rows] == list(range(30))
     assert [r["train/loss"] for r in rows] == [100.0 - s for s in range(30)]
     assert run.config["lr"] == 0.5 and run.summary["done"] == 1
