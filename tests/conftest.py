@@ -29,6 +29,10 @@ DURATIONS = Path(__file__).with_name("durations.json")  # scripts/test_durations
 SLOW_TEST_S = 20.0  # a file missing from it: this per multi-process or end-to-end test, else nothing
 
 
+def _file_of(item: pytest.Item) -> str:
+    return Path(item.nodeid.split("::")[0]).as_posix()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The longest files first, each file's tests in their own order: pytest-xdist hands whole files to
     its workers in this order, so the long ones start early and no worker is left with one at the end
@@ -37,16 +41,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     estimate: dict[str, float] = {}
     for item in items:
-        name = Path(item.nodeid.split("::")[0]).as_posix()
+        name = _file_of(item)
         if name in recorded:
             estimate[name] = recorded[name]
         else:
             estimate[name] = estimate.get(name, 0.0) + SLOW_TEST_S * bool(item.get_closest_marker("slow"))
-    first = {name: i for i, name in enumerate(dict.fromkeys(Path(item.nodeid.split("::")[0]).as_posix()
-                                                               for item in items))}
-
-    def key(item: pytest.Item) -> tuple[float, int]:
-        name = Path(item.nodeid.split("::")[0]).as_posix()
-        return -estimate[name], first[name]
-
-    items.sort(key=key)
+    first = {name: i for i, name in enumerate(dict.fromkeys(map(_file_of, items)))}
+    items.sort(key=lambda item: (-estimate[_file_of(item)], first[_file_of(item)]))
