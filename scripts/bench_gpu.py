@@ -699,13 +699,12 @@ def markdown_table(record: dict[str, Any], again: dict[str, Any] | None = None) 
     def status(r: dict[str, Any]) -> str:
         return "" if r["status"] == "ok" else r["status"].split(":")[0] if again else r["status"]
 
-    second = {} if again is None else {(r["model"], r["micro_batch"], r["system"], r["mode"]): r
-                                       for r in again["rows"]}
+    second = {} if again is None else {_row_key(r): r for r in again["rows"]}
     head = ("| model | micro-batch | system | mode | tokens/s |" + (" run 2 |" if again else "")
             + " MFU % | step ms | forward ms | backward ms | peak reserved GiB | status |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in record["rows"]:
-        other = second.get((r["model"], r["micro_batch"], r["system"], r["mode"]), {})
+        other = second.get(_row_key(r), {})
         lines.append(f"| {r['model']} | {r['micro_batch']} | {r['system']} | {r['mode']} "
                      f"| {num(r.get('tokens_per_s'), 1, 0)} "
                      + (f"| {num(other.get('tokens_per_s'), 1, 0)} " if again else "")
@@ -733,12 +732,15 @@ class Target:
         return value >= bound if self.goal.startswith(">=") else value <= bound
 
 
+def _row_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    """What names a row in a record: model, micro-batch ("4x4"), system and mode."""
+    return row["model"], row["micro_batch"], row["system"], row["mode"]
+
+
 def _row(record: dict[str, Any], model: str, micro_batch: str, system: str, mode: str) -> dict[str, Any] | None:
-    for r in record["rows"]:
-        if (r["model"], r["micro_batch"], r["system"], r["mode"], r["status"]) == (model, micro_batch, system,
-                                                                                     mode, "ok"):
-            return r
-    return None
+    """The row so named, if it ran."""
+    return next((r for r in record["rows"] if _row_key(r) == (model, micro_batch, system, mode)
+                 and r["status"] == "ok"), None)
 
 
 def fastest_stage_mode(record: dict[str, Any], model: str, micro_batch: str) -> str | None:
