@@ -412,3 +412,24 @@ def test_emulated_stage_charges_a_split_backward_as_the_simulator(monkeypatch: p
     assert charged(lambda: out.backward()) == [2.0]
     with pytest.raises(ValueError, match="t_w <= t_b"):
         emulated.EmulatedStage(t_f=1.0, t_b=1.0, param_numel=8, micro_batch_size=1, t_w=2.0)
+
+
+def _rank_of(rank: int, world: int) -> int:
+    return rank
+
+
+def test_run_world_starts_again_on_another_port_when_its_port_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``free_port`` only finds a port that was free: a parallel process may take it before rank 0 listens
+    (seen once under pytest-xdist). Nothing ran then, so the world starts again on a new port."""
+    import socket
+
+    import pipeline_recipes.strategies.spawn as spawn
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken, ports = held.getsockname()[1], []
+        real = spawn.free_port
+        monkeypatch.setattr(spawn, "free_port", lambda: ports.append(1) or (taken if len(ports) == 1 else real()))
+        assert run_world(2, _rank_of, timeout=120) == [0, 1]
+    assert len(ports) == 2

@@ -42,8 +42,12 @@ def _entry(
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device_id = torch.device("cuda", rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120),
-                            device_id=device_id)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120),
+                                device_id=device_id)
+    except BaseException:  # before fn ran: run_world may start the world again on another port
+        queue.put((rank, "init", traceback.format_exc()))
+        raise
     try:
         queue.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:  # report, then let the others time out
@@ -62,6 +66,23 @@ def run_world(
     """Spawn ``world_size`` ranks running ``fn(rank, world_size, *args)``; return results by rank."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    for attempt in range(PORT_ATTEMPTS):
+        results, errors = _run_once(world_size, fn, args, timeout, threads, backend)
+        # free_port() only finds a port that was free: another process (a parallel test worker) may take it
+        # before rank 0 listens; nothing ran yet then, so the world starts again on another port
+        if not (errors and any(PORT_TAKEN in e for e in errors)) or attempt == PORT_ATTEMPTS - 1:
+            break
+    if errors:
+        raise WorldError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+PORT_ATTEMPTS = 3
+PORT_TAKEN = "EADDRINUSE"  # in the rendezvous error of a rank whose port another process took
+
+
+def _run_once(world_size: int, fn: Callable, args: tuple, timeout: float, threads: int,
+              backend: str) -> tuple[dict[int, Any], list[str]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -78,9 +99,7 @@ def run_world(
             p.join(timeout=2 if errors else 30)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise WorldError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return results, errors
 
 
 def _collect(queue: Any, procs: list, timeout: float) -> tuple[dict[int, Any], list[str]]:
@@ -99,12 +118,14 @@ def _collect(queue: Any, procs: list, timeout: float) -> tuple[dict[int, Any], l
         reported.add(rank)
         if status == "ok":
             results[rank] = value
-        else:
+        else:  # "error" (fn raised) or "init" (the process group did not start)
             errors.append(f"rank {rank}:\n{value}")
         return True
 
     while len(reported) < len(procs):
         if take(min(1.0, max(deadline - time.monotonic(), 0.01))):
+            if any(PORT_TAKEN in e for e in errors):  # the world never started: the others wait in vain
+                break
             continue
         dead = {r: p.exitcode for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)}
         if dead:  # its last report may still be in flight: a short grace, then stop
