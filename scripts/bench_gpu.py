@@ -775,10 +775,19 @@ def _ratios(record: dict[str, Any], model: str, fast_mode: str | None) -> dict[T
     }
 
 
+def speed_bound(record: dict[str, Any], model: str) -> float | None:
+    """The most tokens/s any row of ``model`` reached (any system, mode or micro-batch) ÷ the 4 x 4 eager
+    stage's: what a 4 x 4 step could gain if it ran at the record's best efficiency on this GPU, an upper
+    bound for the "÷ stage eager" target (not a target itself)."""
+    eager = _row(record, model, "4x4", "stage", "eager")
+    best = [r["tokens_per_s"] for r in record["rows"] if r["model"] == model and r["status"] == "ok"]
+    return None if eager is None or not best else max(best) / eager["tokens_per_s"]
+
+
 def target_table(record: dict[str, Any], again: dict[str, Any] | None = None) -> str:
     """The targets of every model in ``record`` as a markdown table; with ``again`` (a second run of the
     same command) each value from both runs and the run-to-run spread of the 4 x 4 stage row the targets
-    read (|a - b| ÷ the smaller, goal <= 0.05)."""
+    read (|a - b| ÷ the smaller, goal <= 0.05); last, each model's :func:`speed_bound` (goal and met: "-")."""
     head = "| model | micro-batch | target | goal | run 1 |" + (" run 2 |" if again else "") + " met |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
@@ -802,6 +811,9 @@ def target_table(record: dict[str, Any], again: dict[str, Any] | None = None) ->
             met = spread is not None and spread <= 0.05
             lines.append(f"| {model} | 4x4 | stage {fast_mode}: run-to-run spread of tokens/s | <= 0.05 | "
                          f"{cell(spread)} | | {'yes' if met else 'no'} |")
+        bounds = [speed_bound(record, model)] + ([speed_bound(again, model)] if again else [])
+        lines.append(f"| {model} | 4x4 | bound: the most tokens/s of any row ÷ stage eager | - | "
+                     + " | ".join(cell(b) for b in bounds) + " | - |")
     return "\n".join(lines)
 
 

@@ -261,7 +261,8 @@ def test_targets_table_reads_the_ratios_of_the_rows_and_the_spread_of_two_runs()
     """Hand-computed: 16 x 1 stage/hand-written 90/100 = 0.900 (< 0.95: not met) and memory 105/100 = 1.050;
     at 4 x 4 the fastest stage row is the graph row (300; the out-of-memory row is ignored), 300/200 = 1.500
     of the hand-written compiled row and 300/100 = 3.000 of the eager stage, forward/backward 1/4 = 0.250;
-    the second run's graph row 330: spread 30/300 = 0.100 (> 0.05: not met)."""
+    the second run's graph row 330: spread 30/300 = 0.100 (> 0.05: not met). The bound: the most tokens/s
+    of any row that ran (300, then 330; not the out-of-memory row's) ÷ the eager stage's 100."""
     def record(graphs: float) -> dict:
         return {"models": {"m": {}}, "rows": [
             _bench_row("16x1", "stage", "eager", 90, peak=105), _bench_row("16x1", "handwritten", "eager", 100, peak=100),
@@ -281,8 +282,10 @@ def test_targets_table_reads_the_ratios_of_the_rows_and_the_spread_of_two_runs()
     assert "| m | 4x4 | stage compiled+cuda_graphs ÷ stage eager, tokens/s | >= 1.4 | 3.000 | 3.300 | yes |" in lines
     assert "| m | 4x4 | stage compiled+cuda_graphs: forward ÷ backward | <= 0.6 | 0.250 | 0.250 | yes |" in lines
     assert "| m | 4x4 | stage compiled+cuda_graphs: run-to-run spread of tokens/s | <= 0.05 | 0.100 | | no |" in lines
+    assert "| m | 4x4 | bound: the most tokens/s of any row ÷ stage eager | - | 3.000 | 3.300 | - |" in lines
     one_run = bench_gpu.target_table(record(300)).splitlines()
-    assert one_run[0] == "| model | micro-batch | target | goal | run 1 | met |" and len(one_run) == 2 + 6
+    assert one_run[0] == "| model | micro-batch | target | goal | run 1 | met |" and len(one_run) == 2 + 6 + 1
+    assert one_run[-1] == "| m | 4x4 | bound: the most tokens/s of any row ÷ stage eager | - | 3.000 | - |"
 
 
 def test_the_committed_gpu_records_are_two_runs_of_one_command() -> None:
