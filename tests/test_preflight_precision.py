@@ -218,6 +218,7 @@ def test_cuda_graph_pools_are_predicted_as_measured_on_one_h200() -> None:
 def test_a_refusal_with_cuda_graphs_counts_their_pools_and_suggests_what_they_can_run() -> None:
     """The message names the pools; every suggested layout can run with ``strategy.cuda_graphs=true`` (no
     recomputation, no split backward, synchronous) and is predicted with its pools."""
+    from pipeline_recipes.planner.costs import format_bytes
     from pipeline_recipes.planner.preflight import PreflightError, candidate_from_config, predict_layout, preflight
     from pipeline_recipes.strategies.cuda_graph_rules import cuda_graphs_error
     from pipeline_recipes.strategies.schedules import get_spec
@@ -242,3 +243,33 @@ def test_a_refusal_with_cuda_graphs_counts_their_pools_and_suggests_what_they_ca
         assert cuda_graphs_error(True, get_spec(name), settings["strategy.recompute"], schedule) is None, line
         report = predict_layout(cfg_s, layout_s)
         assert report["cuda_graph_pools_bytes"] > 0 and max(report["predicted_peak_bytes_per_rank"]) <= max(need) * 0.9
+    # this layout fits once its pools are gone: the message says so, with the peak predicted without them
+    cfg_e, layout_e = _config((*overrides[:-1], "strategy.cuda_graphs=false"))
+    eager = max(predict_layout(cfg_e, layout_e)["predicted_peak_bytes_per_rank"])
+    assert eager <= max(need) * 0.9
+    assert (f"without CUDA graphs this layout is predicted to fit (peak {format_bytes(eager)}/rank): "
+            "strategy.cuda_graphs=false") in message.splitlines()
+
+
+def test_a_refusal_that_no_layout_with_cuda_graphs_fits_lists_layouts_without_them() -> None:
+    """A budget below every layout that CUDA graphs can run, but above some without them (recomputation,
+    split backwards, or no pools): the message says so and lists those, each predicted to fit, pools-free."""
+    from pipeline_recipes.planner.preflight import PreflightError, predict_layout, preflight
+
+    overrides = ("trainer=gpu", "trainer.devices=4", "model=gpt2-tiny", "strategy=dapple", "strategy.D=2",
+                 "strategy.micro_batch_size=4", "data.global_batch_size=32", "logger=none")
+    cfg_e, layout_e = _config((*overrides, "strategy.cuda_graphs=false"))
+    budget = int(0.6 * max(predict_layout(cfg_e, layout_e)["predicted_peak_bytes_per_rank"]))
+    cfg, layout = _config((*overrides, "strategy.cuda_graphs=true"))
+    with pytest.raises(PreflightError) as err:
+        preflight(cfg, layout, budget_bytes=budget)
+    lines = str(err.value).splitlines()
+    assert any(line.startswith("no layout of 4 processes with global batch 32 with strategy.cuda_graphs=true is "
+                               "predicted to fit") for line in lines), lines
+    assert "without CUDA graphs, layouts predicted to fit:" in lines
+    suggested = [line.split("#")[0].split() for line in lines if line.startswith("  strategy=")]
+    assert suggested
+    for line in suggested:
+        assert line[-1] == "strategy.cuda_graphs=false", line
+        report = predict_layout(*_config((*overrides, *line)))
+        assert report["cuda_graph_pools_bytes"] == 0 and max(report["predicted_peak_bytes_per_rank"]) <= budget, line

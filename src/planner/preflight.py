@@ -137,9 +137,29 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
         lines.append("layouts of the same devices and global batch predicted to fit (Hydra overrides):")
         lines += [f"  {' '.join(c.overrides())}   # peak {format_bytes(peak)}/rank" for c, peak in options]
     else:
-        lines.append(f"no layout of {cand.world_size} processes with global batch {cand.global_batch_size} is "
-                     "predicted to fit: add devices, lower data.global_batch_size or use a smaller model.")
+        graphs = " with strategy.cuda_graphs=true" if cand.cuda_graphs else ""
+        lines.append(f"no layout of {cand.world_size} processes with global batch {cand.global_batch_size}{graphs} "
+                     "is predicted to fit: add devices, lower data.global_batch_size or use a smaller model.")
+    if cand.cuda_graphs:
+        lines += _without_graphs(costs, cand, budget, per_node, keep_sends, max_options if not options else 0)
     raise PreflightError("\n".join(lines))
+
+
+def _without_graphs(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int, keep_sends: bool,
+                    limit: int) -> list[str]:
+    """What ``strategy.cuda_graphs=false`` would fit, so that a refusal never leaves the graphs' pools an
+    unstated way out: this layout, if only its pools do not fit; else up to ``limit`` layouts without them."""
+    eager = replace(cand, cuda_graphs=False)
+    mem = predict_memory(costs, eager, keep_sends=keep_sends)
+    if budget.fits(mem.per_rank, per_node):
+        return [f"without CUDA graphs this layout is predicted to fit (peak {format_bytes(mem.max_rank)}/rank): "
+                "strategy.cuda_graphs=false"]
+    options = _fitting_options(costs, eager, budget, per_node, keep_sends, limit) if limit else []
+    if not options:
+        return []
+    return (["without CUDA graphs, layouts predicted to fit:"]
+            + [f"  {' '.join(c.overrides())} strategy.cuda_graphs=false   # peak {format_bytes(peak)}/rank"
+               for c, peak in options])
 
 
 def _states_bound(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int) -> float:
