@@ -30,7 +30,10 @@ at 16 samples per step split as micro-batch 16 × 1 and 4 × 4, in one process a
   the frequencies of the transformers model, so Llama 3's scaling too), SwiGLU (Shazeer, "GLU Variants
   Improve Transformer", §2) and RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", §4);
   its loss is the stage's chunked one (same ``loss_chunk_tokens``), so the two differ in their blocks
-  only. ``eager``; ``compiled``: each block through its own ``torch.compile`` (same backend).
+  only. ``eager``; ``compiled``: each block through its own ``torch.compile`` (same backend);
+  ``eager+whole_logits`` (4 × 4 only): eager with the loss over the whole micro-batch's logits
+  (``loss_chunk_tokens=null``), so ``eager`` ÷ it is the chunked loss's price in time (its head product
+  done twice) and its memory what the chunks save.
   ``tests/test_gpu_check.py`` checks on the CPU that it computes the transformers model's loss and gradients.
 
 Compiling happens in a compiled row's warm-up steps (at least ``COMPILE_WARMUP``, also under ``--tiny``),
@@ -97,6 +100,10 @@ NEEDS_CUDA = "needs CUDA: CUDA graphs replay on a GPU only"
 NOT_LAUNCH_BOUND = ("not measured at 16 x 1: its CUDA graph pool would keep a second copy of a 16-sample "
                     "micro-batch's activations beside the other rows'")
 CUDA_GRAPHS_MAX_MICRO_BATCH = 4  # the graph rows run the small micro-batches only
+WHOLE_LOGITS = "eager+whole_logits"  # the hand-written model with the loss over the whole logits
+WHOLE_LOGITS_MAX_MICRO_BATCH = 4
+WHOLE_LOGITS_TOO_LARGE = ("not measured at 16 x 1: the fp32 logits of a 16-sample micro-batch are what the "
+                          "transformers row runs out of memory on")
 CUDA_GRAPHS_WARMUP = 3  # warm-up steps of a CUDA graph row at least: records, captures (and compiles), replays
 COMPILE_BACKEND = "inductor"  # torch.compile's default, as model.compile uses it
 COMPILE_WARMUP = 2  # warm-up steps of a compiled row at least: the first compiles, the second runs the graphs
@@ -574,6 +581,10 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int,
                         _loop_step(hand_loss(hand_blocks), batches, optimizer, autocast, device)
                         if hand_blocks is not None else None,
                         "ok" if hand_blocks is not None else not_compiled, min_warmup=COMPILE_WARMUP))
+        whole = mbs <= WHOLE_LOGITS_MAX_MICRO_BATCH
+        rows.append(Row(name, mbs, n, "handwritten", WHOLE_LOGITS,
+                        _loop_step(lambda x: handwritten_loss(hand, x, None), batches, optimizer, autocast, device)
+                        if whole else None, "ok" if whole else WHOLE_LOGITS_TOO_LARGE))
     graphs_in_rounds = _measure([r for r in rows if r not in graph_rows], device, params, warmup, rounds)
     # the CUDA graph rows after the others: their memory pools stay allocated while they are measured
     graphs_in_rounds += _measure(graph_rows, device, params, warmup, rounds)

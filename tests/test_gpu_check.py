@@ -145,12 +145,16 @@ def test_gpu_benchmark_rows_run_on_tiny_models_on_the_cpu(tmp_path: Path) -> Non
             mine = {(r["system"], r["mode"]): r for r in rows
                     if r["model"] == model and r["micro_batch"] == micro_batch}
             assert set(mine) == {("stage", m) for m in bench_gpu.STAGE_MODES} | {
-                ("transformers", "eager"), ("handwritten", "eager"), ("handwritten", "compiled")}
+                ("transformers", "eager"), ("handwritten", "eager"), ("handwritten", "compiled"),
+                ("handwritten", bench_gpu.WHOLE_LOGITS)}
+            whole = mine[("handwritten", bench_gpu.WHOLE_LOGITS)]
+            assert whole["status"] == ("ok" if micro_batch == "4x4" else bench_gpu.WHOLE_LOGITS_TOO_LARGE)
             for mode in ("eager+cuda_graphs", "compiled+cuda_graphs"):  # CUDA graphs replay on a GPU only
                 assert mine[("stage", mode)]["status"] == bench_gpu.NEEDS_CUDA
                 assert "tokens_per_s" not in mine[("stage", mode)]
-            for key in (("stage", "eager"), ("stage", "compiled"), ("transformers", "eager"),
-                        ("handwritten", "eager"), ("handwritten", "compiled")):
+            ran = [("stage", "eager"), ("stage", "compiled"), ("transformers", "eager"), ("handwritten", "eager"),
+                   ("handwritten", "compiled")] + ([("handwritten", bench_gpu.WHOLE_LOGITS)] if micro_batch == "4x4" else [])
+            for key in ran:
                 row = mine[key]
                 assert row["status"] == "ok", row
                 assert len(row["times_s"]) == rounds
