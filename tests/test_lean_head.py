@@ -250,27 +250,52 @@ def test_the_whole_logits_are_never_saved_for_the_backward() -> None:
     assert sizes[32] < sizes[None] - logits_bytes  # at least one fp32 copy of the logits less
 
 
-def test_the_chunked_backward_allocates_less() -> None:
-    """The backward's peak allocation, from torch's CPU memory profiler, of one micro-batch."""
+def _allocation_peak(fn) -> tuple[object, int]:
+    """``fn()``'s result and the peak of the bytes it allocated (torch's CPU memory profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    live = peak = 0
+    for _, delta in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                           if e.name() == "[memory]"):
+        live += delta
+        peak = max(peak, live)
+    return out, peak
+
+
+def test_the_chunked_backward_allocates_less() -> None:
+    """The backward's peak allocation, from torch's CPU memory profiler, of one micro-batch."""
     vocab = 8192
     batch = {"input_ids": torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))}
     peaks = {}
     for chunk in (None, 32):
         model = build_model("gpt2-tiny", init_seed=0, vocab_size=vocab, loss_chunk_tokens=chunk)
         loss = sequential_loss(model, batch)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss.backward()
-        live = peak = 0
-        for _, delta in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                               if e.name() == "[memory]"):
-            live += delta
-            peak = max(peak, live)
-        peaks[chunk] = peak
+        peaks[chunk] = _allocation_peak(loss.backward)[1]
     logits_bytes = batch["input_ids"].numel() * vocab * 4
     assert peaks[None] >= logits_bytes  # the profiler sees the whole logits' gradient
     assert peaks[32] < peaks[None] - logits_bytes, peaks
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_transient_bytes_is_the_measured_peak_of_one_chunk(autocast: bool) -> None:
+    """What the pre-flight adds for the chunked loss (``transient_bytes``) against the larger of the
+    forward's and the backward's measured allocation peaks, less the backward's fp32 weight gradient and
+    input gradient (counted elsewhere); one chunk's logits dominate (vocabulary 8192, 256 tokens a chunk)."""
+    from pipeline_recipes.models.lm_loss import transient_bytes
+
+    tokens, hidden, vocab, chunk = 512, 16, 8192, 256
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    w = torch.randn(vocab, hidden, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss, forward = _allocation_peak(lambda: linear_cross_entropy(h, w, None, labels, chunk))
+    _, backward = _allocation_peak(lambda: loss.sum().backward())
+    backward -= (vocab + tokens) * hidden * 4
+    predicted = transient_bytes(tokens, vocab, hidden, chunk, 2 if autocast else 4)
+    assert abs(max(forward, backward) - predicted) <= 0.05 * predicted, (forward, backward, predicted)
 
 
 # --- the runtime's stage: split backward, recomputation ---------------------------------------------------

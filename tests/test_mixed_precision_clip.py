@@ -124,4 +124,4 @@ def test_baselines_and_pipelines_clip_alike_under_bf16(tmp_path: Path) -> None:
     for name in ("ddp", "gpipe", "dapple"):
         assert losses[name] == pytest.approx(reference, abs=BF16_LOSS_TOL), (name, losses)
     departure = max(abs(a - b) for a, b in zip(losses["unclipped"], reference))
-    assert departure > 10 * BF16_LOSS_TOL, losses  # clipping changed the updates
+    assert departure > 5 * BF16_LOSS_TOL, losses  # clipping changed the updates (in fp32: the 4th loss by 0.014)

@@ -123,7 +123,7 @@ def test_cpu_bf16_mixed_step_peak_within_ten_percent_of_the_prediction() -> None
                                                          f"predicted {predicted / 2**20:.0f} MiB"
     fp32 = predict_memory(estimate_costs(model_cfg, device="cpu"), Candidate("gpipe", 1, 1, B, 1),
                           keep_sends=True).max_rank
-    assert fp32 > 1.15 * measured  # the fp32 estimate, the pre-flight's before, is not within 10 %
+    assert fp32 - measured > 0.10 * fp32  # the fp32 estimate, the pre-flight's before, is not within 10 %
 
 
 def test_fitting_options_are_those_of_every_layout_in_order() -> None:

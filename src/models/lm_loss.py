@@ -11,10 +11,13 @@ are all the loss needs, and the backward can rebuild the softmax from the log-su
 * forward: per chunk, the logits ``h Wᵀ + b`` in the compute dtype (autocast's, else the input's),
   upcast to fp32, their log-sum-exp and the label's logit; kept for the backward are the hidden states,
   the labels and one fp32 log-sum-exp per token (the weight is the parameter itself, no copy);
-* backward: per chunk, the logits again, ``softmax - one_hot(label)`` scaled by the token's output
-  gradient, cast to the compute dtype (as autograd's cast of ``logits.float()`` would), then the input,
-  weight and bias gradients of that chunk. The weight and bias gradients are summed in fp32 and
-  returned once.
+* backward: per chunk, the logits again and ``softmax - one_hot(label)`` in the compute dtype (one
+  softmax kernel, fp32 inside, rounded once; the labels' entries from the fp32 log-sum-exp), then the
+  input, weight and bias gradients of that chunk with each token's output gradient applied to the
+  narrow side (the ``chunk × hidden`` input rows and input gradient, not the ``chunk × vocabulary``
+  softmax). The weight and bias gradients are summed in fp32 and returned once. Against the
+  elementwise passes of autograd's path (upcast, subtract, exponentiate, scale, downcast: about 36
+  bytes moved per logit), this moves about 8, which on a GPU is the head's memory-bound share.
 
 So at most one chunk's logits exist at a time, forward or backward, and the result equals
 ``F.cross_entropy(F.linear(h, W, b).float(), labels, ignore_index=-100, reduction="none")`` (fp32:
@@ -52,15 +55,16 @@ def check_chunk_tokens(value: Any, name: str = "model.loss_chunk_tokens") -> int
 
 
 def transient_bytes(tokens: int, vocab: int, hidden: int, chunk: int | None, itemsize: int) -> int:
-    """Bytes :func:`linear_cross_entropy`'s backward holds at its peak beyond what the forward saved, for
-    ``tokens`` tokens whose products run in a dtype of ``itemsize`` bytes: one chunk's logits in that
-    dtype, their fp32 softmax and the gradient cast back, and the weight's cast (none in fp32). The
-    fp32 weight gradient is not included (a memory model counts it as the layer's largest parameter).
-    ``chunk=None``: 0, the whole logits are saved tensors."""
+    """Bytes :func:`linear_cross_entropy` holds at its peak beyond its inputs and what the forward saved,
+    for ``tokens`` tokens whose products run in a dtype of ``itemsize`` bytes: 8 per logit of one chunk
+    (the forward's fp32 logits and ``logsumexp``'s fp32 temporary; the backward's logits and softmax in
+    that dtype, at most as many bytes), and the weight's cast (none in fp32). The fp32 weight gradient is
+    not included (a memory model counts it as the layer's largest parameter). ``chunk=None``: 0, the
+    whole logits are saved tensors."""
     if chunk is None:
         return 0
     cast = vocab * hidden * itemsize if itemsize != 4 else 0
-    return min(tokens, chunk) * vocab * (4 + 2 * itemsize) + cast
+    return min(tokens, chunk) * vocab * max(8, 2 * itemsize) + cast
 
 
 def compute_dtype(hidden: Tensor) -> torch.dtype:
@@ -93,6 +97,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             picked = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
             losses[start:start + chunk] = torch.where(valid, chunk_lse - picked, 0.0)
             lse[start:start + chunk] = chunk_lse
+            del logits  # before the next chunk's: one chunk's logits at a time
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.chunk, ctx.dtype = chunk, dtype
         return losses
@@ -116,16 +121,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             stop = start + ctx.chunk
             h, y = hidden[start:stop], labels[start:stop]
             valid = y != IGNORE_INDEX
-            g = _chunk_logits(h, w, bias).sub_(lse[start:stop].unsqueeze(1)).exp_()  # the softmax
-            g.scatter_add_(1, torch.where(valid, y, 0).unsqueeze(1), -valid.unsqueeze(1).to(g.dtype))
-            g.mul_(torch.where(valid, grad[start:stop].float(), 0.0).unsqueeze(1))
-            g = g.to(ctx.dtype)
+            target = torch.where(valid, y, 0).unsqueeze(1)
+            scale = torch.where(valid, grad[start:stop].float(), 0.0).unsqueeze(1)  # each token's output gradient
+            logits = F.linear(h, w, None if bias is None else bias.to(w.dtype))
+            label_p = torch.exp(logits.gather(1, target).float() - lse[start:stop].unsqueeze(1))
+            g = torch.softmax(logits, dim=-1)  # in fp32 inside the kernel, rounded once to the logits' dtype
+            del logits
+            g.scatter_(1, target, (label_p - 1).to(g.dtype))  # softmax - one_hot(label), unscaled
             if grad_h is not None:
-                grad_h[start:stop] = g @ w
+                grad_h[start:stop] = (g @ w).mul_(scale)
             if grad_w is not None:
-                grad_w.add_(g.t() @ h.to(ctx.dtype))
+                grad_w.add_(g.t() @ (h * scale).to(ctx.dtype))
             if grad_b is not None:
-                grad_b.add_(g.sum(0, dtype=torch.float32))
+                grad_b.add_((g.t() @ scale.to(g.dtype)).squeeze(1))
+            del g  # before the next chunk's logits
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
 
