@@ -9,10 +9,10 @@ are all the loss needs, and the backward can rebuild the softmax from the log-su
 :func:`linear_cross_entropy` does this with ordinary matrix products over chunks of ``chunk`` tokens:
 
 * forward: per chunk, the logits ``h Wᵀ + b`` in the compute dtype (autocast's, else the input's),
-  upcast to fp32, their log-sum-exp and the label's logit; kept for the backward are the hidden states,
-  the labels and one fp32 log-sum-exp per token (the weight is the parameter itself, no copy);
+  upcast to fp32, and their cross entropy (one log-softmax kernel); kept for the backward are the hidden
+  states, the labels and the fp32 losses (the weight is the parameter itself, no copy);
 * backward: per chunk, the logits again and ``softmax - one_hot(label)`` in the compute dtype (one
-  softmax kernel, fp32 inside, rounded once; the labels' entries from the fp32 log-sum-exp), then the
+  softmax kernel, fp32 inside, rounded once; the labels' entries ``exp(-loss) - 1`` in fp32), then the
   input, weight and bias gradients of that chunk with each token's output gradient applied to the
   narrow side (the ``chunk × hidden`` input rows and input gradient, not the ``chunk × vocabulary``
   softmax). The weight and bias gradients are summed in fp32 and returned once. Against the
@@ -57,8 +57,8 @@ def check_chunk_tokens(value: Any, name: str = "model.loss_chunk_tokens") -> int
 def transient_bytes(tokens: int, vocab: int, hidden: int, chunk: int | None, itemsize: int) -> int:
     """Bytes :func:`linear_cross_entropy` holds at its peak beyond its inputs and what the forward saved,
     for ``tokens`` tokens whose products run in a dtype of ``itemsize`` bytes: 8 per logit of one chunk
-    (the forward's fp32 logits and ``logsumexp``'s fp32 temporary; the backward's logits and softmax in
-    that dtype, at most as many bytes), and the weight's cast (none in fp32). The fp32 weight gradient is
+    (the forward's fp32 logits and their fp32 log-softmax; the backward's logits and softmax in that
+    dtype, at most as many bytes), and the weight's cast (none in fp32). The fp32 weight gradient is
     not included (a memory model counts it as the layer's largest parameter). ``chunk=None``: 0, the
     whole logits are saved tensors."""
     if chunk is None:
@@ -76,7 +76,8 @@ def compute_dtype(hidden: Tensor) -> torch.dtype:
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return F.linear(h, weight, None if bias is None else bias.to(weight.dtype)).float()
+    """One chunk's logits in ``weight``'s dtype (the compute dtype)."""
+    return F.linear(h, weight, None if bias is None else bias.to(weight.dtype))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -87,31 +88,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dtype: torch.dtype) -> Tensor:
         n = hidden.shape[0]
         losses = hidden.new_empty(n, dtype=torch.float32)
-        lse = hidden.new_empty(n, dtype=torch.float32)
         w = weight.to(dtype)
         for start in range(0, n, chunk):
             h, y = hidden[start:start + chunk], labels[start:start + chunk]
-            logits = _chunk_logits(h, w, bias)
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            valid = y != IGNORE_INDEX
-            picked = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
-            losses[start:start + chunk] = torch.where(valid, chunk_lse - picked, 0.0)
-            lse[start:start + chunk] = chunk_lse
+            logits = _chunk_logits(h, w, bias).float()
+            losses[start:start + chunk] = F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="none")
             del logits  # before the next chunk's: one chunk's logits at a time
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.save_for_backward(hidden, weight, bias, labels, losses)
         ctx.chunk, ctx.dtype = chunk, dtype
         return losses
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        hidden, weight, bias, labels, losses = ctx.saved_tensors
         with torch.autocast(hidden.device.type, enabled=False):  # a backward run inside autocast casts nothing
-            return _LinearCrossEntropy._backward(ctx, grad, hidden, weight, bias, labels, lse)
+            return _LinearCrossEntropy._backward(ctx, grad, hidden, weight, bias, labels, losses)
 
     @staticmethod
     def _backward(ctx: Any, grad: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-                  lse: Tensor) -> tuple[Tensor | None, ...]:
+                  losses: Tensor) -> tuple[Tensor | None, ...]:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         w = weight.to(ctx.dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -123,10 +119,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             valid = y != IGNORE_INDEX
             target = torch.where(valid, y, 0).unsqueeze(1)
             scale = torch.where(valid, grad[start:stop].float(), 0.0).unsqueeze(1)  # each token's output gradient
-            logits = F.linear(h, w, None if bias is None else bias.to(w.dtype))
-            label_p = torch.exp(logits.gather(1, target).float() - lse[start:stop].unsqueeze(1))
-            g = torch.softmax(logits, dim=-1)  # in fp32 inside the kernel, rounded once to the logits' dtype
-            del logits
+            label_p = torch.exp(-losses[start:stop]).unsqueeze(1)  # the label's probability, from the fp32 loss
+            g = torch.softmax(_chunk_logits(h, w, bias), dim=-1)  # in fp32 inside the kernel, rounded once
             g.scatter_(1, target, (label_p - 1).to(g.dtype))  # softmax - one_hot(label), unscaled
             if grad_h is not None:
                 grad_h[start:stop] = (g @ w).mul_(scale)
