@@ -40,7 +40,8 @@ QUICK = {"plan gpt2-tiny": [*PLAN, "{tmp}/plan.json", "model=gpt2-tiny", "--reps
 def time_command(name: str, command: list[str]) -> dict[str, Any]:
     """Run ``command`` from the repository root with an empty cache: its wall and CPU seconds (user +
     system, its reaped children included), peak resident set (``wait4``'s: the largest of the process
-    and its reaped children) and exit status."""
+    and its reaped children; Linux counts the caller's own peak there too, carried across ``exec``, so
+    call this from a small process, as :func:`main` runs) and exit status."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = [part.format(tmp=tmp) for part in command]
         env = {**os.environ, "PIPELINE_RECIPES_CACHE": tmp}

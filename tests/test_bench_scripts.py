@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
 
 import bench_e2e  # noqa: E402
 import bench_planner  # noqa: E402
@@ -90,11 +91,19 @@ def test_the_committed_record_re_derives_from_its_per_round_times() -> None:
 
 def test_planner_timer_reports_a_childs_own_cpu_memory_and_cache() -> None:
     """A child that burns CPU and holds 200 MB: its CPU seconds and peak RSS (``wait4``), its exit status,
-    and the empty cache directory it was given (the planner must measure, not read a cache)."""
+    and the empty cache directory it was given (the planner must measure, not read a cache). The timer
+    runs in a fresh process, as ``bench_planner.py`` does: Linux carries the caller's own peak into the
+    child's across ``exec``, and this test's process may hold more than a GiB."""
+    import subprocess
+
     code = ("import os, time\nx = bytearray(200 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\n"
             "t = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
             "print(sorted(os.listdir(os.environ['PIPELINE_RECIPES_CACHE'])))\nraise SystemExit(3)")
-    row = bench_planner.time_command("probe", [sys.executable, "-c", code])
+    timer = (f"import json, sys; sys.path.insert(0, {str(SCRIPTS)!r}); import bench_planner; "
+             f"print(json.dumps(bench_planner.time_command('probe', [sys.executable, '-c', {code!r}])))")
+    result = subprocess.run([sys.executable, "-c", timer], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout.strip().splitlines()[-1])
     assert row["returncode"] == 3 and row["cpu_s"] >= 0.3 and row["wall_s"] >= row["cpu_s"] - 0.1
     assert 200 * 2**20 <= row["peak_rss_bytes"] < 2**30
     assert row["last_lines"][-1] == "['output.txt']"  # only the timer's own log: an empty cache
