@@ -5,7 +5,7 @@ and its gradient, those are the largest tensors of a training step (the Chimera 
 micro-batch of 16 × 632 tokens over 50,257 words: 2 GB of logits, as much again for their gradient).
 "Cut Your Losses in Large-Vocabulary Language Models" (Wijmans et al., ICLR 2025, §4) computes the
 loss without ever holding them: each token's log-sum-exp over the vocabulary and its label's logit
-are all the loss needs, and the backward can rebuild the softmax from the log-sum-exp.
+are all the loss needs, and the backward can rebuild the softmax a block at a time.
 :func:`linear_cross_entropy` does this with ordinary matrix products over chunks of ``chunk`` tokens:
 
 * forward: per chunk, the logits ``h Wᵀ + b`` in the compute dtype (autocast's, else the input's),
