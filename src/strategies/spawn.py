@@ -70,7 +70,7 @@ def run_world(
         results, errors = _run_once(world_size, fn, args, timeout, threads, backend)
         # free_port() only finds a port that was free: another process (a parallel test worker) may take it
         # before rank 0 listens; nothing ran yet then, so the world starts again on another port
-        if not (errors and any(PORT_TAKEN in e for e in errors)) or attempt == PORT_ATTEMPTS - 1:
+        if not _port_taken(errors) or attempt == PORT_ATTEMPTS - 1:
             break
     if errors:
         raise WorldError("\n".join(errors))
@@ -79,6 +79,10 @@ def run_world(
 
 PORT_ATTEMPTS = 3
 PORT_TAKEN = "EADDRINUSE"  # in the rendezvous error of a rank whose port another process took
+
+
+def _port_taken(errors: list[str]) -> bool:
+    return any(PORT_TAKEN in e for e in errors)
 
 
 def _run_once(world_size: int, fn: Callable, args: tuple, timeout: float, threads: int,
@@ -124,7 +128,7 @@ def _collect(queue: Any, procs: list, timeout: float) -> tuple[dict[int, Any], l
 
     while len(reported) < len(procs):
         if take(min(1.0, max(deadline - time.monotonic(), 0.01))):
-            if any(PORT_TAKEN in e for e in errors):  # the world never started: the others wait in vain
+            if _port_taken(errors):  # the world never started: the others wait in vain
                 break
             continue
         dead = {r: p.exitcode for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)}
