@@ -19,6 +19,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import pipeline_recipes.recipe  # noqa: F401 - registers the config's resolvers (recipe/resolvers.py)
+
 AUTO = "strategy=auto"
 CONFIG_PATH, CONFIG_NAME = "conf", "config"  # as in @hydra.main below
 
@@ -131,32 +133,53 @@ def unknown_key_message(cfg: DictConfig, key: str, line: str) -> str | None:
     return f"{key} is not {where}; {hint} (to add a new key on purpose, write +{line})"
 
 
-def check_setting_keys(argv: list[str]) -> None:
+def check_setting_keys(argv: list[str]) -> DictConfig | None:
     """A key that no config of the command line has (``model.n_layr=4``, a misspelling of ``n_layer``)
     stops with the key it resembles and exit status 2, instead of Hydra's advice to append it: every
     override is tried against the composed config first (each option of a swept config group too).
-    Anything else that fails to compose is left to Hydra's own message."""
+    Anything else that fails to compose is left to Hydra's own message. Returns the composed config (each
+    sweep at its first value, with the ``hydra`` node), or None."""
     try:
-        message = _unknown_key(argv)
+        message, cfg = _unknown_key(argv)
     except (Exception, SystemExit):  # a command line Hydra itself refuses: its own message follows
-        return
+        return None
     if message is not None:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+    return cfg
 
 
-def _unknown_key(argv: list[str]) -> str | None:
+def check_output_space(cfg: DictConfig | None, argv: list[str]) -> None:
+    """The job's output directory (``hydra.run.dir``, or ``hydra.sweep.dir`` with ``-m``) is on a file system
+    with space left: Hydra writes its ``.hydra`` files there before any of ours, and would fail in a traceback."""
+    from pipeline_recipes.core.disk import LOW_SPACE_BYTES, free_bytes, no_space_message
+
+    if cfg is None:
+        return
+    key = "hydra.sweep.dir" if "-m" in argv or "--multirun" in argv else "hydra.run.dir"
+    try:
+        out = OmegaConf.select(cfg, key)
+    except Exception:  # an interpolation only Hydra's run resolves: it checks its own directory then
+        return
+    free = free_bytes(out) if out else None
+    if free is not None and free < LOW_SPACE_BYTES:
+        print(f"error: {no_space_message(out, f'cannot write the job directory ({key})')}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _unknown_key(argv: list[str]) -> tuple[str | None, DictConfig | None]:
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     with contextlib.redirect_stderr(io.StringIO()):
         args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.info is not None or args.shell_completion:
-        return None
+        return None, None
     base, sweeps = _probe(OverridesParser.create().parse_overrides(args.overrides))
     cfg, message = _compose_or_explain(args, base)
     if cfg is None:
-        return message
+        return message, None
+    composed = cfg
     groups = set(OmegaConf.select(cfg, "hydra.runtime.choices", default=None) or {})
     for index, values in sweeps:  # an option of a swept config group decides which keys exist
         if base[index][1].key_or_group not in groups:
@@ -165,8 +188,8 @@ def _unknown_key(argv: list[str]) -> str | None:
             probe = [*base[:index], (f"{base[index][1].get_key_element()}={value}", base[index][1]), *base[index + 1:]]
             cfg, message = _compose_or_explain(args, probe)
             if cfg is None:
-                return message
-    return None
+                return message, None
+    return None, composed
 
 
 def _compose_or_explain(args: Any, probe: list[tuple[str, Any]]) -> tuple[DictConfig | None, str | None]:
@@ -205,6 +228,7 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     check_launcher_plugin(sys.argv[1:])
-    check_setting_keys(sys.argv[1:])
+    composed = check_setting_keys(sys.argv[1:])
+    check_output_space(composed, sys.argv[1:])
     sys.argv[1:] = resolve_auto_strategy(sys.argv[1:])
     main()

@@ -149,13 +149,13 @@ def stop_by_sigterm(out: Path, schedule: str, signalled_rank: int) -> None:
     trainer = pl.Trainer(**{**trainer_kwargs(None, "32-true"), "max_steps": 6, "max_epochs": 3}, strategy=strategy,
                          devices=2, callbacks=[SignalAfterFirstStep()])
     train, val = loaders()
-    stopped_by = None
+    stopped_by, code = None, None
     try:
         trainer.fit(UserModule(), train_dataloaders=train, val_dataloaders=val)
-    except SIGTERMException as stop:
-        stopped_by = type(stop).__name__
+    except SIGTERMException as stop:  # Lightning's own type, with the exit status of a stop
+        stopped_by, code = type(stop).__name__, stop.code
     result = {"global_rank": trainer.global_rank, "world_size": trainer.world_size, "finished_steps": finished,
-              "stopped_by": stopped_by, "received_sigterm": trainer.received_sigterm,
+              "stopped_by": stopped_by, "exit_code": code, "received_sigterm": trainer.received_sigterm,
               "process_group_alive": torch.distributed.is_initialized()}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))

@@ -77,7 +77,7 @@ def _save_two_stages(module: PipelineModule, optimizer: torch.optim.Optimizer, p
             "has_optimizer_states": True, "index": index.as_dict()}
     return ckpt.save_sharded(path, rank=0, payloads=payloads, meta=meta,
                              trainer_state={"global_step": 2, "model_config": module.model_config},
-                             write_trainer_state=lambda s, p: torch.save(dict(s), p), barrier=lambda: None)
+                             write_trainer_state=lambda s, p: torch.save(dict(s), p), any_failed=lambda failed: failed)
 
 
 def _drop(module: PipelineModule, keep: set[int]) -> PipelineModule:

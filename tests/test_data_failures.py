@@ -123,7 +123,7 @@ def test_a_rank_that_raises_after_launch_is_named_by_its_first_exception(tmp_pat
     env = _env(tmp_path, HF_HUB_OFFLINE="1", PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     result = _train(tmp_path, "strategy=gpipe", "trainer.devices=2", "data.global_batch_size=4",
                     "data._target_=failing_data.build", env=env, timeout=120)
-    cause = "rank 1 raised FileNotFoundError: simulated: rank 1 cannot read corpus.txt"
+    cause = f"rank 1 ({socket.gethostname()}) raised FileNotFoundError: simulated: rank 1 cannot read corpus.txt"
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
     assert _last_line(result) == f"error: job failed: {cause}", result.stderr[-3000:]
     reason = json.loads((tmp_path / "run" / "results.json").read_text())["reason"]
@@ -179,12 +179,12 @@ def test_the_launcher_names_the_first_rank_that_raised(tmp_path: Path) -> None:
     old = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = f"{tmp_path}:{old}"
     try:
-        outcome = launch_workers(tmp_path / "job.yaml", layout, 2, tmp_path / "logs", module="peer_worker",
+        outcome = launch_workers(tmp_path / "job.yaml", layout.world_size, 2, tmp_path / "logs", module="peer_worker",
                                  grace_s=5.0, hang_s=30.0)
     finally:
         os.environ["PYTHONPATH"] = old
     assert not outcome.ok
-    assert outcome.reason == "rank 1 raised ConnectionError: simulated: the hub did not answer"
+    assert outcome.reason == f"rank 1 ({socket.gethostname()}) raised ConnectionError: simulated: the hub did not answer"
 
 
 def test_the_launcher_prepares_the_data_the_ranks_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

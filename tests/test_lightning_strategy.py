@@ -204,9 +204,11 @@ def test_global_norm_clipping_matches_single_process(runs: dict) -> None:
 
 def test_a_sigterm_on_one_rank_stops_every_rank_after_the_same_step(runs: dict) -> None:
     """Rank 1 alone is signalled after step 1: the ranks agree on it a step late (one all-reduce started
-    before each step, read before the next) and both leave before step 3, marked as signalled, as
-    Lightning would (SIGTERMException), with the process group ended; no rank waits for a peer that left."""
+    before each step, read after it) and both leave after step 2, marked as signalled, with a subclass of
+    Lightning's SIGTERMException that exits 143 (128 + SIGTERM, not 0), the process group ended; no rank
+    waits for a peer that left."""
     ranks = _ranks(runs, "sigterm")
     for r in ranks:
-        assert r["finished_steps"] == [1, 2] and r["stopped_by"] == "SIGTERMException" and r["received_sigterm"]
+        assert r["finished_steps"] == [1, 2] and r["stopped_by"] == "StopRequested" and r["received_sigterm"]
+        assert r["exit_code"] == 128 + 15
         assert not r["process_group_alive"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -169,12 +170,17 @@ def _run(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.Completed
 
 @pytest.mark.slow
 def test_multirun_sweep_runs_every_job_once_and_logs_offline(tmp_path: Path) -> None:
-    """2 valid jobs and 2 invalid ones in one command: 2 × ok with W&B runs, 2 × skipped."""
+    """2 valid jobs and 2 invalid ones in one command: 2 × ok with W&B runs, 2 × skipped; the sweep's end lists
+    all four with their status and exits 1 (not every point trained)."""
     sweep = tmp_path / "sweep"
     result = _run([str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={sweep}", "strategy=gpipe,chimera",
                    "strategy.D=2,3", "trainer.devices=2", "trainer.max_steps=4", "data.global_batch_size=8",
                    "experiment=test-sweep"], cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: sweep: 2 of 4 points did not train to the end (2 skipped)")
+    table = result.stdout[result.stdout.rindex("strategy  W"):]
+    assert table.count(" ok") == 2 and table.count("skipped: strategy.D = 3") == 2
     results = find_results([sweep])
     assert len(results) == 4
     ok = [r for r in results if r.status == "ok"]
@@ -234,7 +240,7 @@ def _launch_fake_workers(tmp_path: Path, name: str, script: str, **kwargs):
     os.environ["PYTHONPATH"] = f"{tmp_path}:{env_path}"
     try:
         start = time.monotonic()
-        outcome = launch_workers(tmp_path / "job.yaml", layout, 2, tmp_path / "logs", module=name, grace_s=1.0,
+        outcome = launch_workers(tmp_path / "job.yaml", layout.world_size, 2, tmp_path / "logs", module=name, grace_s=1.0,
                                  **kwargs)
         return outcome, time.monotonic() - start
     finally:
@@ -252,7 +258,8 @@ def test_a_dead_rank_ends_the_job_with_its_log(tmp_path: Path) -> None:
         "time.sleep(600)\n"
     ))
     assert not outcome.ok
-    assert "rank 1 ended with exit code 3" in outcome.reason and "boom: simulated crash" in outcome.reason
+    assert outcome.reason == f"rank 1 ({socket.gethostname()}) ended with exit status 3", outcome.reason
+    assert "boom: simulated crash" in outcome.detail
     assert seconds < 20
     assert "boom" in (tmp_path / "logs" / "rank1.log").read_text()
 
@@ -270,8 +277,9 @@ def test_a_silent_rank_is_named_by_its_heartbeat(tmp_path: Path) -> None:
         "time.sleep(600)\n"
     ), hang_s=4.0)
     assert not outcome.ok
-    assert outcome.reason.startswith("rank 1 stopped answering: no heartbeat for"), outcome.reason
-    assert "about to hang" in outcome.reason and "rank 0" not in outcome.reason
+    assert outcome.reason.startswith(f"rank 1 ({socket.gethostname()}) stopped answering: no heartbeat for"), \
+        outcome.reason
+    assert "about to hang" in outcome.detail and "rank 0" not in outcome.reason
     assert 4.0 < seconds < 20
 
 
@@ -310,8 +318,8 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
     assert elapsed < timeout_s + 30, f"the job took {elapsed:.0f}s to end"
     (res,) = find_results([run_dir])
     assert res.status == "failed"
-    assert res.reason.startswith("rank 1 stopped answering: no heartbeat for"), res.reason
-    assert "rank 1 stopped answering" in output
+    assert res.reason.startswith(f"rank 1 ({socket.gethostname()}) stopped answering: no heartbeat for"), res.reason
+    assert "rank 1 (" in output and "stopped answering" in output
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers.values())
 
 
@@ -359,18 +367,26 @@ def test_two_nodes_over_loopback_equal_one_node(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["stop", "skip"])
-def test_nonfinite_loss_stops_or_skips(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize("mode, patience", [("stop", 3), ("skip", 3), ("skip", 1)])
+def test_nonfinite_loss_stops_or_skips(tmp_path: Path, mode: str, patience: int) -> None:
+    """At lr 1e30 every loss after the first is NaN: ``stop`` ends the run as diverged at once (exit status 3);
+    ``skip`` skips the updates, at most ``nonfinite_loss_patience`` in a row, then ends it as diverged."""
     result = _run([str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}", "optim.lr=1e30", "trainer.max_steps=3",
                    "trainer.gradient_clip_val=null", "data.global_batch_size=8", "logger=none",
-                   f"nonfinite_loss={mode}"], cwd=tmp_path)
+                   f"nonfinite_loss={mode}", f"nonfinite_loss_patience={patience}"], cwd=tmp_path)
     (res,) = find_results([tmp_path])
+    last = (result.stderr.strip().splitlines() or [""])[-1]
     if mode == "stop":
-        assert result.returncode == 1 and res.status == "failed"
-        assert "training loss is nan at step 1" in result.stderr and "nonfinite_loss=skip" in res.reason
-    else:
+        assert result.returncode == 3 and res.status == "diverged", result.stderr[-2000:]
+        assert "training loss is nan at step 1" in last and "nonfinite_loss=skip" in res.reason
+        assert last.startswith("error: training diverged: rank ")
+    elif patience == 3:
         assert result.returncode == 0 and res.status == "ok"
         assert res.loss_history[0] is not None and list(res.loss_history[1:]) == [None, None]
+    else:  # the second NaN in a row is one too many
+        assert result.returncode == 3 and res.status == "diverged", result.stderr[-2000:]
+        assert "non-finite 2 steps in a row (nonfinite_loss_patience = 1)" in last
+        assert res.loss_history[0] is not None and res.global_step == 2
 
 
 @pytest.mark.slow

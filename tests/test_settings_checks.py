@@ -183,7 +183,7 @@ def _train_module():
 def test_valid_command_lines_pass_the_key_check(argv: list[str]) -> None:
     train = _train_module()
     train.check_setting_keys(argv)  # returns (no exit)
-    assert train._unknown_key(argv) is None
+    assert train._unknown_key(argv)[0] is None
 
 
 def test_the_key_check_leaves_other_errors_to_hydra() -> None:
@@ -201,7 +201,7 @@ def test_a_misspelled_group_option_gets_the_options_and_the_closest(argv: list[s
     import difflib
 
     train = _train_module()
-    got = train._unknown_key(argv)
+    got, _ = train._unknown_key(argv)
     group, value = message.split(":")[0].split("=")
     options = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
     assert got.startswith(message) and got.split("choose one of ")[1].startswith(", ".join(options))

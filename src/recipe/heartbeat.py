@@ -12,11 +12,17 @@ ended the job rather than a later one: a teardown's, or a peer's that was waitin
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from pipeline_recipes.core.disk import NO_SPACE_ERRNOS, NO_SPACE_TEXT
+from pipeline_recipes.core.errors import exception_chain
+from pipeline_recipes.core.transport import connection_closed
 
 HEARTBEAT_ENV = "PIPELINE_HEARTBEAT_FILE"
 ERROR_SUFFIX = ".error"  # beside rank<r>.heartbeat: the rank's first exception
@@ -64,11 +70,33 @@ def first_exception(err: BaseException) -> BaseException:
     return err
 
 
+def is_consequence(err: BaseException) -> bool:
+    """Whether ``err`` only reports another rank's failure: a peer that closed its connection or stopped
+    answering (``consequence = True`` on the project's exceptions; gloo's own words otherwise)."""
+    return any(getattr(e, "consequence", False) or connection_closed(e) for e in exception_chain(err))
+
+
 def describe_exception(err: BaseException) -> str:
-    """``Type: message`` of ``err``'s first exception (:func:`first_exception`)."""
+    """``Type: message`` of ``err``'s first exception (:func:`first_exception`); a full disk or quota is said
+    as "no space left on device" with the file."""
     first = first_exception(err)
+    for e in exception_chain(first):
+        if getattr(e, "errno", None) in NO_SPACE_ERRNOS:
+            where = getattr(e, "filename", None)
+            return f"OSError: {NO_SPACE_TEXT}" + (f": could not write {where}" if where else "")
     message = str(first)
     return f"{type(first).__name__}: {message}" if message else type(first).__name__
+
+
+@dataclass(frozen=True)
+class RecordedError:
+    """A rank's first exception as it recorded it: when (the file's time), the one-line summary, the
+    lines under it (a schedule grid), and whether it only reports another rank's failure."""
+
+    at: float
+    summary: str
+    detail: str = ""
+    consequence: bool = False
 
 
 def record_error(path: str | os.PathLike[str], err: BaseException) -> None:
@@ -77,9 +105,13 @@ def record_error(path: str | os.PathLike[str], err: BaseException) -> None:
     target = Path(path)
     if target.exists():
         return
+    summary, _, detail = describe_exception(err).partition("\n")
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(describe_exception(err))
-    os.replace(tmp, target)
+    try:
+        tmp.write_text(json.dumps({"summary": summary, "detail": detail, "consequence": is_consequence(err)}))
+        os.replace(tmp, target)
+    except OSError:  # a full disk: the launcher names the rank by its exit instead
+        tmp.unlink(missing_ok=True)
 
 
 def record_handled_error() -> None:
@@ -90,9 +122,14 @@ def record_handled_error() -> None:
         record_error(error_path(os.environ[HEARTBEAT_ENV]), err)
 
 
-def read_error(path: Path) -> tuple[float, str] | None:
-    """(when it was written, the exception) of an error file; None when the rank recorded none."""
+def read_error(path: Path) -> RecordedError | None:
+    """A rank's recorded exception; None when it recorded none."""
     try:
-        return path.stat().st_mtime, path.read_text(errors="replace").strip()
+        at, text = path.stat().st_mtime, path.read_text(errors="replace")
     except FileNotFoundError:
         return None
+    try:
+        raw = json.loads(text)
+        return RecordedError(at, str(raw["summary"]), str(raw.get("detail", "")), bool(raw.get("consequence")))
+    except (ValueError, KeyError, TypeError):
+        return RecordedError(at, text.strip())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,17 @@ import torch
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
-
+from pipeline_recipes.core.signals import SignalRecord
 from pipeline_recipes.strategies.checkpoint import is_sharded
 from pipeline_recipes.strategies.lightning import PipelineModule, PipelineStrategy, share_gpus
 from pipeline_recipes.strategies.precision import with_precision_plugin
+from pipeline_recipes.strategies.stop import StopOnSignal
 from pipeline_recipes.strategies.topology import Topology
 
 from .accelerator import GPU_NAMES, apply_float32_matmul_precision, resolve_compile, shared_devices
 from .background_logger import BackgroundWandbLogger
 from .cluster import is_global_zero
+from .ending import JobEnd
 from .flops import model_flops_per_token
 from .job_spec import JobSpec
 from .metrics import PipelineMetrics, ReplicaThroughputMonitor
@@ -181,8 +184,9 @@ def stage_table(model: Any, config: Any, replicas: int) -> str:
             f"(worker w is rank w + {topology.workers}·r of replica r)")
 
 
-def run_job(spec: JobSpec) -> float | None:
-    """Train as configured; return the final training loss (every rank) or None."""
+def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
+    """Train as configured; how it ended (ok, or stopped by a signal: :mod:`pipeline_recipes.strategies.stop`;
+    a divergence or failure raises). ``signals``: the process's stop signals, recorded since it started."""
     quiet_library_notices()
     cfg, layout = spec.config, spec.layout
     trainer_cfg = dict(cfg["trainer"])
@@ -207,7 +211,8 @@ def run_job(spec: JobSpec) -> float | None:
                             nonfinite_loss=cfg.get("nonfinite_loss", "stop"), model_config=cfg["model"],
                             optimizer=instantiate(optim, _convert_="all") if optim.get("_target_") else None,
                             scheduler=instantiate(cfg["scheduler"], _convert_="all") if cfg.get("scheduler") else None,
-                            compile_blocks=resolve_compile(cfg["model"].get("compile"), trainer_cfg["accelerator"]))
+                            compile_blocks=resolve_compile(cfg["model"].get("compile"), trainer_cfg["accelerator"]),
+                            nonfinite_patience=cfg.get("nonfinite_loss_patience", 3))
     checkpointing = checkpoint_callbacks(spec)
     if checkpointing:
         trainer_cfg["enable_checkpointing"] = True
@@ -215,15 +220,17 @@ def run_job(spec: JobSpec) -> float | None:
     metrics_cfg = cfg.get("metrics", {})
     throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))
     seq_len = (cfg.get("data") or {}).get("seq_len") or cfg["model"].get("seq_len")
+    stop = StopOnSignal(signals, raise_at_end=False,
+                        timeout=timedelta(seconds=float(cfg["strategy"].get("timeout_s", 120))))
     metrics = PipelineMetrics(layout, spec.out_dir, throughput, warmup_steps=int(metrics_cfg.get("warmup_steps", 1)),
                               flops_per_token=model_flops_per_token(cfg["model"], seq_len, model),
-                              peak_tflops=peak_tflops)
+                              peak_tflops=peak_tflops, ending=lambda _: stop_ending(stop).as_status())
     progress = ProgressLine(metrics, layout.W, min_interval_s=float(metrics_cfg.get("progress_interval_s", 1.0)))
     loggers = build_loggers(spec)
     # bf16-mixed as a plugin that also clips a fused optimizer (Lightning's refuses: strategies/precision.py)
     trainer = pl.Trainer(**with_precision_plugin(trainer_kwargs(trainer_cfg, {
         "strategy": strategy, "logger": loggers or False, "default_root_dir": spec.out_dir,
-        "callbacks": [throughput, metrics, progress, *checkpointing],
+        "callbacks": [throughput, metrics, progress, stop, *checkpointing],
         "enable_progress_bar": False,
     })))
     try:
@@ -237,4 +244,11 @@ def run_job(spec: JobSpec) -> float | None:
                     with contextlib.suppress(Exception):  # never hide the error that ended the run
                         logger.stop()
             wandb.finish()  # one W&B run per job
-    return metrics.loss_history[-1] if metrics.loss_history else None
+    return stop_ending(stop)
+
+
+def stop_ending(stop: StopOnSignal) -> JobEnd:
+    """Ok, or stopped by the signal every rank agreed on."""
+    if stop.request is None:
+        return JobEnd("ok")
+    return JobEnd.stopped(stop.request.signum, stop.request.describe())

@@ -26,163 +26,52 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass
+import traceback
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
+from pipeline_recipes.core import exits
+from pipeline_recipes.core.disk import no_space, no_space_message
+from pipeline_recipes.core.errors import TrainingDiverged
+from pipeline_recipes.core.signals import SignalRecord
 
 from .accelerator import (
-    GPU_NAMES, AcceleratorChoice, check_precision, choose_accelerator, layout_processes, resolve_loader, with_compile,
+    GPU_NAMES,
+    AcceleratorChoice,
+    check_precision,
+    choose_accelerator,
+    layout_processes,
+    resolve_loader,
+    with_compile,
 )
-from .cluster import Launch, detect_launch, is_global_zero, worker_env
-from .heartbeat import HEARTBEAT_ENV, SILENT_S, describe_exception, error_path, heartbeat_age, read_error
+from .cluster import Launch, detect_launch, is_global_zero
+from .ending import last_line
+from .heartbeat import describe_exception
 from .job_spec import JobSpec
 from .layout import (
-    ConfigError, DataError, Layout, check_devices, check_drain_timeout, check_fixed_settings, check_model,
+    ConfigError,
+    DataError,
+    Layout,
+    check_devices,
+    check_drain_timeout,
+    check_fixed_settings,
+    check_model,
     resolve_layout,
 )
-from .results import read_results, summary_table, write_results
-
-GRACE_S = 10.0  # how long the other ranks get to exit on their own after one died
-
-
-@dataclass(frozen=True)
-class Outcome:
-    ok: bool
-    reason: str = ""
+from .results import RunResult, read_results, summary_table, update_results, write_results
+from .supervise import Outcome, launch_workers
 
 
 def num_layers(model_cfg: DictConfig | dict) -> int:
     """Pipeline layers of a model config: its blocks plus the embedding and the head."""
     layers = model_cfg.get("n_layer", model_cfg.get("num_hidden_layers"))
     return int(layers) + 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pump(stream: IO[str], log_path: Path, echo: bool) -> None:
-    with open(log_path, "w") as log:
-        for line in stream:
-            log.write(line)
-            log.flush()
-            if echo:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
-    except OSError:
-        return ""
-
-
-def launch_workers(job_file: Path, layout: Layout, devices: int, log_dir: Path, module: str = "pipeline_recipes.recipe.worker",
-                   grace_s: float = GRACE_S, hang_s: float | None = None, launch: Launch | None = None) -> Outcome:
-    """Start ``devices`` workers (``python -m module job_file``) of this node (``launch``: which node
-    and where the ranks meet; default one node), stream rank 0's output, stop them all if one dies
-    or, with ``hang_s``, stops answering for that long."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    launch = launch or Launch("self", 0, None)
-    node_rank = launch.node_rank
-    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the hub is offline only where the user says so
-    port = launch.master_port or str(_free_port())
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    logs, beats = [], []
-    try:
-        for local_rank in range(devices):
-            rank = node_rank * devices + local_rank
-            beats.append(log_dir / f"rank{rank}.heartbeat")
-            beats[-1].unlink(missing_ok=True)
-            error_path(beats[-1]).unlink(missing_ok=True)
-            env = {**worker_env(base_env, launch, layout.world_size, devices, local_rank, port),
-                   HEARTBEAT_ENV: str(beats[-1])}
-            proc = subprocess.Popen([sys.executable, "-m", module, str(job_file)], env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            logs.append(log_dir / f"rank{rank}.log")
-            pump = threading.Thread(target=_pump, args=(proc.stdout, logs[-1], rank == 0), daemon=True)
-            pump.start()
-            procs.append(proc)
-            pumps.append(pump)
-        return _watch(procs, logs, beats, node_rank * devices, grace_s, hang_s)
-    finally:
-        for proc in procs:
-            _stop(proc)
-        for pump in pumps:
-            pump.join(timeout=5)
-
-
-def _silent(codes: list[int | None], beats: list[Path]) -> dict[int, float]:
-    """Ranks alive whose heartbeat is older than ``SILENT_S`` and that recorded no exception (one that
-    raised may fall silent while it exits): index -> seconds of silence."""
-    return {i: age for i, (code, beat) in enumerate(zip(codes, beats))
-            if code is None and (age := heartbeat_age(beat)) is not None and age > SILENT_S
-            and read_error(error_path(beat)) is None}
-
-
-def _failure(codes: list[int | None], logs: list[Path], beats: list[Path], first_rank: int,
-             silent: dict[int, float]) -> str:
-    """Why the job failed: a rank silent without an exception (hung or stopped; a peer's timed-out wait
-    is its consequence), else the first exception a rank recorded (one line: not a teardown's, nor a
-    waiting peer's), else the first rank that died, how, and its log's last lines."""
-    errors = {i: error for i, beat in enumerate(beats) if (error := read_error(error_path(beat))) is not None}
-    if errors and not silent:
-        i = min(errors, key=lambda j: errors[j][0])
-        return f"rank {first_rank + i} raised {errors[i][1]}"
-    died = [i for i, code in enumerate(codes) if code not in (None, 0)]
-    failure = "".join(f"rank {first_rank + i} stopped answering: no heartbeat for {age:.0f}s (hung, stopped or stuck "
-                      f"in one operation){', then' if died else ''}; last lines of {logs[i]}:\n{_tail(logs[i], 8)}"
-                      for i, age in silent.items())
-    if died:
-        i, code = died[0], codes[died[0]]
-        how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        failure += f"rank {first_rank + i} ended with {how}; last lines of {logs[i]}:\n" + _tail(logs[i])
-    return failure
-
-
-def _watch(procs: list[subprocess.Popen], logs: list[Path], beats: list[Path], first_rank: int, grace_s: float,
-           hang_s: float | None) -> Outcome:
-    """Wait for the workers; once one dies or hangs, give the others ``grace_s`` to end, then say why."""
-    failed_at: float | None = None
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
-            return Outcome(True)
-        if failed_at is None:
-            died = any(code not in (None, 0) for code in codes)
-            hung = hang_s is not None and any(age > hang_s for age in _silent(codes, beats).values())
-            if died or hung:
-                failed_at = time.monotonic()
-        if failed_at is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > grace_s):
-            return Outcome(False, _failure(codes, logs, beats, first_rank, _silent(codes, beats)))
-        time.sleep(0.1)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=5)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def _gpus(choice: AcceleratorChoice) -> int | None:
@@ -203,15 +92,38 @@ def _skipped_fields(cfg: DictConfig, reason: str) -> dict[str, Any]:
             "global_batch_size": cfg.data.get("global_batch_size")}
 
 
+def check_stop_settings(cfg: DictConfig) -> None:
+    """``stop_timeout_s`` is a positive number of seconds, ``nonfinite_loss_patience`` an integer ≥ 0."""
+    timeout = cfg.get("stop_timeout_s", 120)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"stop_timeout_s = {timeout!r}: it is how long the ranks get to reach a step boundary and "
+                          "save after a stop signal, a positive number of seconds; set stop_timeout_s=120")
+    patience = cfg.get("nonfinite_loss_patience", 3)
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+        raise ConfigError(f"nonfinite_loss_patience = {patience!r}: it is how many non-finite losses in a row "
+                          "nonfinite_loss=skip skips before the run ends as diverged, an integer ≥ 0; set "
+                          "nonfinite_loss_patience=3")
+
+
 def run(cfg: DictConfig) -> float | None:
     """The body of ``train.py``: one Hydra job from config to ``results.json``."""
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     out_dir = Path(hydra_cfg.runtime.output_dir)
+    signals = SignalRecord()  # a stop signal from here on: no launch, or a clean stop (supervise, strategies.stop)
+    signals.install()
+    try:
+        return _run(cfg, hydra_cfg, multirun, out_dir, signals)
+    finally:
+        signals.restore()
+
+
+def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals: SignalRecord) -> float | None:
     launch: Launch | None = None
     choice: AcceleratorChoice | None = None
     try:
         check_fixed_settings(cfg)  # strategy.grad_sync=eagr, checkpoint.keep=…: one message, not a traceback per rank
+        check_stop_settings(cfg)
         mode = cfg.get("preflight", True)
         if mode not in (True, False, "report"):
             raise ConfigError(f"preflight = {mode!r}: it is true (predict the peak memory per rank and refuse a layout "
@@ -255,49 +167,128 @@ def run(cfg: DictConfig) -> float | None:
     except ValueError as err:  # ConfigError, or the planner's PreflightError (does not fit in memory)
         # a DataError's cause and fixes end the message: nothing after it (no import here: a layout error stays light)
         chosen = f"\n({choice.describe()})" if choice is not None and not isinstance(err, DataError) else ""
+        global_zero = launch.is_global_zero if launch is not None else is_global_zero()
         if not multirun:
-            print(f"error: {err}{chosen}", file=sys.stderr)
-            sys.exit(2)
-        if launch.is_global_zero if launch is not None else is_global_zero():
+            if global_zero:  # under srun or torchrun every rank refuses it: one says so
+                print(f"error: {err}{chosen}", file=sys.stderr)
+            sys.exit(exits.REFUSED)
+        if global_zero:
             write_results(out_dir, **_skipped_fields(cfg, str(err)))
-        print(f"skipped {out_dir}: {err}{chosen}", flush=True)
+            print(f"skipped {out_dir}: {err}{chosen}", flush=True)
         return None
     if mode == "report":
         if launch.is_global_zero:
             print(json.dumps(report), flush=True)
         return None
+    if signals.received:  # a stop signal during the checks: nothing runs
+        print(f"stopped: {exits.signal_name(signals.signum)} before launch; nothing ran", file=sys.stderr, flush=True)
+        sys.exit(exits.stopped(signals.signum))
     if launch.is_global_zero:
         several = launch.external or int(trainer_cfg.get("num_nodes", 1)) > 1
         print(f"{layout.describe()}; {choice.describe()}" + (f"\n{launch.describe()}" if several else ""), flush=True)
-    spec = JobSpec(OmegaConf.to_container(cfg, resolve=True), layout, str(out_dir),
-                   _group(cfg, multirun, hydra_cfg.sweep.dir))
-    job_file = spec.save()
+    try:
+        spec = JobSpec(OmegaConf.to_container(cfg, resolve=True), layout, str(out_dir),
+                       _group(cfg, multirun, hydra_cfg.sweep.dir))
+        job_file = spec.save()
+    except OSError as err:
+        _unwritable(err, out_dir / "job.yaml")
     if launch.external:
-        from .job import run_job  # local: Lightning ≥6.5 s (python -X importtime); the parent never needs it
-
-        try:
-            run_job(spec)
-        except Exception as err:  # record it (global rank 0, once), then let the launcher see the failure
-            if launch.is_global_zero:
-                reason = f"rank {launch.rank} raised {describe_exception(err)}"
-                write_results(out_dir, status="failed", reason=reason, **layout.result_fields())
-            raise
-        outcome = Outcome(True)
+        outcome = _run_here(spec, launch, signals)
     else:
-        outcome = launch_workers(job_file, layout, int(trainer_cfg["devices"]), out_dir / "logs",
-                                 hang_s=float(cfg.strategy.get("timeout_s", 120)), launch=launch)
-    if not outcome.ok:
-        if launch.is_global_zero:
-            write_results(out_dir, status="failed", reason=outcome.reason, **layout.result_fields())
-        print(f"error: job failed: {outcome.reason}", file=sys.stderr, flush=True)
-        if not multirun:
-            sys.exit(1)
+        outcome = launch_workers(job_file, layout.world_size, int(trainer_cfg["devices"]), out_dir / "logs",
+                                 hang_s=float(cfg.strategy.get("timeout_s", 120)), launch=launch,
+                                 stop_timeout_s=float(cfg.get("stop_timeout_s", 120)), signum=signals.signum)
+    return _conclude(out_dir, layout, outcome, launch, multirun)
+
+
+def _run_here(spec: JobSpec, launch: Launch, signals: SignalRecord) -> Outcome:
+    """Run the job in this process (one rank of torchrun or SLURM); how it ended."""
+    from .job import run_job  # local: Lightning ≥6.5 s (python -X importtime); the parent never needs it
+
+    try:
+        end = run_job(spec, signals)
+    except Exception as err:
+        traceback.print_exc()
+        status = "diverged" if isinstance(err, TrainingDiverged) else "failed"
+        return Outcome(status, f"rank {launch.rank} raised {describe_exception(err)}")
+    return Outcome.of(end)
+
+
+def _unwritable(err: OSError, path: Path) -> None:
+    """A file of the job cannot be written: one line (no space left on device, or why), exit status 1."""
+    if no_space(err, path):
+        print(f"error: {no_space_message(path, 'cannot write')}", file=sys.stderr, flush=True)
+    else:
+        print(f"error: cannot write {path}: {err}", file=sys.stderr, flush=True)
+    sys.exit(exits.FAILED)
+
+
+def _record_end(out_dir: Path, layout: Layout, outcome: Outcome) -> RunResult:
+    """``results.json`` with how the job ended, over the histories rank 0 wrote (global rank 0 only)."""
+    path = out_dir / "results.json"
+    try:
+        held = read_results(path)
+    except (OSError, ValueError):
+        held = RunResult()
+    if outcome.status == "ok":
+        if held.status == "ok":
+            return held
+        outcome = Outcome("failed", "every rank exited 0 but rank 0 wrote no final results.json")
+    reason = outcome.reason
+    if outcome.status == "stopped":
+        step = f"; stopped after step {held.global_step}" if held.global_step is not None else ""
+        if outcome.forwarded:
+            said = f"{exits.signal_name(outcome.signum)} received by train.py (pid {os.getpid()}), forwarded to every rank"
+        elif held.status == "stopped":
+            said, step = held.reason, ""
+        else:
+            said = f"{exits.signal_name(outcome.signum)} received by a rank"
+        reason = said + step + (f"; {outcome.reason}" if outcome.reason else "")
+    try:
+        update_results(path, status=outcome.status, reason=reason, **layout.result_fields())
+    except OSError as err:
+        _unwritable(err, path)
+    return read_results(path)
+
+
+REQUEUE_SIGNAL = signal.SIGUSR1  # SLURM's time-limit notice by convention (sbatch --signal=USR1@<seconds>)
+
+
+def requeue_slurm_job(env: Mapping[str, str]) -> str:
+    """After a stop on SIGUSR1 inside a SLURM job: ``scontrol requeue`` it, so that it runs again and resumes
+    (``ckpt_path=auto``) from the checkpoint just written; what happened, as a clause of the last line."""
+    job = env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}"
+    job = job or env.get("SLURM_JOB_ID")
+    if not job:
+        return "not requeued (not a SLURM job)"
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"SLURM job {job} not requeued: scontrol requeue failed ({err})"
+    if done.returncode != 0:
+        return f"SLURM job {job} not requeued: {done.stderr.strip() or done.stdout.strip()} (submit it with --requeue)"
+    return f"SLURM job {job} requeued (scontrol requeue): it resumes with ckpt_path=auto"
+
+
+def _conclude(out_dir: Path, layout: Layout, outcome: Outcome, launch: Launch, multirun: bool) -> float | None:
+    """Record and say how the job ended (global rank 0: ``results.json``, the summary, the last line), then exit
+    with its status unless it trained to the end; a sweep goes on after a failed point (its end says so) but
+    not after a stop signal."""
+    if launch.is_global_zero:
+        result = _record_end(out_dir, layout, outcome)
+        if outcome.detail.strip():
+            print(outcome.detail.rstrip(), file=sys.stderr, flush=True)
+        if result.status in ("ok", "stopped"):
+            print(summary_table([result]), flush=True)
+        line = last_line(result, str(out_dir))
+        if result.status == "stopped" and outcome.signum == REQUEUE_SIGNAL:
+            line += f"; {requeue_slurm_job(os.environ)}"
+        print(line, file=sys.stdout if result.ok else sys.stderr, flush=True)
+        outcome = Outcome(result.status, result.reason, signum=outcome.signum) if result.status != outcome.status else outcome
+    elif not outcome.ok and outcome.status != "stopped":
+        print(f"error: job failed on node {launch.node_rank}: {outcome.reason}", file=sys.stderr, flush=True)
+    if outcome.ok:
+        return result.final_loss if launch.is_global_zero else None
+    if multirun and outcome.status in ("failed", "diverged"):
         return None
-    if not launch.is_global_zero:
-        return None
-    result = read_results(out_dir / "results.json")
-    print(summary_table([result]), flush=True)
-    if result.final_loss is not None:
-        print(f"final train/loss = {result.final_loss:.4f} after {len(result.loss_history)} steps ({out_dir})",
-              flush=True)
-    return result.final_loss
+    sys.exit(outcome.exit_code)

@@ -19,7 +19,10 @@
   against the device's peak).
 
 At the end rank 0 draws the last step's measured timeline (rows = ranks, like the paper's
-figures), writes ``results.json`` and puts the summary into the W&B run.
+figures), writes ``results.json`` (its status from ``ending``: ok, or stopped by a signal) and puts the
+summary into the W&B run. Rank 0 also writes ``results.json`` while training (status ``running``, at a
+reporting step at most every :data:`RUNNING_RESULTS_S`) and when a step raises (``failed``/``diverged``, no
+collective: a peer may be gone), so a job that ends badly keeps the losses it reached.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +39,32 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
-from typing_extensions import override
-
+from pipeline_recipes.core.errors import TrainingDiverged
 from pipeline_recipes.strategies.lightning import PipelineStrategy, reporting_step
 from pipeline_recipes.strategies.schedules import Action, Schedule, simulate
 from pipeline_recipes.strategies.schedules.actions import KINDS
 from pipeline_recipes.strategies.schedules.render import save_png
+from typing_extensions import override
 
 from .flops import Utilisation, resolve_utilisation
 from .layout import Layout
 from .results import write_results
+
+RUNNING_RESULTS_S = 30.0  # rank 0 rewrites results.json (status running) at most this often while training
+
+
+def newest_checkpoint(trainer: pl.Trainer) -> str | None:
+    """The newest checkpoint this run wrote, else the one it resumed from (None without either)."""
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        saved = getattr(callback, "_last_checkpoint_saved", None)
+        if saved:
+            return str(saved)
+    resumed = getattr(trainer, "ckpt_path", None)
+    return str(resumed) if resumed else None
+
+
+def ok_ending(trainer: pl.Trainer) -> tuple[str, str]:
+    return "ok", ""
 
 
 def samples_in(batch: dict[str, Any]) -> int:
@@ -205,8 +224,12 @@ class PipelineMetrics(Callback):
     """Loss history, measured bubble ratio, peak memory per rank, timeline picture and results.json."""
 
     def __init__(self, layout: Layout, out_dir: str | Path, throughput: ReplicaThroughputMonitor,
-                 warmup_steps: int = 1, flops_per_token: int | None = None, peak_tflops: float | None = None) -> None:
+                 warmup_steps: int = 1, flops_per_token: int | None = None, peak_tflops: float | None = None,
+                 ending: Callable[[pl.Trainer], tuple[str, str]] = ok_ending) -> None:
+        """``ending``: the run's ``(status, reason)`` once training ended without an exception."""
         self.layout, self.out_dir, self.throughput, self.warmup_steps = layout, Path(out_dir), throughput, warmup_steps
+        self.ending = ending
+        self._running_written_at: float | None = None
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.utilisation = Utilisation(flops_per_token, layout.world_size)  # the peak is known once set up
         self.loss_history: list[float] = []
@@ -245,7 +268,7 @@ class PipelineMetrics(Callback):
         self._lr = float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else None
 
     @staticmethod
-    def _engine(trainer: pl.Trainer):  # noqa: ANN205 - PipelineEngine | None
+    def _engine(trainer: pl.Trainer):
         strategy = trainer.strategy
         return strategy.engine if isinstance(strategy, PipelineStrategy) else None
 
@@ -273,6 +296,23 @@ class PipelineMetrics(Callback):
             figures["memory/peak_bytes_max"] = float(max(self.peak_memory))
             figures.update({f"memory/peak_bytes_rank{rank}": float(peak) for rank, peak in enumerate(self.peak_memory)})
         self._write_rows(trainer)
+        now = time.monotonic()
+        if trainer.is_global_zero and (self._running_written_at is None
+                                       or now - self._running_written_at >= RUNNING_RESULTS_S):
+            self._running_written_at = now
+            self._write_partial(trainer, "running", "")
+
+    def _write_partial(self, trainer: pl.Trainer, status: str, reason: str) -> None:
+        """Rank 0's ``results.json`` of a run that has not ended well (or not yet): the layout and the histories
+        reached, no collective. A write that fails (a full disk) is left to the launcher to report."""
+        try:
+            write_results(self.out_dir, status=status, reason=reason, **self.layout.result_fields(),
+                          peak_memory_bytes=self.peak_memory, loss_history=self.loss_history,
+                          lr_history=self.lr_history,
+                          final_loss=self.loss_history[-1] if self.loss_history else None,
+                          global_step=trainer.global_step, last_checkpoint=newest_checkpoint(trainer))
+        except OSError:
+            pass
 
     def _write_rows(self, trainer: pl.Trainer) -> None:
         """The rows kept since the last reporting step, one logger call per step, in step order (one
@@ -308,6 +348,20 @@ class PipelineMetrics(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._first_step = len(self.loss_history)  # a resumed run continues the history
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Rank 0 keeps the losses reached: the gathered ones, and under a synchronous pipeline (whose loss is
+        the same on every rank) those of the steps since the last gather; the launcher adds why the job ended."""
+        if not trainer.is_global_zero:
+            return
+        engine = self._engine(trainer)
+        if engine is not None and not engine.config.is_async:
+            pending, self._pending = self._pending, []
+            self.loss_history.extend(float(loss.to("cpu", torch.float64).reshape(())) for loss, *_ in pending)
+        diverged = isinstance(exception, TrainingDiverged)
+        self._write_partial(trainer, "diverged" if diverged else "failed",
+                            f"rank {trainer.global_rank} raised {type(exception).__name__}: {exception}")
 
     def _record_loss(self, value: float, engine: Any, step: int | None = None) -> None:
         """One loss per optimizer step, in step order: an asynchronous schedule reports step t's loss
@@ -365,10 +419,12 @@ class PipelineMetrics(Callback):
             "tflops_per_device": self.utilisation.tflops_per_device(tokens_per_s),
             "mfu": self.utilisation.mfu(tokens_per_s),
         }
+        status, reason = self.ending(trainer)
         write_results(
-            self.out_dir, status="ok", reason="", **self.layout.result_fields(), **summary,
+            self.out_dir, status=status, reason=reason, **self.layout.result_fields(), **summary,
             peak_memory_bytes=self.peak_memory, loss_history=self.loss_history, lr_history=self.lr_history,
             final_loss=self.loss_history[-1] if self.loss_history else None,
+            global_step=trainer.global_step, last_checkpoint=newest_checkpoint(trainer),
         )
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):

@@ -3,7 +3,11 @@
 Every job (one Hydra job; a multirun sweep puts them in ``<sweep_dir>/<job_num>/``) writes a
 ``results.json`` in its output directory with exactly the keys in :data:`RESULT_KEYS`:
 
-- ``status`` ("ok" | "skipped" | "failed") and ``reason`` (empty when ok);
+- ``status`` and ``reason`` (empty when ok): ``ok`` (trained to the end), ``stopped`` (a signal stopped every
+  rank at a step boundary: the reason names the signal, the rank and the step), ``diverged`` (the training loss
+  stayed NaN/inf), ``running`` (written by rank 0 while training, replaced when the job ends; left as it is
+  only when rank 0 was killed under an external launcher), ``skipped`` (refused before launch: the reason is the refusal), ``failed`` (a rank raised,
+  died or hung, or a write failed: the reason names the rank that failed first and how);
 - the layout: ``strategy``, ``W``, ``D``, ``B``, ``N``, ``global_batch_size``, ``world_size``;
 - medians after warm-up: ``samples_per_s``, ``tokens_per_s``, ``iteration_s``;
 - ``bubble_ratio_measured`` and ``bubble_ratio_theory``: both 1 − Σ busy / (ranks × the longest rank's
@@ -13,9 +17,12 @@ Every job (one Hydra job; a multirun sweep puts them in ``<sweep_dir>/<job_num>/
 - ``tflops_per_device`` (model FLOPs achieved per device, median) and ``mfu`` (that over the device's
   peak; null where the peak is unknown, e.g. on CPUs);
 - ``peak_memory_bytes`` (one int per rank), ``loss_history`` (loss per optimizer step), ``final_loss``,
-  ``lr_history`` (the learning rate of each optimizer step).
+  ``lr_history`` (the learning rate of each optimizer step);
+- ``global_step`` (optimizer steps done, a resumed run's included) and ``last_checkpoint`` (the newest
+  checkpoint this job wrote, or null): where a stopped or failed job resumes from.
 
-Skipped and failed jobs may leave the measured values null. ``scripts/compare.py`` puts many
+Every job that ran keeps the losses it reached, however it ended; skipped and failed jobs may leave the
+measured values null. ``scripts/compare.py`` puts many
 jobs side by side with :func:`find_results` and :func:`summary_table`.
 """
 
@@ -30,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 RESULTS_FILE = "results.json"
-STATUSES = ("ok", "skipped", "failed")
+STATUSES = ("ok", "running", "stopped", "diverged", "skipped", "failed")
 
 RESULT_KEYS: tuple[str, ...] = (
     "status",
@@ -53,6 +60,8 @@ RESULT_KEYS: tuple[str, ...] = (
     "loss_history",
     "final_loss",
     "lr_history",
+    "global_step",
+    "last_checkpoint",
 )
 
 _LIST_KEYS = ("peak_memory_bytes", "loss_history", "lr_history")
@@ -83,6 +92,8 @@ class RunResult:
     loss_history: tuple[float, ...] = ()
     final_loss: float | None = None
     lr_history: tuple[float, ...] = ()
+    global_step: int | None = None
+    last_checkpoint: str | None = None
     path: Path | None = None
 
     @property
@@ -147,6 +158,18 @@ def write_results(path_or_dir: str | os.PathLike[str], **values: Any) -> Path:
     return path
 
 
+def update_results(path_or_dir: str | os.PathLike[str], **values: Any) -> Path:
+    """Write ``results.json`` with ``values`` over what it holds already (the histories a rank wrote before
+    the launcher learnt why the job ended), or a new one."""
+    path = _results_path(path_or_dir)
+    try:
+        held = read_results(path).to_dict()
+    except (OSError, ValueError):
+        held = {}
+    held.pop("path", None)
+    return write_results(path, **{**held, **values})
+
+
 def read_results(path: str | os.PathLike[str]) -> RunResult:
     """Read one ``results.json`` (or the one inside a directory). Missing keys take their defaults,
     keys this version does not know are ignored; unreadable JSON raises ValueError naming the file."""
@@ -185,7 +208,8 @@ def find_results(paths: Iterable[str | os.PathLike[str]]) -> list[RunResult]:
 
 
 def sort_results(results: Iterable[RunResult]) -> list[RunResult]:
-    """Ok runs by samples/s, fastest first (unmeasured ones last), then skipped, then failed runs.
+    """Ok runs by samples/s, fastest first (unmeasured ones last), then stopped, diverged, skipped and failed runs
+    (:data:`STATUSES` order).
     The sort is stable: ties keep their input order."""
 
     def key(result: RunResult) -> tuple[int, float]:

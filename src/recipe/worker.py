@@ -2,36 +2,50 @@
 
 :mod:`pipeline_recipes.recipe.launch` starts one per rank with Lightning's environment variables (``LOCAL_RANK``,
 ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning joins them instead
-of re-launching the script, which is what breaks Hydra multiruns (Lightning #15737, #18175). A rank
-that raises records its first exception for the launcher (:func:`pipeline_recipes.recipe.heartbeat.record_error`).
+of re-launching the script, which is what breaks Hydra multiruns (Lightning #15737, #18175).
+
+The first thing a worker does is record stop signals (:class:`~pipeline_recipes.core.signals.SignalRecord`):
+a SIGTERM or SIGINT that arrives while it still imports Lightning or builds its stages stops it cleanly
+before the first step instead of killing it. A rank that raises records its first exception for the
+launcher (:func:`pipeline_recipes.recipe.heartbeat.record_error`). The exit status says how the job ended
+(:mod:`pipeline_recipes.core.exits`): 0 ok, 1 failed, 3 diverged, 128 + n stopped by signal n.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
+
+from pipeline_recipes.core import exits
+from pipeline_recipes.core.errors import TrainingDiverged
+from pipeline_recipes.core.signals import PARENT_PID_ENV, SignalRecord, die_with_parent
 
 from .heartbeat import HEARTBEAT_ENV, error_path, record_error, start_heartbeat
 from .job_spec import JobSpec
 
 
 def main(argv: list[str]) -> int:
+    if os.environ.get(PARENT_PID_ENV):
+        die_with_parent(int(os.environ[PARENT_PID_ENV]))
+    signals = SignalRecord()
+    signals.install()
     heartbeat = os.environ.get(HEARTBEAT_ENV)
     if heartbeat:  # before the slow imports: the launcher watches it from the start
         error_path(heartbeat).unlink(missing_ok=True)
         start_heartbeat(heartbeat)
+    if len(argv) != 1:
+        print("usage: python -m pipeline_recipes.recipe.worker <job.yaml>", file=sys.stderr)
+        return exits.REFUSED
     try:
         from .job import run_job  # local: Lightning ≥6.5 s, after the heartbeat has started
 
-        if len(argv) != 1:
-            print("usage: python -m pipeline_recipes.recipe.worker <job.yaml>", file=sys.stderr)
-            return 2
-        run_job(JobSpec.load(argv[0]))
+        return run_job(JobSpec.load(argv[0]), signals).exit_code
     except Exception as err:
         if heartbeat:  # the launcher names this exception (its first, not a teardown's) as the job's failure
             record_error(error_path(heartbeat), err)
-        raise
-    return 0
+        traceback.print_exc()
+        return exits.DIVERGED if isinstance(err, TrainingDiverged) else exits.FAILED
 
 
 if __name__ == "__main__":

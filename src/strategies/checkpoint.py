@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pipeline_recipes.core.disk import no_space, no_space_message
 from torch import Tensor, nn
 
 from .legacy import old_module_names, upgrade_targets
@@ -206,6 +207,39 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (the disk is full, say); its partial files are removed and the
+    previous checkpoint is untouched. ``consequence``: raised on a rank because another rank's write failed."""
+
+    def __init__(self, message: str, consequence: bool = False) -> None:
+        super().__init__(message)
+        self.consequence = consequence
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested payload (what writing it needs, roughly)."""
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` through a Python file, so that a full disk raises ``OSError(ENOSPC)`` rather than the C++
+    stream's ``basic_ios::clear: iostream error``."""
+    with open(path, "wb") as file:
+        torch.save(obj, file)
+
+
+def _write_failure(rank: int, path: Path, err: BaseException, needed_bytes: int | None) -> str:
+    if no_space(err, path, needed_bytes):
+        return no_space_message(path, f"rank {rank} could not write", needed_bytes)
+    return f"rank {rank} could not write {path}: {type(err).__name__}: {err}"
+
+
 def save_sharded(
     path: str | Path,
     *,
@@ -214,36 +248,66 @@ def save_sharded(
     meta: Mapping[str, Any] | None,
     trainer_state: Mapping[str, Any] | None,
     write_trainer_state: Callable[[Mapping[str, Any], Path], None],
-    barrier: Callable[[], None],
+    any_failed: Callable[[bool], bool],
 ) -> Path:
-    """Write one sharded checkpoint; every rank calls it (a collective through ``barrier``).
+    """Write one sharded checkpoint; every rank calls it (a collective through ``any_failed``, which tells
+    every rank whether any rank's write failed).
 
     Each rank writes the stage files in ``payloads`` (the stages it owns) and its RNG file into
     ``<path>.partial``; rank 0 then writes ``trainer.pt`` and ``meta.json`` and renames the directory
     into place, replacing an older checkpoint of that name. The directory must be on a file system
-    every rank sees.
+    every rank sees. When any write fails (a full disk, a quota) every rank raises
+    :class:`CheckpointWriteError` (the failing one with the cause) and the partial directory is removed:
+    the checkpoints already written stay as they were.
     """
     final = Path(path)
     partial = final.with_name(final.name + ".partial")
+
+    def agree(failure: str | None) -> None:
+        if not any_failed(failure is not None):
+            return
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointWriteError(failure or f"rank {rank}: another rank could not write its part of {final} "
+                                   "(its error ends the job)", consequence=failure is None)
+
+    failure = None
     if rank == 0:
-        if partial.exists():
-            shutil.rmtree(partial)
-        (partial / "rng").mkdir(parents=True)
-    barrier()
-    for stage, payload in payloads.items():
-        torch.save(dict(payload), partial / stage_file(stage))
-    torch.save(rng_state(), partial / rng_file(rank))
-    barrier()
+        try:
+            if partial.exists():
+                shutil.rmtree(partial)
+            (partial / "rng").mkdir(parents=True)
+        except OSError as err:
+            failure = _write_failure(rank, partial, err, None)
+    agree(failure)
+    needed = sum(tensor_bytes(p) for p in payloads.values())
+    target = partial
+    try:
+        for stage, payload in payloads.items():
+            target = partial / stage_file(stage)
+            save_file(dict(payload), target)
+        target = partial / rng_file(rank)
+        save_file(rng_state(), target)
+        failure = None
+    except (OSError, RuntimeError) as err:
+        failure = _write_failure(rank, target, err, needed)
+    agree(failure)
     if rank == 0:
-        assert meta is not None and trainer_state is not None
-        write_trainer_state(trainer_state, partial / TRAINER_FILE)
-        (partial / META_FILE).write_text(json.dumps(meta, indent=1))
-        if final.is_symlink() or final.is_file():
-            final.unlink()
-        elif final.exists():
-            shutil.rmtree(final)
-        partial.rename(final)
-    barrier()
+        if meta is None or trainer_state is None:
+            raise ValueError("rank 0 writes the checkpoint's meta.json and trainer.pt: pass both")
+        try:
+            target = partial / TRAINER_FILE
+            write_trainer_state(trainer_state, target)
+            target = partial / META_FILE
+            target.write_text(json.dumps(meta, indent=1))
+            if final.is_symlink() or final.is_file():
+                final.unlink()
+            elif final.exists():
+                shutil.rmtree(final)
+            partial.rename(final)
+        except (OSError, RuntimeError) as err:
+            failure = _write_failure(rank, target, err, None)
+    agree(failure)
     return final
 
 

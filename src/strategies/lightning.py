@@ -8,9 +8,9 @@ process groups come up in ``setup_environment`` (inherited from DDP: launcher, c
 environments, torchrun and SLURM), the model is split in ``setup`` before the optimizers see
 its parameters, and :class:`PipelineModule.training_step` runs the whole schedule. Lightning's
 own backward becomes a no-op (the schedule already ran every backward), the sampler is sharded
-by replica (W), not by rank, a SIGTERM is agreed on a step late instead of before every step
-(:mod:`pipeline_recipes.strategies.sigterm`), and teardown ends the process group cleanly (gloo aborts some
-plain exits otherwise).
+by replica (W), not by rank, a stop signal (SIGTERM, SIGINT, SIGUSR1) stops every rank after the same step
+with the step reached saved (:mod:`pipeline_recipes.strategies.stop`, added unless the trainer has one), and
+teardown ends the process group cleanly (gloo aborts some plain exits otherwise).
 
 Checkpoints are sharded (:mod:`pipeline_recipes.strategies.checkpoint`): ``Trainer.save_checkpoint`` and
 ``ModelCheckpoint`` write a directory where each stage is saved once, by a rank holding it, beside
@@ -33,6 +33,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from pipeline_recipes.core.errors import TrainingDiverged
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -44,10 +45,10 @@ from .engine import PipelineConfig, PipelineEngine
 from .executor import loss_counts, micro_batch_loss
 from .fetch_ahead import fetch_during_waits
 from .optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
-from .process_group import end_process_group
 from .pipeline_model import Batch, run_layers, sequential_loss
+from .process_group import end_process_group
 from .schedules import specs
-from .sigterm import LateSigtermAgreement, install_late_sigterm
+from .stop import StopOnSignal
 
 
 class PipelineStrategy(DDPStrategy):
@@ -82,7 +83,6 @@ class PipelineStrategy(DDPStrategy):
         self.engine: PipelineEngine | None = None
         self.model_index: ckpt.ModelIndex | None = None
         self._rng_to_restore: dict[str, Any] | None = None
-        self._sigterm: LateSigtermAgreement | None = None
 
     @property
     def D(self) -> int:
@@ -146,6 +146,8 @@ class PipelineStrategy(DDPStrategy):
                        + "; ".join(self.engine.topology.describe(r) for r in range(min(self.world_size, 8))))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if not any(isinstance(c, StopOnSignal) for c in trainer.callbacks):
+                trainer.callbacks.append(StopOnSignal(timeout=timedelta(seconds=self.pipeline_config.timeout_s)))
         self.setup_precision_plugin()
 
     @override
@@ -198,7 +200,7 @@ class PipelineStrategy(DDPStrategy):
             filepath, rank=rank, payloads=payloads,
             meta=self.checkpoint_meta(checkpoint) if rank == 0 else None, trainer_state=rest if rank == 0 else None,
             write_trainer_state=lambda state, path: self.checkpoint_io.save_checkpoint(dict(state), path),
-            barrier=lambda: self.barrier("pipeline checkpoint"),
+            any_failed=lambda failed: self.reduce_boolean_decision(failed, all=False),
         )
 
     @override
@@ -250,16 +252,11 @@ class PipelineStrategy(DDPStrategy):
         if self._rng_to_restore is not None:  # after the data loader started: it may draw from the RNG
             ckpt.set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
-        timeout = timedelta(seconds=self.pipeline_config.timeout_s)
-        self._sigterm = install_late_sigterm(self.lightning_module.trainer, timeout)
         fetch_during_waits(self.lightning_module.trainer, self.engine)
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        if self._sigterm is not None:
-            self._sigterm.finish()  # training is over either way
-            self._sigterm = None
         if self.engine is not None:  # asynchronous schedules: no loss all-reduce left in flight (the metrics
             self.engine.flush_losses()  # callback, which runs first, has taken the losses it reports)
             self.engine.idle_work = None
@@ -298,17 +295,22 @@ class PipelineModule(pl.LightningModule):
     def __init__(self, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0,
                  nonfinite_loss: str = "stop", model_config: Mapping[str, Any] | None = None,
                  optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
-                 compile_blocks: bool = False) -> None:
+                 compile_blocks: bool = False, nonfinite_patience: int = 3) -> None:
         """``optimizer``: ``params -> Optimizer`` holding its own hyper-parameters (Hydra's
         ``_partial_`` of ``conf/optim/*.yaml``); without it AdamW(``lr``, ``weight_decay``).
         ``scheduler``: ``optimizer -> LRScheduler`` stepped after every optimizer step (``conf/scheduler``;
         a ``total_steps`` it leaves open becomes the trainer's number of steps); without it the
         learning rate stays constant. Weight decay skips biases and norms
         (:func:`pipeline_recipes.strategies.optim.param_groups`). ``compile_blocks`` (``model.compile``): compile
-        each repeated block this rank holds when fitting starts (:mod:`pipeline_recipes.strategies.compile`)."""
+        each repeated block this rank holds when fitting starts (:mod:`pipeline_recipes.strategies.compile`).
+        ``nonfinite_loss``: a NaN/inf loss ends the run (``stop``) or, under a pipeline, skips that step's
+        update (``skip``) at most ``nonfinite_patience`` steps in a row; either way the run ends as diverged."""
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
+        if isinstance(nonfinite_patience, bool) or not isinstance(nonfinite_patience, int) or nonfinite_patience < 0:
+            raise ValueError(f"nonfinite_loss_patience must be an integer >= 0, got {nonfinite_patience!r}")
+        self.nonfinite_patience, self.nonfinite_in_a_row = nonfinite_patience, 0
         self.model = model
         self.lr, self.weight_decay, self.nonfinite_loss = lr, weight_decay, nonfinite_loss
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
@@ -367,20 +369,31 @@ class PipelineModule(pl.LightningModule):
         engine = self.pipeline
         loss = engine.train_step(batch) if engine else self._replica_loss(batch)
         if not torch.isfinite(loss.detach()):  # the pipeline's loss is global: every rank decides alike
-            step = self.global_step if engine is None else engine.loss_step  # asynchronous: a step late
-            if self.nonfinite_loss == "stop" or engine is None:
-                raise FloatingPointError(
-                    f"training loss is {loss.item()} at step {step}: lower optim.lr, keep "
-                    "trainer.gradient_clip_val, or (pipeline strategies) set nonfinite_loss=skip to skip such steps"
-                )
-            rank_zero_info(f"skipping the update of step {self.global_step}: training loss is {loss.item()} "
-                           f"(step {step})")
-            for p in engine.local_parameters():
-                p.grad = None  # the optimizer leaves parameters without gradients (and their state) alone
+            self._skip_nonfinite(loss, engine)
             return loss.detach()
+        self.nonfinite_in_a_row = 0
         if self._loss_read_now(batch_idx):
             self.log("train/loss", loss.detach(), prog_bar=True, batch_size=_batch_size(batch))
         return loss
+
+    def _skip_nonfinite(self, loss: Tensor, engine: PipelineEngine | None) -> None:
+        """A NaN/inf loss: skip the update (``nonfinite_loss=skip``, pipelines) at most ``nonfinite_patience``
+        steps in a row, else raise :class:`~pipeline_recipes.core.errors.TrainingDiverged`."""
+        step = self.global_step if engine is None else engine.loss_step  # asynchronous: a step late
+        self.nonfinite_in_a_row += 1
+        if self.nonfinite_loss == "stop" or engine is None:
+            raise TrainingDiverged(
+                f"training loss is {loss.item()} at step {step}: lower optim.lr, keep trainer.gradient_clip_val, "
+                "or (pipeline strategies) set nonfinite_loss=skip to skip such steps")
+        if self.nonfinite_in_a_row > self.nonfinite_patience:
+            raise TrainingDiverged(
+                f"training loss is {loss.item()} at step {step}, non-finite {self.nonfinite_in_a_row} steps in a row "
+                f"(nonfinite_loss_patience = {self.nonfinite_patience}): the run diverged; lower optim.lr or "
+                "resume from an earlier checkpoint")
+        rank_zero_info(f"skipping the update of step {self.global_step}: training loss is {loss.item()} "
+                       f"(step {step}; {self.nonfinite_in_a_row} in a row of at most {self.nonfinite_patience})")
+        for p in engine.local_parameters():
+            p.grad = None  # the optimizer leaves parameters without gradients (and their state) alone
 
     def _loss_read_now(self, batch_idx: int) -> bool:
         """Whether this training step's ``train/loss`` is read (see the class docstring)."""

@@ -37,6 +37,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from pipeline_recipes.core.transport import connection_closed
 from torch import Tensor
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
@@ -44,8 +45,19 @@ _HEADER_LEN = 10  # dtype code, ndim, up to 8 dims
 _POLL_S = 0.001
 
 
-class PeerTimeoutError(RuntimeError):
-    """A peer did not deliver within the timeout: it crashed, hung or was killed."""
+class PeerError(RuntimeError):
+    """A peer could not be heard from: the consequence of its own failure, which the job names instead
+    (``consequence``)."""
+
+    consequence = True
+
+
+class PeerTimeoutError(PeerError):
+    """A peer did not deliver within the timeout: it hung, or one action takes longer than the timeout."""
+
+
+class PeerClosedError(PeerError):
+    """A peer's connection closed before it delivered: it exited, crashed or was killed."""
 
 
 @dataclass
@@ -161,7 +173,8 @@ class PipeComm:
             if self.stream_ordered:  # poll the events: no device-wide synchronisation, a bounded wait
                 while not all(work.is_completed() for work in posted.works):
                     if time.monotonic() > deadline:
-                        self._timed_out(posted.peers, "its pipeline messages of this step")
+                        self._peer_failed(posted.peers, "its pipeline messages of this step",
+                                          self.timeout.total_seconds())
                     time.sleep(_POLL_S)
             self._complete(posted, posted.peers)
         self._posted = [p for p in self._posted if p not in settle]
@@ -184,10 +197,11 @@ class PipeComm:
     def learn(self, peer: int, what: str) -> tuple[torch.Size, torch.dtype]:
         """The shape and dtype ``peer`` announces next (blocks the host, at most the timeout)."""
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        since = time.monotonic()
         try:
             dist.irecv(header, peer, group=self.header_group).wait()
         except RuntimeError as err:  # gloo: the group's timeout, or a closed connection
-            self._timed_out((peer,), f"the shape of {what}", err)
+            self._peer_failed((peer,), f"the shape of {what}", time.monotonic() - since, err)
         code, ndim, *dims = header.tolist()
         return torch.Size(dims[:ndim]), _DTYPES[code]
 
@@ -217,19 +231,27 @@ class PipeComm:
         posted.waited = True
 
     def _wait_work(self, work: dist.Work, peers: Sequence[int]) -> None:
+        since = time.monotonic()
         try:
             work.wait()  # NCCL: stream-ordered; gloo: blocks the host up to the group's timeout
         except RuntimeError as err:
-            self._timed_out(peers, "a pipeline message", err)
+            self._peer_failed(peers, "a pipeline message", time.monotonic() - since, err)
 
-    def _timed_out(self, peers: Sequence[int], what: str, err: BaseException | None = None) -> None:
+    def _peer_failed(self, peers: Sequence[int], what: str, waited_s: float, err: BaseException | None = None) -> None:
+        """Raise :class:`PeerClosedError` (the connection closed: the peer exited or was killed) or
+        :class:`PeerTimeoutError` (nothing came within the timeout), saying after how long."""
         names = " or ".join(f"rank {p}" for p in peers) or "a peer"
-        limit = f"{self.timeout.total_seconds():.0f}s (strategy.timeout_s)"
+        limit = self.timeout.total_seconds()
         detail = f" ({err})" if err is not None else ""
+        if err is not None and (connection_closed(err) or waited_s < 0.9 * limit):
+            raise PeerClosedError(
+                f"the connection to {names} closed after {waited_s:.1f}s while rank {dist.get_rank()} waited for "
+                f"{what}: the peer exited, crashed or was killed{detail}") from err
         raise PeerTimeoutError(
-            f"{names} stopped answering: rank {dist.get_rank()} waited for {what} longer than {limit}; "
-            f"the peer hung, crashed or was killed, or one pipeline action takes longer than the timeout{detail}"
-        ) from err
+            f"{names} stopped answering: rank {dist.get_rank()} waited {waited_s:.0f}s for {what}, the limit of "
+            f"{limit:.0f}s (strategy.timeout_s); the peer hung, or one pipeline action takes longer than the "
+            f"timeout{detail}") from err
+
 
 
 def replica_groups(replica_ranks: Sequence[Sequence[int]], rank: int, timeout: timedelta
