@@ -136,6 +136,8 @@ class Cluster:
     cpus_per_node: int
     proctrack: str
     accounting: bool
+    kill_wait: int = 2
+    owner: tuple[int, int] | None = None  # (PID, start time) of the process whose end orphans the cluster
     daemons: list[Daemon] = field(default_factory=list)
     partition: str = PARTITION
     _children: dict[int, subprocess.Popen] = field(default_factory=dict, repr=False)
@@ -162,7 +164,7 @@ class Cluster:
         """Run a client command against this cluster; a non-zero exit (with ``check``) raises with its output and
         the controller's log."""
         proc = subprocess.run(args, env=self.environ(env), capture_output=True, text=True, timeout=timeout,
-                              input=input, stdin=None if input is not None else subprocess.DEVNULL)
+                              input=input, stdin=None if input is not None else subprocess.DEVNULL, check=False)
         if check and proc.returncode != 0:
             raise SlurmClusterError(
                 f"{shlex.join(args)} exited with {proc.returncode}\nstdout: {proc.stdout.strip()}\n"
@@ -200,20 +202,22 @@ class Cluster:
         """Cancel every job, stop every daemon by PID (SIGTERM, then SIGKILL after ``timeout``), then kill any
         process left with this cluster's marker (a slurmstepd, with its children). Returns what had to be killed
         that way (empty when all ended by themselves). Safe to call twice."""
-        ctld = [d for d in self.daemons if d.label == "slurmctld" and d.alive()]
-        if ctld:
-            self.run("scancel", f"--partition={self.partition}", check=False, timeout=timeout)
-            _wait_until(lambda: not self.run("squeue", "--noheader", check=False, timeout=timeout).stdout.strip(),
-                        timeout)
+        if "slurmctld" in self.alive():
+            try:
+                self.run("scancel", f"--partition={self.partition}", check=False, timeout=timeout)
+                _wait_until(lambda: not self.run("squeue", "--noheader", check=False, timeout=timeout).stdout.strip(),
+                            timeout + self.kill_wait)
+            except subprocess.TimeoutExpired:
+                pass  # a controller that does not answer is stopped below all the same
         order = ("slurmd", "slurmctld", "slurmdbd", "mariadbd", "munged")  # clients of a daemon stop before it
         for prefix in order:
             group = [d for d in self.daemons if d.label.split("-")[0] == prefix]
             for daemon in group:
                 daemon.signal(signal.SIGTERM)
             for daemon in group:
-                if not _wait_until(lambda: not daemon.alive(), timeout):
+                if not _wait_until(lambda d=daemon: not d.alive(), timeout):
                     daemon.signal(signal.SIGKILL)
-                    _wait_until(lambda: not daemon.alive(), timeout)
+                    _wait_until(lambda d=daemon: not d.alive(), timeout)
         killed = _kill_marked(str(self.workdir))
         for child in self._children.values():
             child.wait(timeout)
@@ -226,16 +230,11 @@ class Cluster:
     def record(self) -> None:
         """Write ``cluster.json``: what ``load`` (and so the CLI's ``stop``) needs to find the daemons again."""
         data = {"nodes": list(self.nodes), "cpus_per_node": self.cpus_per_node, "proctrack": self.proctrack,
-                "accounting": self.accounting, "partition": self.partition,
+                "accounting": self.accounting, "kill_wait": self.kill_wait, "owner": self.owner,
+                "partition": self.partition,
                 "daemons": [{"label": d.label, "pid": d.pid, "start_time": d.start_time, "log": str(d.log)}
                             for d in self.daemons]}
         (self.workdir / "cluster.json").write_text(json.dumps(data, indent=1) + "\n")
-
-    def __enter__(self) -> Cluster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def load(workdir: str | Path) -> Cluster:
@@ -243,7 +242,33 @@ def load(workdir: str | Path) -> Cluster:
     workdir = Path(workdir).resolve()
     data = json.loads((workdir / "cluster.json").read_text())
     daemons = [Daemon(d["label"], d["pid"], d["start_time"], Path(d["log"])) for d in data.pop("daemons")]
-    return Cluster(workdir=workdir, daemons=daemons, nodes=tuple(data.pop("nodes")), **data)
+    owner = data.pop("owner", None)
+    owner = tuple(owner) if owner else None
+    return Cluster(workdir=workdir, daemons=daemons, nodes=tuple(data.pop("nodes")), owner=owner, **data)
+
+
+def stop_orphans() -> list[Path]:
+    """Stop every cluster on this host whose owner process has ended without stopping it (a test session that was
+    killed): found by the marker in its daemons' environment. Clusters started without an owner (the CLI's) are
+    left alone. Returns their directories."""
+    workdirs = set()
+    prefix = f"{MARKER}=".encode()
+    for pid in _processes():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        workdirs.update(Path(item[len(prefix):].decode()) for item in environ if item.startswith(prefix))
+    stopped = []
+    for workdir in sorted(workdirs):
+        try:
+            cluster = load(workdir)
+        except (OSError, ValueError):
+            continue
+        if cluster.owner and _start_time(cluster.owner[0]) != cluster.owner[1]:
+            cluster.stop()
+            stopped.append(workdir)
+    return stopped
 
 
 def _processes() -> dict[int, int]:
@@ -330,7 +355,7 @@ def _slurm_conf(cluster: Cluster, ports: dict[str, int], hostname: str, memory_m
         "MpiDefault=none",
         "ReturnToService=2",
         "JobRequeue=1",  # batch jobs may be requeued (scontrol requeue, or by slurmctld after a node failure)
-        "KillWait=2",  # seconds between a cancelled/timed-out job's SIGTERM and SIGKILL
+        f"KillWait={cluster.kill_wait}",  # seconds between a cancelled or timed-out job's SIGTERM and SIGKILL
         "InactiveLimit=0",
         "MinJobAge=300",  # scontrol show job still knows an ended job for 5 minutes (no sacct without accounting)
         "SlurmdTimeout=60",
@@ -371,11 +396,13 @@ def _node_states(cluster: Cluster) -> dict[str, str]:
 
 
 def start(workdir: str | Path, nodes: int = 1, cpus_per_node: int | None = None, proctrack: str = "linuxproc",
-          accounting: bool = False, timeout: float = 30) -> Cluster:
+          accounting: bool = False, kill_wait: int = 2, owned: bool = False, timeout: float = 30) -> Cluster:
     """Start a private cluster in ``workdir`` (created; must not hold a running cluster) and wait until ``sinfo``
     shows every node idle. ``cpus_per_node`` defaults to this machine's CPU count (each node advertises them all);
-    ``proctrack`` is ``linuxproc`` or ``pgid``; ``accounting`` adds slurmdbd on a private MariaDB (``sacct``).
-    On failure every daemon started is stopped and the error names the daemon and its log."""
+    ``proctrack`` is ``linuxproc`` or ``pgid``; ``accounting`` adds slurmdbd on a private MariaDB (``sacct``);
+    ``kill_wait`` is Slurm's KillWait, the seconds a cancelled job's processes get between SIGTERM and SIGKILL;
+    ``owned`` makes this process its owner: once it ends, ``stop_orphans`` may stop the cluster. On failure every
+    daemon started is stopped and the error names the daemon and its log."""
     if os.geteuid() != 0:
         raise SlurmClusterError("a private SLURM cluster needs root (slurmd starts job steps as their user)")
     if proctrack not in PROCTRACK:
@@ -393,8 +420,9 @@ def start(workdir: str | Path, nodes: int = 1, cpus_per_node: int | None = None,
     if (workdir / "cluster.json").exists() and load(workdir).alive():
         raise SlurmClusterError(f"{workdir} already holds a running cluster ({load(workdir).alive()}): stop it first")
     names = tuple(f"n{i + 1}" for i in range(nodes))
+    me = (os.getpid(), _start_time(os.getpid()) or 0)
     cluster = Cluster(workdir=workdir, nodes=names, cpus_per_node=cpus_per_node or os.cpu_count() or 1,
-                      proctrack=proctrack, accounting=accounting)
+                      proctrack=proctrack, accounting=accounting, kill_wait=kill_wait, owner=me if owned else None)
     for sub in ("etc", "run", "state", "log", *(f"spool/{n}" for n in names)):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
     (workdir / "etc").chmod(0o700)
@@ -454,7 +482,7 @@ def _start_accounting(cluster: Cluster, ports: dict[str, int], timeout: float) -
     with install_log.open("wb") as log:
         installed = subprocess.run([_program("mariadb-install-db"), "--no-defaults", f"--datadir={w / 'mysql'}",
                                     "--user=root", "--auth-root-authentication-method=socket", "--skip-test-db"],
-                                   stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+                                   stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
     if installed.returncode != 0:
         raise SlurmClusterError(f"mariadb-install-db failed ({installed.returncode}); its log: {install_log}")
     mariadbd = _spawn(cluster, "mariadbd", [
@@ -464,7 +492,8 @@ def _start_accounting(cluster: Cluster, ports: dict[str, int], timeout: float) -
 
     def sql(statement: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([_program("mariadb"), "--no-defaults", f"--socket={sock}", "--user=root",
-                               f"--execute={statement}"], capture_output=True, text=True, timeout=timeout)
+                               f"--execute={statement}"], capture_output=True, text=True, timeout=timeout,
+                              check=False)
 
     if not _wait_until(lambda: not mariadbd.alive() or sql("SELECT 1").returncode == 0, timeout):
         raise SlurmClusterError(f"mariadbd did not answer on {sock} in {timeout:.0f} s; its log: {mariadbd.log}")
@@ -501,6 +530,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--cpus-per-node", type=int, default=None, help="default: this machine's CPU count")
     up.add_argument("--proctrack", choices=sorted(PROCTRACK), default="linuxproc")
     up.add_argument("--accounting", action="store_true", help="slurmdbd on a private MariaDB, for sacct")
+    up.add_argument("--kill-wait", type=int, default=2, help="seconds between a cancelled job's SIGTERM and SIGKILL")
     up.add_argument("--timeout", type=float, default=30, help="seconds to wait for each daemon")
     down = sub.add_parser("stop", help="stop the cluster recorded in --dir (every daemon, by PID)")
     down.add_argument("--dir", required=True, type=Path)
@@ -512,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "start":
             cluster = start(args.dir, nodes=args.nodes, cpus_per_node=args.cpus_per_node, proctrack=args.proctrack,
-                            accounting=args.accounting, timeout=args.timeout)
+                            accounting=args.accounting, kill_wait=args.kill_wait, timeout=args.timeout)
             for key, value in cluster.env.items():
                 print(f"export {key}={shlex.quote(value)}")
         else:

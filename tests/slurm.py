@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from slurm_cluster import Cluster, SlurmClusterError, missing_programs, start  # noqa: E402
+from slurm_cluster import Cluster, SlurmClusterError, missing_programs, start, stop_orphans
 
 __all__ = ["Cluster", "ClusterFactory", "SlurmClusterError", "skip_reason"]
 
@@ -48,21 +48,29 @@ def skip_reason(accounting: bool = False) -> str | None:
 
 
 class ClusterFactory:
-    """Starts clusters on demand, one per (nodes, proctrack, accounting), and stops them all at ``close``."""
+    """Starts clusters on demand, one per kind (nodes, proctrack, accounting, kill_wait), and stops them all at
+    ``close``. The first start also stops the clusters of earlier sessions that were killed before their end."""
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._tmp = tmp_path_factory
-        self._clusters: dict[tuple[int, str, bool], Cluster] = {}
+        self._clusters: dict[tuple[int, str, bool, int], Cluster] = {}
+        self._swept = False
 
-    def get(self, nodes: int = 1, proctrack: str = "linuxproc", accounting: bool = False) -> Cluster:
-        """The session's cluster of this kind, started on first use; skips the test where none can start."""
+    def get(self, nodes: int = 1, proctrack: str = "linuxproc", accounting: bool = False,
+            kill_wait: int = 2) -> Cluster:
+        """The session's cluster of this kind, started on first use; skips the test where none can start.
+        ``accounting=True`` adds ``sacct`` (slurmdbd on a private MariaDB, about 2 s more to start)."""
         reason = skip_reason(accounting)
         if reason:
             pytest.skip(reason)
-        key = (nodes, proctrack, accounting)
+        if not self._swept:
+            stop_orphans()
+            self._swept = True
+        key = (nodes, proctrack, accounting, kill_wait)
         if key not in self._clusters:
             workdir = self._tmp.mktemp(f"slurm{nodes}{proctrack[0]}{'a' if accounting else ''}")
-            self._clusters[key] = start(workdir, nodes=nodes, proctrack=proctrack, accounting=accounting)
+            self._clusters[key] = start(workdir, nodes=nodes, proctrack=proctrack, accounting=accounting,
+                                        kill_wait=kill_wait, owned=True)
         return self._clusters[key]
 
     def close(self) -> None:
