@@ -22,6 +22,7 @@ Debian packages ``slurm-wlm`` and ``munge``; accounting (``sacct``) also needs `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -40,6 +41,9 @@ PROCTRACK = {"linuxproc": "proctrack/linuxproc", "pgid": "proctrack/pgid"}
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("munge", "sinfo", "squeue", "scontrol", "scancel", "srun", "sbatch")
 ACCOUNTING_PROGRAMS = ("slurmdbd", "mariadbd", "mariadb-install-db", "mariadb", "sacct", "sacctmgr")
+# a throwaway database: small redo log, no fsync (a third of mariadb-install-db's time, a fifth of its 113 MB)
+MARIADB_FAST = ("--innodb-log-file-size=8M", "--innodb-buffer-pool-size=32M", "--innodb-flush-log-at-trx-commit=0",
+                "--innodb-doublewrite=0", "--innodb-flush-method=nosync", "--skip-log-bin")
 MARKER = "SLURM_PRIVATE_CLUSTER"  # set in every daemon's environment (slurmstepd inherits it): the stop sweep's key
 CRED_EXPIRE_S = 5  # job credential lifetime: a requeued job starts again after it (Slurm refuses less than 5)
 MAX_WORKDIR_CHARS = 60  # slurmstepd's sockets are <workdir>/spool/<node>/<node>_<job>.<step>, at most 108 bytes
@@ -386,8 +390,8 @@ def _spawn(cluster: Cluster, label: str, argv: list[str], log: Path | None = Non
 def _check_running(cluster: Cluster, daemon: Daemon, what: str) -> None:
     if not daemon.alive():
         out = cluster.workdir / "log" / f"{daemon.label}.out"
-        raise SlurmClusterError(f"{daemon.label} exited while {what}; its log: {daemon.log} (output: {out}):\n"
-                                f"{_tail(daemon.log)}\n{_tail(out, 5)}")
+        tail = _tail(daemon.log) if daemon.log == out else f"{_tail(daemon.log)}\n{out}:\n{_tail(out, 5)}"
+        raise SlurmClusterError(f"{daemon.label} exited while {what}; its log: {daemon.log}:\n{tail}")
 
 
 def _node_states(cluster: Cluster) -> dict[str, str]:
@@ -435,7 +439,8 @@ def start(workdir: str | Path, nodes: int = 1, cpus_per_node: int | None = None,
     try:
         _start_daemons(cluster, ports, timeout)
     except BaseException:
-        cluster.stop(timeout=5)
+        with contextlib.suppress(SlurmClusterError):  # the start's error is the one to see
+            cluster.stop(timeout=5)
         raise
     return cluster
 
@@ -481,14 +486,15 @@ def _start_accounting(cluster: Cluster, ports: dict[str, int], timeout: float) -
     install_log = w / "log" / "mariadb-install.log"
     with install_log.open("wb") as log:
         installed = subprocess.run([_program("mariadb-install-db"), "--no-defaults", f"--datadir={w / 'mysql'}",
-                                    "--user=root", "--auth-root-authentication-method=socket", "--skip-test-db"],
+                                    "--user=root", "--auth-root-authentication-method=socket", "--skip-test-db",
+                                    *MARIADB_FAST],
                                    stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
     if installed.returncode != 0:
         raise SlurmClusterError(f"mariadb-install-db failed ({installed.returncode}); its log: {install_log}")
     mariadbd = _spawn(cluster, "mariadbd", [
         _program("mariadbd"), "--no-defaults", f"--datadir={w / 'mysql'}", "--user=root", f"--socket={sock}",
         "--bind-address=127.0.0.1", f"--port={ports['mariadb']}", f"--pid-file={w / 'run' / 'mariadbd.pid'}",
-        f"--log-error={cluster.log('mariadbd')}", "--skip-name-resolve", "--innodb-buffer-pool-size=32M"])
+        f"--log-error={cluster.log('mariadbd')}", "--skip-name-resolve", *MARIADB_FAST])
 
     def sql(statement: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([_program("mariadb"), "--no-defaults", f"--socket={sock}", "--user=root",
