@@ -178,15 +178,20 @@ def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
 
 
 def test_ddp_and_single_ask_for_a_consolidated_checkpoint(tmp_path: Path) -> None:
-    from pipeline_recipes.recipe.job import resolve_ckpt_path
+    from pipeline_recipes.recipe.layout import ConfigError
+    from pipeline_recipes.recipe.resume import resolve_resume
 
-    module, optimizer, _ = _trained_module()
+    module, optimizer, config = _trained_module()
     path = _save_two_stages(module, optimizer, tmp_path / "s.ckpt")
-    assert resolve_ckpt_path(str(path)) == str(path)
-    with pytest.raises(ValueError, match="consolidate it first: python scripts/consolidate_ckpt.py"):
-        resolve_ckpt_path(str(path), pipeline=False)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        resolve_ckpt_path(str(tmp_path / "missing.ckpt"))
+
+    def resume(value: Path, strategy: str) -> str | None:  # checked by the launcher, before any process starts
+        return resolve_resume(OmegaConf.create({"ckpt_path": str(value), "model": config}), tmp_path, strategy).path
+
+    assert resume(path, "gpipe") == str(path)
+    with pytest.raises(ConfigError, match="consolidate it first: python scripts/consolidate_ckpt.py"):
+        resume(path, "single")
+    with pytest.raises(ConfigError, match="does not exist"):
+        resume(tmp_path / "missing.ckpt", "gpipe")
 
 
 def test_resumable_loader_continues_the_epoch_on_any_number_of_replicas() -> None:

@@ -20,8 +20,8 @@ import torch
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
+
 from pipeline_recipes.core.signals import SignalRecord
-from pipeline_recipes.strategies.checkpoint import is_sharded
 from pipeline_recipes.strategies.lightning import PipelineModule, PipelineStrategy, share_gpus
 from pipeline_recipes.strategies.precision import with_precision_plugin
 from pipeline_recipes.strategies.stop import StopOnSignal
@@ -35,6 +35,7 @@ from .flops import model_flops_per_token
 from .job_spec import JobSpec
 from .metrics import PipelineMetrics, ReplicaThroughputMonitor
 from .progress import ProgressLine
+from .resume import CHECKPOINT_DIR
 
 LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"  # Lightning 2.6's advert, logged by every Trainer
 
@@ -98,9 +99,6 @@ def without_writer_keys(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if k != "drain_timeout_s"}
 
 
-CHECKPOINT_DIR = "checkpoints"
-
-
 def checkpoint_callbacks(spec: JobSpec) -> list[Any]:
     """The ``checkpoint`` section: a ModelCheckpoint saving every ``every_n_steps`` training steps into
     ``<job dir>/checkpoints/step-NNNNNN.ckpt`` (sharded directories under the pipeline strategies),
@@ -115,24 +113,6 @@ def checkpoint_callbacks(spec: JobSpec) -> list[Any]:
     return [ModelCheckpoint(dirpath=str(Path(spec.out_dir) / CHECKPOINT_DIR), filename="step-{step:06d}",
                             auto_insert_metric_name=False, every_n_train_steps=int(every),
                             save_top_k=-1 if keep == "all" else 1, save_last=False, enable_version_counter=False)]
-
-
-def resolve_ckpt_path(value: str | None, pipeline: bool = True) -> str | None:
-    """``ckpt_path``: a sharded checkpoint directory, a consolidated or Lightning file, or null.
-
-    Only the pipeline strategies read sharded directories; ``ddp`` and ``single`` need the
-    consolidated file (``scripts/consolidate_ckpt.py``).
-    """
-    if not value:
-        return None
-    path = Path(value).expanduser().absolute()
-    if not path.exists():
-        raise FileNotFoundError(f"ckpt_path={value}: {path} does not exist")
-    if not pipeline and is_sharded(path):
-        raise ValueError(f"ckpt_path={value} is a sharded pipeline checkpoint, which only the pipeline strategies "
-                         f"read; consolidate it first: python scripts/consolidate_ckpt.py {value} full.ckpt, then "
-                         "pass ckpt_path=full.ckpt")
-    return str(path)
 
 
 RECIPE_TRAINER_KEYS = ("peak_tflops", "float32_matmul_precision")  # trainer.* keys of ours, not Trainer arguments
@@ -216,7 +196,7 @@ def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
     checkpointing = checkpoint_callbacks(spec)
     if checkpointing:
         trainer_cfg["enable_checkpointing"] = True
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), pipeline=pipeline)
+    ckpt_path = cfg.get("ckpt_path")  # resolved (auto) and checked by the launcher: recipe.resume
     metrics_cfg = cfg.get("metrics", {})
     throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))
     seq_len = (cfg.get("data") or {}).get("seq_len") or cfg["model"].get("seq_len")

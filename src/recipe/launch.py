@@ -65,6 +65,7 @@ from .layout import (
     resolve_layout,
 )
 from .results import RunResult, read_results, summary_table, update_results, write_results
+from .resume import resolve_resume
 from .supervise import Outcome, launch_workers
 
 
@@ -154,6 +155,9 @@ def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals
                         if cfg.get("optim") is not None else None)
         if cfg.get("logger") is not None and cfg.logger.get("drain_timeout_s") is not None:
             check_drain_timeout(cfg.logger.drain_timeout_s)
+        resume = resolve_resume(cfg, out_dir, layout.strategy)  # ckpt_path=auto found; complete, fits strategy, model
+        with open_dict(cfg):
+            cfg.ckpt_path = resume.path  # what the workers resume from (job.yaml), or null
         launch = detect_launch(os.environ, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
         if cfg.data.get("name", "synthetic") != "synthetic" and mode != "report":  # once on the node, before the ranks
             prepare_data(OmegaConf.to_container(cfg.data, resolve=True))
@@ -185,7 +189,8 @@ def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals
         sys.exit(exits.stopped(signals.signum))
     if launch.is_global_zero:
         several = launch.external or int(trainer_cfg.get("num_nodes", 1)) > 1
-        print(f"{layout.describe()}; {choice.describe()}" + (f"\n{launch.describe()}" if several else ""), flush=True)
+        print(f"{layout.describe()}; {choice.describe()}" + (f"\n{launch.describe()}" if several else "")
+              + (f"\n{resume.note}" if resume.note else ""), flush=True)
     try:
         spec = JobSpec(OmegaConf.to_container(cfg, resolve=True), layout, str(out_dir),
                        _group(cfg, multirun, hydra_cfg.sweep.dir))

@@ -4,7 +4,8 @@ A checkpoint written under a pipeline strategy (``Trainer.save_checkpoint``, ``M
 a directory::
 
     step-000003.ckpt/
-      meta.json       format, layout (schedule, D, W, partition), epoch, step, parameter names/aliases
+      meta.json       format, layout (schedule, D, W, partition), epoch, step, parameter names/aliases,
+                      the model's Hydra config (also in trainer.pt; checked by the launcher before a resume)
       trainer.pt      Lightning's checkpoint dict without model and optimizer: loop progress (with the
                       data loader position), callbacks, LR schedulers, precision plugin, hyper-parameters
       stage0.pt ...   one file per pipeline stage, written by the lowest rank holding a copy of it:
@@ -34,6 +35,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,7 @@ CONSOLIDATED_FORMAT = "pipeline-consolidated"
 VERSION = 1
 META_FILE = "meta.json"
 TRAINER_FILE = "trainer.pt"
+PARTIAL_SUFFIX = ".partial"  # a sharded checkpoint being written (renamed without it once complete)
 MODEL_CONFIG_KEY = "model_config"  # how to rebuild the model (a Hydra config), stored by PipelineModule
 PIPELINE_KEY = "pipeline"  # the consolidated file's own section
 # Plain (single/DDP) Lightning checkpoints: per optimizer, the parameter name of each position (written by
@@ -261,7 +264,7 @@ def save_sharded(
     the checkpoints already written stay as they were.
     """
     final = Path(path)
-    partial = final.with_name(final.name + ".partial")
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
 
     def agree(failure: str | None) -> None:
         if not any_failed(failure is not None):
@@ -361,9 +364,13 @@ def is_sharded(path: str | Path) -> bool:
 def read_meta(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not is_sharded(path):
-        hint = " (a '.partial' directory is a save that did not finish)" if path.name.endswith(".partial") else ""
+        hint = (f" (a '{PARTIAL_SUFFIX}' directory is a save that did not finish)"
+                if path.name.endswith(PARTIAL_SUFFIX) else "")
         raise CheckpointError(f"{path} is not a sharded pipeline checkpoint: it has no {META_FILE}{hint}")
-    meta = json.loads((path / META_FILE).read_text())
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path / META_FILE} cannot be read: {err}") from err
     if meta.get("format") != SHARDED_FORMAT or int(meta.get("version", 0)) > VERSION:
         raise CheckpointError(f"{path}: unknown checkpoint format {meta.get('format')!r} version {meta.get('version')}")
     return meta
@@ -473,6 +480,62 @@ def read_checkpoint(path: str | Path, index: ModelIndex | None = None, stages: I
         checkpoint = load_file(path)
     return from_lightning_checkpoint(checkpoint, str(path), index)
 
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A complete checkpoint as the launcher sees it before resuming (read without its tensors)."""
+
+    path: Path
+    sharded: bool
+    step: int | None  # the training step it was saved at (its global_step)
+    model_config: dict[str, Any] | None  # the Hydra config of the model it holds (old _target_ names upgraded)
+
+
+def inspect_checkpoint(path: str | Path) -> SavedCheckpoint:
+    """What :class:`SavedCheckpoint` says of ``path``, or a :class:`CheckpointError` when it is not complete: a
+    ``.partial`` directory (a save that did not finish), a directory lacking ``meta.json``, ``trainer.pt`` or a stage
+    file, a file torch cannot read (a save cut short lacks the zip index at its end) or that is no Lightning checkpoint.
+
+    The model config comes from ``meta.json``, else (checkpoints written before it held one) from ``trainer.pt`` or
+    the file itself, memory-mapped: the tensors are not read.
+    """
+    path = Path(path)
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise CheckpointError(f"{path} is a save that did not finish (its name ends in '{PARTIAL_SUFFIX}')")
+    return _inspect_sharded(path) if path.is_dir() else _inspect_file(path)
+
+
+def _inspect_sharded(path: Path) -> SavedCheckpoint:
+    meta = read_meta(path)
+    missing = [name for name in (TRAINER_FILE, *map(stage_file, range(len(meta["partition"]))))
+               if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{path} is incomplete: it lacks {', '.join(missing)}")
+    # meta.json holds the model config since it was added there; before, trainer.pt alone did
+    config = meta[MODEL_CONFIG_KEY] if MODEL_CONFIG_KEY in meta else _read(path / TRAINER_FILE).get(MODEL_CONFIG_KEY)
+    return SavedCheckpoint(path, True, meta.get("global_step"), upgrade_targets(config) if config else None)
+
+
+def _inspect_file(path: Path) -> SavedCheckpoint:
+    checkpoint = _read(path)
+    if "state_dict" not in checkpoint:
+        raise CheckpointError(f"{path} has no 'state_dict': not a Lightning checkpoint")
+    config = checkpoint.get(MODEL_CONFIG_KEY)
+    return SavedCheckpoint(path, False, checkpoint.get("global_step"), upgrade_targets(config) if config else None)
+
+
+def _read(path: Path) -> Mapping[str, Any]:
+    """A torch file's dict, memory-mapped; a :class:`CheckpointError` for one that is cut short or unreadable."""
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path} is not a complete torch file (a save cut short lacks the index at its end)")
+    try:
+        loaded = _load(path)
+    except Exception as err:  # torch raises several kinds (RuntimeError, UnpicklingError, EOFError...)
+        raise CheckpointError(f"{path} cannot be read: {type(err).__name__}: {err}") from err
+    if not isinstance(loaded, Mapping):
+        raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a checkpoint dict")
+    return loaded
 
 # -- fitting a checkpoint to the model being trained ------------------------------------------
 

@@ -166,7 +166,7 @@ class PipelineStrategy(DDPStrategy):
         return True  # a rank knows its stages (what to read) only once the engine exists
 
     def checkpoint_meta(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """``meta.json`` of a sharded checkpoint: format, layout, progress, names."""
+        """``meta.json`` of a sharded checkpoint: format, layout, progress, names, model config."""
         engine, config = self.engine, self.pipeline_config
         owners = {s: min(engine.topology.stage_group(s)) for s in range(self.S)}
         return {
@@ -180,6 +180,8 @@ class PipelineStrategy(DDPStrategy):
             "files": {str(s): ckpt.stage_file(s) for s in range(self.S)},
             "owners": {str(s): r for s, r in owners.items()},
             "index": self.model_index.as_dict(),
+            # the model's Hydra config (PipelineModule.on_save_checkpoint): the launcher checks it before a resume
+            ckpt.MODEL_CONFIG_KEY: checkpoint.get(ckpt.MODEL_CONFIG_KEY),
         }
 
     @override
