@@ -13,8 +13,12 @@ system's configuration is never read or touched), a munge key and socket of its 
 left alone), state, spool, logs and ``cluster.json`` (every daemon's PID with its start time, which ``stop``
 reads). The daemons run in the foreground of their own sessions, so their PIDs are known from the start; ports
 are free ones picked at start, so several clusters (two pytest-xdist workers, say) can run side by side. Nodes
-are ``n1``, ``n2`` on 127.0.0.1 (``NodeAddr``), each with its own slurmd port and spool directory: the names
-never need to resolve, so ``/etc/hosts`` is not touched. Needs root (slurmd starts jobs as any user) and the
+are ``n1``, ``n2`` on 127.0.0.1 (``NodeAddr``), each with its own slurmd port and spool directory. SLURM itself
+never resolves the names, but a job does: Lightning and ``train.py`` meet at the first node of
+``SLURM_NODELIST`` by name, as on a real cluster, so ``start`` adds one ``/etc/hosts`` line for them (marked with
+the cluster's directory) and ``stop`` removes exactly that line. Job ids start at a number of the cluster's own
+(``FirstJobId``), so the ports Lightning derives from them (15000 + the id's last 4 digits) differ between
+clusters running side by side. Needs root (slurmd starts jobs as any user) and the
 Debian packages ``slurm-wlm`` and ``munge``; accounting (``sacct``) also needs ``slurmdbd`` and
 ``mariadb-server``.
 """
@@ -223,6 +227,7 @@ class Cluster:
                     daemon.signal(signal.SIGKILL)
                     _wait_until(lambda d=daemon: not d.alive(), timeout)
         killed = _kill_marked(str(self.workdir))
+        remove_host_names(self.workdir)
         for child in self._children.values():
             child.wait(timeout)
         self._children.clear()
@@ -335,6 +340,7 @@ def _slurm_conf(cluster: Cluster, ports: dict[str, int], hostname: str, memory_m
     return "\n".join([
         f"# written by scripts/slurm_cluster.py: a private cluster in {w}",
         f"ClusterName=private{ports['slurmctld']}",
+        f"FirstJobId={first_job_id(ports['slurmctld'])}",  # Lightning's port is 15000 + the id's last 4 digits
         "SlurmctldHost=localhost(127.0.0.1)",
         f"SlurmctldPort={ports['slurmctld']}",
         "SlurmUser=root",
@@ -370,6 +376,43 @@ def _slurm_conf(cluster: Cluster, ports: dict[str, int], hostname: str, memory_m
         f"PartitionName={cluster.partition} Nodes={','.join(cluster.nodes)} Default=YES MaxTime=INFINITE State=UP",
         "",
     ])
+
+
+def first_job_id(controller_port: int) -> int:
+    """The cluster's first job id, from its (free, so distinct) controller port: side by side, two clusters' jobs
+    get ids whose last 4 digits differ, and so do the ports Lightning derives from them."""
+    return 1000 * (1 + controller_port % 9) + controller_port % 1000
+
+
+HOSTS = Path("/etc/hosts")
+
+
+def _hosts_mark(workdir: Path) -> str:
+    return f"# {MARKER} {workdir}"
+
+
+def add_host_names(cluster: Cluster) -> None:
+    """Make the node names resolve to 127.0.0.1 (a line of ``/etc/hosts`` marked with the cluster's directory,
+    written in place: in a container the file may be a bind mount)."""
+    mark = _hosts_mark(cluster.workdir)
+    text = HOSTS.read_text() if HOSTS.exists() else ""
+    if mark in text:
+        return
+    line = f"127.0.0.1 {' '.join(cluster.nodes)}  {mark}\n"
+    with HOSTS.open("a") as hosts:
+        hosts.write(("" if not text or text.endswith("\n") else "\n") + line)
+
+
+def remove_host_names(workdir: Path) -> None:
+    """Remove the ``/etc/hosts`` line of the cluster in ``workdir`` (and only it)."""
+    if not HOSTS.exists():
+        return
+    mark = _hosts_mark(workdir)
+    lines = HOSTS.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if not line.rstrip("\n").endswith(mark)]
+    if kept != lines:
+        with HOSTS.open("w") as hosts:
+            hosts.writelines(kept)
 
 
 def _spawn(cluster: Cluster, label: str, argv: list[str], log: Path | None = None) -> Daemon:
@@ -437,6 +480,7 @@ def start(workdir: str | Path, nodes: int = 1, cpus_per_node: int | None = None,
     memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
     cluster.conf.write_text(_slurm_conf(cluster, ports, socket.gethostname(), memory_mb))
     try:
+        add_host_names(cluster)
         _start_daemons(cluster, ports, timeout)
     except BaseException:
         with contextlib.suppress(SlurmClusterError):  # the start's error is the one to see

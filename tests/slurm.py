@@ -53,24 +53,25 @@ class ClusterFactory:
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._tmp = tmp_path_factory
-        self._clusters: dict[tuple[int, str, bool, int], Cluster] = {}
+        self._clusters: dict[tuple[int, str, bool, int, int | None], Cluster] = {}
         self._swept = False
 
     def get(self, nodes: int = 1, proctrack: str = "linuxproc", accounting: bool = False,
-            kill_wait: int = 2) -> Cluster:
+            kill_wait: int = 2, cpus_per_node: int | None = None) -> Cluster:
         """The session's cluster of this kind, started on first use; skips the test where none can start.
-        ``accounting=True`` adds ``sacct`` (slurmdbd on a private MariaDB, about 2 s more to start)."""
+        ``accounting=True`` adds ``sacct`` (slurmdbd on a private MariaDB, about 2 s more to start);
+        ``cpus_per_node`` more CPUs than the host has lets several jobs run at once (default: the host's)."""
         reason = skip_reason(accounting)
         if reason:
             pytest.skip(reason)
         if not self._swept:
             stop_orphans()
             self._swept = True
-        key = (nodes, proctrack, accounting, kill_wait)
+        key = (nodes, proctrack, accounting, kill_wait, cpus_per_node)
         if key not in self._clusters:
             workdir = self._tmp.mktemp(f"slurm{nodes}{proctrack[0]}{'a' if accounting else ''}")
             self._clusters[key] = start(workdir, nodes=nodes, proctrack=proctrack, accounting=accounting,
-                                        kill_wait=kill_wait, owned=True)
+                                        kill_wait=kill_wait, cpus_per_node=cpus_per_node, owned=True)
         return self._clusters[key]
 
     def close(self) -> None:

@@ -145,7 +145,8 @@ def _unset(monkeypatch: pytest.MonkeyPatch, *keys: str) -> None:
 
 TORCHRUN_NODE1 = {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0",
                   "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-SLURM_RANK3 = {"SLURM_JOB_ID": "4123456", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "4", "SLURM_NNODES": "2",
+SLURM_RANK3 = {"SLURM_JOB_ID": "4123456", "SLURM_JOB_NAME": "train", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4",
+               "SLURM_STEP_NUM_TASKS": "4", "SLURM_NNODES": "2",
                "SLURM_NTASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_PROCID": "3",
                "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NODELIST": "gpu[07-08]",
                "SLURM_JOB_NODELIST": "gpu[07-08]"}
@@ -203,10 +204,11 @@ def test_slurm_task_per_node_starts_the_nodes_workers(monkeypatch: pytest.Monkey
     """One SLURM task per node: train.py starts its node's 8 workers; they must not look like SLURM tasks."""
     from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 
-    env = {**SLURM_RANK3, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "1",
-           "SLURM_LOCALID": "0", "SLURM_NODEID": "1"}
+    env = {**SLURM_RANK3, "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
+           "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1"}
     launch = detect_launch(env, devices=8, num_nodes=2)
-    assert launch == Launch("self", node_rank=1, rank=None, master_addr="gpu07", master_port=str(15000 + 3456))
+    assert launch == Launch("self", node_rank=1, rank=None, master_addr="gpu07", master_port=str(15000 + 3456),
+                            tasks="one SLURM task per node (2 tasks): train.py starts each node's 8 workers")
     assert not launch.is_global_zero
     worker = worker_env(env, launch, world_size=16, devices=8, local_rank=5, master_port=launch.master_port)
     assert not any(key in worker for key in SLURM_TASK_VARS) and worker["SLURM_JOB_ID"] == "4123456"
@@ -228,9 +230,14 @@ def test_slurm_tasks_that_match_no_layout_are_refused() -> None:
         detect_launch(SLURM_RANK3, devices=4, num_nodes=1)
     with pytest.raises(ConfigError, match="--ntasks-per-node=2"):
         detect_launch({**SLURM_RANK3, "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "1"}, devices=2, num_nodes=1)
-    interactive = {**SLURM_RANK3, "SLURM_JOB_NAME": "bash"}  # Lightning's rule: such a shell runs no tasks
-    assert detect_launch(interactive, devices=4, num_nodes=1).launcher == "self"
-    assert global_rank(interactive) is None
+    interactive = {**SLURM_RANK3, "SLURM_JOB_NAME": "interactive"}  # srun inside salloc: still a task
+    assert detect_launch(interactive, devices=2, num_nodes=2).launcher == "slurm" and global_rank(interactive) == 3
+    shell = {k: v for k, v in SLURM_RANK3.items() if k not in ("SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS")}
+    assert detect_launch({**shell, "SLURM_NNODES": "1"}, devices=4, num_nodes=1).launcher == "self"  # sbatch script
+    assert global_rank(shell) is None
+    with pytest.raises(ConfigError, match="not a SLURM task .* srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "
+                                          "--cpus-per-task=2 python train.py"):
+        detect_launch(shell, devices=2, num_nodes=2)
 
 
 def test_several_nodes_without_a_rendezvous_stop_before_launch() -> None:
@@ -253,7 +260,8 @@ def test_global_rank_from_the_environment() -> None:
     assert is_global_zero({}) and is_global_zero({"RANK": "0", "LOCAL_RANK": "0"})
     assert not is_global_zero({"RANK": "2", "LOCAL_RANK": "0"})  # torchrun node 1: no NODE_RANK
     assert not is_global_zero({"NODE_RANK": "1"})  # train.py's parent on node 1
-    assert global_rank({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == 0 and global_rank({}) is None
+    assert global_rank({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == 0
+    assert global_rank({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None and global_rank({}) is None  # no step
 
 
 # -- the SLURM launcher preset -------------------------------------------------------------------------
@@ -350,24 +358,6 @@ def _check_written_once_by_rank_zero(tmp_path: Path, outputs: list[str], launche
     assert [out.count("layout: gpipe") for out in outputs] == [1, 0]
     assert f"launcher: {launcher} (node 0, rank 0" in outputs[0]
     assert not list(tmp_path.glob("rank*/logs"))
-
-
-@pytest.mark.slow
-def test_fake_slurm_job_one_task_per_rank_writes_results_once(tmp_path: Path) -> None:
-    """Two SLURM tasks on two "nodes" (srun --nodes=2 --ntasks-per-node=1): each task is one rank."""
-    from distributed import free_port
-
-    base = {**_clean_env(), "SLURM_JOB_ID": "777001", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2",
-            "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "localhost",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / f'rank{r}'}",
-                               "trainer.devices=1", "trainer.num_nodes=2", *COMMON], cwd=tmp_path, text=True,
-                              env={**base, "SLURM_PROCID": str(r), "SLURM_NODEID": str(r), "SLURM_LOCALID": "0"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in (0, 1)]
-    outputs = _communicate(procs)
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    _check_written_once_by_rank_zero(tmp_path, outputs, "slurm")
 
 
 @pytest.mark.slow

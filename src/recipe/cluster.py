@@ -9,7 +9,12 @@ Three ways to run a job of ``trainer.devices × trainer.num_nodes`` processes:
 * ``torchrun``: the processes exist (``TORCHELASTIC_RUN_ID``); the rank is ``RANK`` — torchrun sets
   no ``NODE_RANK`` (its node index is ``GROUP_RANK``).
 * ``slurm``: ``srun`` (or Hydra's submitit launcher) started one task per process; the rank is
-  ``SLURM_PROCID``, and Lightning's ``SLURMEnvironment`` takes the rest from the ``SLURM_*`` variables.
+  ``SLURM_PROCID``, and :func:`rank_env` gives Lightning the rest (as its ``SLURMEnvironment`` would, also
+  under ``salloc``, whose job name ``interactive`` makes Lightning ignore SLURM).
+
+A process is a SLURM task when it runs in a job step (``SLURM_STEP_ID``, set by ``srun``), whatever the job's
+name. Inside an allocation but outside a step (an ``salloc`` shell, an ``sbatch`` script) ``train.py`` starts the
+workers of this node only, so a job of several nodes is refused there with the ``srun`` line that runs it.
 
 :func:`detect_launch` reads only the environment it is given, so tests fake a cluster with a dict,
 and it refuses a multi-node job that could never meet (no address, port or node rank) before any
@@ -28,7 +33,6 @@ from dataclasses import dataclass
 
 from .layout import ConfigError
 
-SLURM_INTERACTIVE = ("bash", "interactive")  # Lightning's rule: such job names run no tasks of their own
 SLURM_PORT_BASE = 15000  # Lightning's SLURMEnvironment: port = 15000 + the last 4 digits of the job id
 # SLURM's per-task variables: workers started by train.py drop them, or Lightning would take every
 # worker for SLURM task SLURM_PROCID of SLURM_NTASKS.
@@ -45,6 +49,7 @@ class Launch:
     rank: int | None  # this process's global rank; None for train.py starting its node's workers
     master_addr: str = "127.0.0.1"
     master_port: str | None = None  # None: one node, any free port
+    tasks: str = ""  # how SLURM started this process, said by describe(): e.g. "one SLURM task per node (2 tasks)"
 
     @property
     def external(self) -> bool:
@@ -58,7 +63,9 @@ class Launch:
 
     def describe(self) -> str:
         where = f"node {self.node_rank}" + ("" if self.rank is None else f", rank {self.rank}")
-        return f"launcher: {self.launcher} ({where}; rendezvous {self.master_addr}:{self.master_port or 'free port'})"
+        tasks = f", {self.tasks}" if self.tasks else ""
+        return (f"launcher: {self.launcher} ({where}; rendezvous {self.master_addr}:{self.master_port or 'free port'})"
+                + tasks)
 
 
 def _int(env: Mapping[str, str], key: str) -> int | None:
@@ -68,10 +75,11 @@ def _int(env: Mapping[str, str], key: str) -> int | None:
 
 
 def slurm_tasks(env: Mapping[str, str]) -> int | None:
-    """``SLURM_NTASKS`` of a SLURM job step that runs tasks (not an interactive ``bash`` shell)."""
-    if env.get("SLURM_JOB_NAME") in SLURM_INTERACTIVE:
+    """The tasks of the SLURM job step this process is a task of (``srun`` sets ``SLURM_STEP_ID``); None outside
+    a step: not under SLURM, or in an ``salloc`` shell or ``sbatch`` script."""
+    if env.get("SLURM_STEP_ID") is None:
         return None
-    return _int(env, "SLURM_NTASKS")
+    return _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
 
 
 def global_rank(env: Mapping[str, str] | None = None) -> int | None:
@@ -106,10 +114,19 @@ def slurm_port(job_id: str | None) -> str:
     return str(SLURM_PORT_BASE + int(digits[-4:])) if digits else "12910"
 
 
+def srun_line(devices: int, num_nodes: int, per_node: bool = True) -> str:
+    """The ``srun`` options that run a job of ``devices`` processes on each of ``num_nodes`` nodes: one task per
+    node (``train.py`` starts that node's workers, each a CPU) or one task per process."""
+    if per_node:
+        return f"srun --nodes={num_nodes} --ntasks={num_nodes} --ntasks-per-node=1 --cpus-per-task={devices}"
+    return f"srun --nodes={num_nodes} --ntasks={devices * num_nodes} --ntasks-per-node={devices}"
+
+
 def _fix_hint(devices: int, num_nodes: int) -> str:
-    return (f"run one task per process (srun --nodes={num_nodes} --ntasks-per-node={devices}, or "
-            f"hydra/launcher=slurm) or one per node (--ntasks-per-node=1, train.py starts the {devices} "
-            "workers of each node)")
+    return (f"run one task per process ({srun_line(devices, num_nodes, per_node=False)}, or hydra/launcher=slurm) "
+            f"or one per node ({srun_line(devices, num_nodes)}: train.py starts the {devices} workers of each "
+            "node); srun takes the task counts of the allocation (sbatch/salloc --ntasks, --ntasks-per-node) unless "
+            "given its own --ntasks and --ntasks-per-node")
 
 
 def detect_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
@@ -147,11 +164,18 @@ def detect_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
                 raise ConfigError(f"SLURM started SLURM_NTASKS = {tasks} tasks with SLURM_NTASKS_PER_NODE = "
                                   f"{env.get('SLURM_NTASKS_PER_NODE')} but trainer.devices = {devices}; start them "
                                   f"with --ntasks-per-node={devices} (Lightning reads the tasks per node from it)")
-            return Launch("slurm", _int(env, "SLURM_NODEID") or 0, _int(env, "SLURM_PROCID"), addr, port)
+            said = f"one SLURM task per rank ({tasks} tasks, {per_node} per node)"
+            return Launch("slurm", _int(env, "SLURM_NODEID") or 0, _int(env, "SLURM_PROCID"), addr, port, said)
         if tasks == num_nodes:  # one task per node: train.py starts the node's workers
             node = _int(env, "SLURM_NODEID")
-            return Launch("self", _int(env, "SLURM_PROCID") if node is None else node, None, addr, port)
+            said = f"one SLURM task per node ({tasks} tasks): train.py starts each node's {devices} workers"
+            return Launch("self", _int(env, "SLURM_PROCID") if node is None else node, None, addr, port, said)
         raise ConfigError(f"SLURM started SLURM_NTASKS = {tasks} tasks but {sizes}; {_fix_hint(devices, num_nodes)}")
+    if num_nodes > 1 and env.get("SLURM_JOB_ID") and not env.get("MASTER_ADDR"):
+        raise ConfigError(
+            f"trainer.num_nodes = {num_nodes} but this process is not a SLURM task (SLURM_JOB_ID = "
+            f"{env['SLURM_JOB_ID']} without SLURM_STEP_ID: an salloc shell or an sbatch script, which run on one "
+            f"node): start train.py on every node with {srun_line(devices, num_nodes)} python train.py ...")
     if num_nodes > 1:
         missing = [key for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not env.get(key)]
         if missing:
@@ -166,6 +190,15 @@ def detect_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
                               f"{num_nodes}; set NODE_RANK to 0..{num_nodes - 1}, a different one on each node")
         return Launch("self", node, None, env["MASTER_ADDR"], env["MASTER_PORT"])
     return Launch("self", 0, None, env.get("MASTER_ADDR") or "127.0.0.1", env.get("MASTER_PORT") or None)
+
+
+def rank_env(env: Mapping[str, str], launch: Launch, devices: int, world_size: int) -> dict[str, str]:
+    """The variables Lightning reads to join a job of processes it did not start, for a rank that a SLURM task
+    is (the values Lightning's ``SLURMEnvironment`` derives: the first node's name, 15000 + the job id's last
+    4 digits): set them and Lightning takes the same values under any job name (``salloc``'s ``interactive``)."""
+    return {"MASTER_ADDR": launch.master_addr, "MASTER_PORT": str(launch.master_port),
+            "WORLD_SIZE": str(world_size), "NODE_RANK": str(launch.node_rank), "RANK": str(launch.rank),
+            "LOCAL_RANK": str(_int(env, "SLURM_LOCALID") or 0)}
 
 
 def worker_env(env: Mapping[str, str], launch: Launch, world_size: int, devices: int, local_rank: int,

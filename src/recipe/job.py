@@ -41,11 +41,14 @@ LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"  # Lightning 2.6's advert
 
 
 def quiet_library_notices() -> None:
-    """Drop two library messages that say nothing about this run, each matched by its text:
-    Lightning's own use of torch's deprecated ``LeafSpec`` (a ``FutureWarning`` from its ``_pytree``
-    module) and its litlogger tip (an INFO record of its rank-zero logger)."""
+    """Drop library messages that say nothing about this run, each matched by its text: Lightning's own use
+    of torch's deprecated ``LeafSpec`` (a ``FutureWarning`` from its ``_pytree`` module), its litlogger tip (an
+    INFO record of its rank-zero logger), and its advice to prepend ``srun`` wherever ``srun`` exists (the
+    recipe reads SLURM itself, :mod:`pipeline_recipes.recipe.cluster`: the workers of a one-task-per-node job
+    are no SLURM tasks, on purpose)."""
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
         lambda record: not str(record.msg).startswith(LITLOGGER_TIP))
 

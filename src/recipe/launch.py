@@ -50,7 +50,7 @@ from .accelerator import (
     resolve_loader,
     with_compile,
 )
-from .cluster import Launch, detect_launch, is_global_zero
+from .cluster import Launch, detect_launch, is_global_zero, rank_env
 from .ending import last_line
 from .heartbeat import describe_exception
 from .job_spec import JobSpec
@@ -198,6 +198,8 @@ def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals
     except OSError as err:
         _unwritable(err, out_dir / "job.yaml")
     if launch.external:
+        if launch.launcher == "slurm":  # Lightning joins the tasks whatever the job's name (salloc's "interactive")
+            os.environ.update(rank_env(os.environ, launch, int(trainer_cfg["devices"]), layout.world_size))
         outcome = _run_here(spec, launch, signals)
     else:
         outcome = launch_workers(job_file, layout.world_size, int(trainer_cfg["devices"]), out_dir / "logs",
