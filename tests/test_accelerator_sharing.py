@@ -41,7 +41,7 @@ def _layout(cfg: dict, trainer: dict):
 # -- the choice -----------------------------------------------------------------------------------------
 
 def test_the_default_job_on_one_gpu_runs_two_ranks_sharing_it_over_gloo() -> None:
-    from pipeline_recipes.recipe.launch import _gpus
+    from pipeline_recipes.recipe.checks import node_gpus as _gpus
 
     cfg, choice = _choose(ONE_H100)
     assert cfg["strategy"]["schedule"] == "chimera" and cfg["strategy"]["D"] == 2  # the README's main job
@@ -94,7 +94,7 @@ def test_layout_processes_are_w_times_d_over_the_nodes() -> None:
 
 
 def test_trainer_gpu_with_too_few_gpus_names_both_fixes() -> None:
-    from pipeline_recipes.recipe.launch import _gpus
+    from pipeline_recipes.recipe.checks import node_gpus as _gpus
 
     cfg, choice = _choose(ONE_H100, "trainer=gpu")
     assert choice.shared_gpus == 0 and _gpus(choice) == 1

@@ -1,0 +1,264 @@
+"""Every check of a job before any process starts, in the launcher's order, and the fixes its refusals propose.
+
+:func:`check_command` is what :func:`pipeline_recipes.recipe.launch.run` runs before it launches anything (and
+what the tests run, in-process): the fixed sets of values, the data's files, the accelerator, the layout, the
+model's shapes, the tokenizer, the GPUs of the node, the precision, the logger, the cluster's launcher and the
+memory pre-flight. A refusal (:class:`~pipeline_recipes.recipe.fixes.ConfigError`) comes back with the fixes it
+proposes that pass every one of these checks: each candidate is applied to the command (:class:`Command`: its
+overrides, composed as Hydra composes them) and checked again, so a suggestion never names a value that
+another rule refuses (:func:`~pipeline_recipes.recipe.fixes.vet`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import lru_cache, partial
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from .accelerator import (
+    GPU_NAMES, AcceleratorChoice, NodeDevices, check_precision, choose_accelerator, layout_processes, probe_node,
+    resolve_loader, with_compile,
+)
+from .cluster import Launch, detect_launch
+from .fixes import ConfigError, Fix, values, vet
+from .layout import (
+    Layout, check_devices, check_drain_timeout, check_fixed_settings, check_model, layers_key, num_layers, refuses,
+    resolve_layout,
+)
+
+PREFLIGHT_MODES = (True, False, "report")  # preflight=true | false | report
+
+
+@dataclass
+class Checked:
+    """What the checks found, filled in as they pass: the launcher names the accelerator once it is chosen,
+    also when a later check refuses the job."""
+
+    mode: Any = True  # preflight: true, false or report
+    choice: AcceleratorChoice | None = None
+    layout_inputs: tuple | None = None  # resolve_layout's arguments, once the trainer is concrete
+    layout: Layout | None = None
+    launch: Launch | None = None
+    report: dict[str, Any] | None = None  # preflight=report: the prediction
+
+
+@dataclass(frozen=True)
+class Command:
+    """A job's command line: its overrides (Hydra's task overrides) and how its config is composed from them.
+    ``compose`` takes the overrides of config groups (``strategy=chimera``; ``groups`` names the groups) and
+    returns that config (None where it cannot); :meth:`config` sets the other overrides on a copy, as Hydra
+    does."""
+
+    overrides: tuple[str, ...]
+    compose: Callable[[tuple[str, ...]], DictConfig | None]
+    groups: frozenset[str]
+
+    def with_fix(self, fix: Mapping[str, str]) -> Command:
+        """The command with ``fix``'s overrides in place of those of the same keys (a ``+`` kept), the others
+        added at the end."""
+        out, done = [], set()
+        for line, override in zip(self.overrides, _parse(self.overrides)):
+            key = override.key_or_group
+            if key in fix and not override.is_delete():
+                prefix = "++" if override.is_force_add() else "+" if override.is_add() else ""
+                out.append(f"{prefix}{key}={fix[key]}")
+                done.add(key)
+            else:
+                out.append(line)
+        out += [f"{key}={value}" for key, value in fix.items() if key not in done]
+        return replace(self, overrides=tuple(out))
+
+    def config(self) -> DictConfig | None:
+        """The command's config, or None where Hydra would refuse it (an override of a key it lacks, a group
+        option that does not exist)."""
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        parsed = _parse(self.overrides)
+        chosen = tuple(line for line, o in zip(self.overrides, parsed) if o.key_or_group in self.groups)
+        try:
+            base = self.compose(chosen)
+            if base is None:
+                return None
+            cfg = copy.deepcopy(base)
+            ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if o.key_or_group not in self.groups], cfg)
+        except (HydraException, OmegaConfBaseException):
+            return None
+        return cfg
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> Command:
+        """A config whose command line is not known: its own settings can change, its config groups cannot."""
+        snapshot = copy.deepcopy(cfg)
+        groups = frozenset(str(k) for k in cfg if OmegaConf.is_dict(cfg[k]))
+        return cls((), lambda chosen: None if chosen else snapshot, groups)
+
+
+def _parse(overrides: tuple[str, ...]) -> list[Any]:
+    return [_parse_one(line) for line in overrides]
+
+
+@lru_cache(maxsize=4096)
+def _parse_one(line: str) -> Any:
+    """One override as Hydra parses it (read only: the same object serves every command that has the line)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(line)
+
+
+def hydra_command() -> Command:
+    """The running Hydra job's command: its task overrides, composed with Hydra's compose API in the app's
+    own search path (each choice of config groups once)."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    name = hydra_cfg.job.config_name
+
+    @lru_cache(maxsize=64)
+    def composed(chosen: tuple[str, ...]) -> DictConfig:
+        return compose(config_name=name, overrides=list(chosen))
+
+    return Command(tuple(hydra_cfg.overrides.task), composed, frozenset(hydra_cfg.runtime.choices))
+
+
+class NodeProbe:
+    """What this node offers, probed once per question (:func:`probe_node`: torch only when CUDA is asked about);
+    a given :class:`NodeDevices` answers every question (a test's fake node)."""
+
+    def __init__(self, node: NodeDevices | None = None) -> None:
+        self.node = node
+        self.probed: dict[bool, NodeDevices] = {}
+
+    def __call__(self, cuda: bool) -> NodeDevices:
+        if self.node is not None:
+            return self.node
+        if cuda not in self.probed:
+            self.probed[cuda] = probe_node(cuda=cuda)
+        return self.probed[cuda]
+
+
+def node_gpus(choice: AcceleratorChoice) -> int | None:
+    """GPUs of this node when the job runs one process per GPU (probed by the accelerator's choice)."""
+    return choice.node.cuda_devices if choice.accelerator in GPU_NAMES and not choice.shared_gpus else None
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How :func:`check_command` runs: the node, the environment, whether it prepares data, the memory budget
+    (None: the accelerator's), whether a refusal proposes layouts of its own (the pre-flight's search) and
+    vets its fixes."""
+
+    nodes: NodeProbe
+    env: Mapping[str, str]
+    prepare: bool = True
+    budget_bytes: int | None = None
+    suggest: bool = True
+    checked: Checked = field(default_factory=Checked)
+
+
+def check_command(cfg: DictConfig, found: Checked | None = None, *, command: Command | None = None,
+                  node: NodeDevices | NodeProbe | None = None, env: Mapping[str, str] | None = None,
+                  prepare: bool = True, budget_bytes: int | None = None, vet_fixes: bool = True) -> Layout:
+    """Check the job of ``cfg`` before launch and return its layout; ``cfg`` becomes the job's config (the
+    concrete trainer, the data loader's settings). ``found`` is filled in as the checks pass. A refusal
+    raises a :class:`ConfigError` (or the pre-flight's error) whose fixes, each applied to ``command`` (default:
+    ``cfg``'s own settings), pass every check here (``vet_fixes``).
+
+    ``node``: what the node offers (default: probed); ``env``: the environment (default ``os.environ``);
+    ``prepare``: prepare a real corpus on the node before the pre-flight, as the launcher does; ``budget_bytes``:
+    the memory budget of the pre-flight (default: the accelerator's, else measured)."""
+    probe = node if isinstance(node, NodeProbe) else NodeProbe(node)
+    options = _Options(probe, os.environ if env is None else env, prepare, budget_bytes,
+                       checked=found if found is not None else Checked())
+    original = None if command is not None or not vet_fixes else Command.of(cfg)
+    try:
+        return _checks(cfg, options)
+    except ConfigError as err:
+        if not vet_fixes:
+            raise
+        passes = partial(_passes, command or original, replace(options, prepare=False, suggest=False,
+                                                               checked=options.checked))
+        raise vet(err, passes) from err.__cause__
+
+
+def _passes(command: Command, options: _Options, fix: Fix) -> bool:
+    """Whether ``command`` with ``fix`` applied passes every check (the pre-flight too, where it runs). A fix
+    that breaks the layout's own rules fails at once (the command's checks include them)."""
+    inputs = options.checked.layout_inputs
+    if inputs is not None and refuses(inputs, fix):
+        return False
+    cfg = command.with_fix(fix).config()
+    if cfg is None:
+        return False
+    try:
+        _checks(cfg, replace(options, checked=Checked()))
+    except ValueError:
+        return False
+    return True
+
+
+def _checks(cfg: DictConfig, options: _Options) -> Layout:
+    """The checks in the launcher's order (:func:`check_command`)."""
+    found = options.checked
+    check_fixed_settings(cfg)  # strategy.grad_sync=eagr, checkpoint.keep=…: one message, not a traceback per rank
+    mode = found.mode = cfg.get("preflight", True)
+    if mode not in PREFLIGHT_MODES:
+        raise ConfigError(f"preflight = {mode!r}: it is true (predict the peak memory per rank and refuse a layout "
+                          "that cannot fit), false (skip it) or report (print the prediction as one JSON line "
+                          "and launch nothing)", [values("preflight", PREFLIGHT_MODES)])
+    real_data = cfg.data.get("name", "synthetic") != "synthetic"
+    if real_data:  # its local files exist (prepared below)
+        from pipeline_recipes.datamodules.prepare import check_data, prepare_data  # local: torch ≥1.2 s
+
+        check_data(OmegaConf.to_container(cfg.data, resolve=True))
+    trainer_asked = OmegaConf.to_container(cfg.trainer, resolve=True)
+    choice = found.choice = choose_accelerator(
+        trainer_asked, layout_processes(OmegaConf.to_container(cfg.strategy, resolve=True),
+                                        trainer_asked.get("num_nodes", 1)), options.nodes)
+    choice = found.choice = with_compile(choice, cfg.model.get("compile"))  # model.compile=atuo: refused here
+    trainer_cfg = choice.trainer
+    with open_dict(cfg):  # every later reader (pre-flight, workers, W&B config) sees the concrete trainer
+        cfg.trainer = trainer_cfg
+        cfg.data.update(resolve_loader(cfg.data, choice))  # data.num_workers / pin_memory for this accelerator
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    inputs = found.layout_inputs = (OmegaConf.to_container(cfg.strategy, resolve=True), dict(trainer_cfg),
+                                    cfg.data.global_batch_size, num_layers(model), layers_key(model))
+    layout = found.layout = resolve_layout(*inputs[:4], layers_key=inputs[4], vet_fixes=False)
+    check_model(model, OmegaConf.to_container(cfg.data, resolve=True))
+    if cfg.data.get("tokenizer"):  # loads it (transformers): model.vocab_size must cover it
+        from pipeline_recipes.datamodules.tokenizer import check_tokenizer_config  # local: torch ≥1.2 s
+
+        check_tokenizer_config(OmegaConf.to_container(cfg.data, resolve=True))
+    if mode != "report":  # preflight=report predicts for GPUs this node may lack
+        check_devices(trainer_cfg, node_gpus(choice))
+    check_precision(layout.strategy, trainer_cfg, OmegaConf.to_container(cfg.optim, resolve=True)
+                    if cfg.get("optim") is not None else None)
+    if cfg.get("logger") is not None and cfg.logger.get("drain_timeout_s") is not None:
+        check_drain_timeout(cfg.logger.drain_timeout_s)
+    found.launch = detect_launch(options.env, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
+    if real_data and mode != "report" and options.prepare:  # once on the node, before the ranks
+        prepare_data(OmegaConf.to_container(cfg.data, resolve=True))
+    if mode:  # the checks above answer without importing torch
+        _memory(cfg, layout, choice, options)
+    return layout
+
+
+def _memory(cfg: DictConfig, layout: Layout, choice: AcceleratorChoice, options: _Options) -> None:
+    """The memory pre-flight (``preflight=true``), or the prediction alone (``preflight=report``)."""
+    from pipeline_recipes.planner.preflight import predict_layout, preflight  # local: torch ≥1.2 s
+
+    budget = options.budget_bytes if options.budget_bytes is not None else choice.memory_per_rank
+    if options.checked.mode == "report":  # estimates on fake tensors: no memory is allocated, no GPU needed
+        if options.suggest:
+            options.checked.report = predict_layout(OmegaConf.to_container(cfg, resolve=True), layout,
+                                                    budget_bytes=budget)
+        return
+    preflight(OmegaConf.to_container(cfg, resolve=True), layout, budget_bytes=budget,
+              **({} if options.suggest else {"max_options": 0}))
