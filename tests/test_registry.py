@@ -180,10 +180,12 @@ CONFIG_RULES = [  # (strategy, devices, global batch) -> the problem (setting, v
     ({"name": "gpipe", "D": 2, "pipelines": 2}, 2, 4,
      "gpipe runs a single pipeline, got strategy.pipelines = 2", "set strategy.pipelines=null or strategy.pipelines=1"),
     ({"name": "chimera", "D": 2, "concat": "tripling"}, 2, 4,
-     "chimera: strategy.concat = 'tripling' is not a concatenation method",
+     "chimera: strategy.concat = 'tripling' is not a concatenation method (direct, forward_doubling, "
+     "backward_halving or auto (the fastest simulated; Chimera §3.5))",
      "set strategy.concat to one of [direct, forward_doubling, auto]"),
     ({"name": "chimera", "D": 2, "concat": "forward_dubling"}, 2, 4,
-     "chimera: strategy.concat = 'forward_dubling' is not a concatenation method",
+     "chimera: strategy.concat = 'forward_dubling' is not a concatenation method (direct, forward_doubling, "
+     "backward_halving or auto (the fastest simulated; Chimera §3.5))",
      "did you mean 'forward_doubling'? set strategy.concat=forward_doubling, or strategy.concat=direct or "
      "strategy.concat=auto"),
     ({"name": "dapple", "D": 2, "concat": "auto"}, 2, 4,

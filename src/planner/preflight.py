@@ -13,9 +13,9 @@ which the launcher checks against every other rule of the command. :func:`predic
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 from pipeline_recipes.recipe.fixes import ConfigError, Fix, Proposal
@@ -42,9 +42,9 @@ class PreflightError(ConfigError):
     layouts predicted to fit (``peaks``: the peak each is predicted at, by its overrides), rendered one a line."""
 
     def __init__(self, problem: str, proposals: Sequence[Proposal], peaks: Mapping[tuple, int],
-                 nothing: str) -> None:
+                 nothing: str, alternatives: Callable[[], Sequence[Proposal]] | None = None) -> None:
         self.peaks, self.nothing = dict(peaks), nothing
-        super().__init__(problem, proposals)
+        super().__init__(problem, proposals, alternatives=alternatives or ())
 
     def render(self) -> str:
         lines, fixes = [self.problem], self.fixes
@@ -177,6 +177,7 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
     ]
     options = _fitting_options(costs, cand, budget, per_node, keep_sends, max_options) if max_options else []
     fits = [(_fix(c), peak) for c, peak in options]
+    searched = partial(_searched, costs, cand, budget, per_node, keep_sends)  # asked for only where needed
     if cand.cuda_graphs and max_options:
         fits += _without_graphs(costs, cand, budget, per_node, keep_sends, max_options if not options else 0)
     graphs = " with strategy.cuda_graphs=true" if cand.cuda_graphs else ""
@@ -184,7 +185,26 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
                "is predicted to fit{checked}: add devices, lower data.global_batch_size or use a smaller model."
                if max_options else "")
     raise PreflightError("\n".join(lines), [Proposal(tuple(fix for fix, _ in fits))] if fits else [],
-                         {_key(fix): peak for fix, peak in fits}, nothing)
+                         {_key(fix): peak for fix, peak in fits}, nothing, None if max_options else searched)
+
+
+SEARCHED = 5  # fitting layouts a refusal made without its search offers once asked (vetting a fix of another rule)
+
+
+def _searched(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int, keep_sends: bool) -> list[Proposal]:
+    """The fitting layouts of a refusal that did not search for them (:func:`preflight` with ``max_options=0``),
+    as alternatives: the same search for every layout of one schedule, devices and batch (:func:`_walked`)."""
+    key = (cand.strategy, cand.world_size, cand.global_batch_size, cand.recompute, cand.grad_sync, cand.cuda_graphs)
+    return [Proposal(tuple(_fix(c) for c, _ in _walked(costs, key, budget, per_node, keep_sends)))]
+
+
+@lru_cache(maxsize=32)
+def _walked(costs: ModelCosts, key: tuple, budget: Budget, per_node: int, keep_sends: bool) -> tuple:
+    """:func:`_fitting_options` once per ``key``: what the search reads of the refused layout (its schedule, its
+    processes and global batch, its gradient sync and CUDA graphs), whatever its D and B."""
+    strategy, world, batch, recompute, grad_sync, cuda_graphs = key
+    like = Candidate(strategy, 1, world, 1, batch, recompute=recompute, grad_sync=grad_sync, cuda_graphs=cuda_graphs)
+    return tuple(_fitting_options(costs, like, budget, per_node, keep_sends, SEARCHED))
 
 
 def _without_graphs(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int, keep_sends: bool,

@@ -92,12 +92,49 @@ class Command:
             return None
         return cfg
 
+    def node(self, key: str) -> dict[str, Any] | None:
+        """The resolved node ``key`` of the command's config (its option of the group and the overrides under
+        it), composed without copying the rest; None where it cannot tell (an interpolation out of the node).
+        Read only: the same dict serves every command with the same choices and overrides of the node."""
+        parsed = _parse(self.overrides)
+        chosen = tuple(line for line, o in zip(self.overrides, parsed) if o.key_or_group in self.groups)
+        lines = tuple(line for line, o in zip(self.overrides, parsed) if o.key_or_group.startswith(f"{key}."))
+        return _node(self.compose, chosen, lines, key)
+
     @classmethod
     def of(cls, cfg: DictConfig) -> Command:
         """A config whose command line is not known: its own settings can change, its config groups cannot."""
         snapshot = copy.deepcopy(cfg)
         groups = frozenset(str(k) for k in cfg if OmegaConf.is_dict(cfg[k]))
         return cls((), lambda chosen: None if chosen else snapshot, groups)
+
+
+@lru_cache(maxsize=256)
+def _unresolved(compose: Callable[[tuple[str, ...]], DictConfig | None], chosen: tuple[str, ...],
+                key: str) -> dict[str, Any] | None:
+    """Node ``key`` of the config of these group choices, interpolations kept (read only)."""
+    base = compose(chosen)
+    return None if base is None or key not in base else OmegaConf.to_container(base[key], resolve=False)
+
+
+@lru_cache(maxsize=16384)
+def _node(compose: Callable[[tuple[str, ...]], DictConfig | None], chosen: tuple[str, ...], lines: tuple[str, ...],
+          key: str) -> dict[str, Any] | None:
+    """:meth:`Command.node`: node ``key`` of these group choices with the override ``lines`` under it set."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        base = _unresolved(compose, chosen, key)
+        if base is None:
+            return None
+        part = OmegaConf.create({key: copy.deepcopy(base)})
+        OmegaConf.set_struct(part, True)
+        ConfigLoaderImpl._apply_overrides_to_config(_parse(lines), part)
+        return OmegaConf.to_container(part[key], resolve=True)
+    except (HydraException, OmegaConfBaseException):
+        return None
 
 
 def _parse(overrides: tuple[str, ...]) -> list[Any]:
@@ -183,25 +220,58 @@ def check_command(cfg: DictConfig, found: Checked | None = None, *, command: Com
     except ConfigError as err:
         if not vet_fixes:
             raise
-        passes = partial(_passes, command or original, replace(options, prepare=False, suggest=False,
-                                                               checked=options.checked))
+        command = command or original
+        checked = replace(options.checked,
+                          layout_inputs=options.checked.layout_inputs or _layout_inputs(command, options.nodes))
+        passes = partial(_passes, command, replace(options, prepare=False, suggest=False, checked=checked))
         raise vet(err, passes) from err.__cause__
 
 
-def _passes(command: Command, options: _Options, fix: Fix) -> bool:
-    """Whether ``command`` with ``fix`` applied passes every check (the pre-flight too, where it runs). A fix
-    that breaks the layout's own rules fails at once (the command's checks include them)."""
-    inputs = options.checked.layout_inputs
-    if inputs is not None and refuses(inputs, fix):
-        return False
-    cfg = command.with_fix(fix).config()
+def _layout_inputs(command: Command, probe: NodeProbe) -> tuple | None:
+    """The layout's settings of ``command`` (:func:`resolve_layout`'s arguments, the trainer as the accelerator
+    makes it concrete) where a check before the layout's refused it; None where they cannot be had."""
+    cfg = command.config()
     if cfg is None:
-        return False
+        return None
+    try:
+        return _inputs(cfg, choose_accelerator(OmegaConf.to_container(cfg.trainer, resolve=True), None, probe).trainer)
+    except (ValueError, TypeError):
+        return None
+
+
+def _inputs(cfg: DictConfig, trainer: dict[str, Any]) -> tuple:
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    return (OmegaConf.to_container(cfg.strategy, resolve=True), dict(trainer), cfg.data.global_batch_size,
+            num_layers(model), layers_key(model))
+
+
+def _passes(command: Command, options: _Options, fix: Fix) -> ValueError | None:
+    """The refusal of ``command`` with ``fix`` applied by any check (the pre-flight too, where it runs); None
+    where it passes. A fix that breaks the layout's own rules fails at once (the command's checks include them)."""
+    fixed = command.with_fix(fix)
+    inputs = options.checked.layout_inputs
+    if inputs is not None and (refusal := _breaks_layout(fixed, inputs, fix)) is not None:
+        return refusal
+    cfg = fixed.config()
+    if cfg is None:
+        return ValueError(f"{fix} does not compose with {' '.join(command.overrides)}")
     try:
         _checks(cfg, replace(options, checked=Checked()))
-    except ValueError:
-        return False
-    return True
+    except ValueError as err:
+        return err
+    return None
+
+
+def _breaks_layout(command: Command, inputs: tuple, fix: Fix) -> ConfigError | None:
+    """The refusal of the fixed ``command`` by the layout's rules, when sure (then it fails every check at once):
+    its strategy node, with the other settings of the layout (``inputs``, the trainer as the accelerator made it
+    concrete) as ``fix`` sets them; None where they pass or that cannot be told without the whole check."""
+    if not any(k in ("strategy", "strategy.schedule", "strategy.name") for k in fix):
+        return refuses(inputs, fix)  # the strategy's other settings are set on it as they are
+    strategy = command.node("strategy")  # another option of the group: composed (strategy.name follows it)
+    if strategy is None:
+        return None
+    return refuses((strategy, *inputs[1:]), {k: v for k, v in fix.items() if not k.startswith("strategy")})
 
 
 def _checks(cfg: DictConfig, options: _Options) -> Layout:
@@ -227,11 +297,9 @@ def _checks(cfg: DictConfig, options: _Options) -> Layout:
     with open_dict(cfg):  # every later reader (pre-flight, workers, W&B config) sees the concrete trainer
         cfg.trainer = trainer_cfg
         cfg.data.update(resolve_loader(cfg.data, choice))  # data.num_workers / pin_memory for this accelerator
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    inputs = found.layout_inputs = (OmegaConf.to_container(cfg.strategy, resolve=True), dict(trainer_cfg),
-                                    cfg.data.global_batch_size, num_layers(model), layers_key(model))
+    inputs = found.layout_inputs = _inputs(cfg, trainer_cfg)
     layout = found.layout = resolve_layout(*inputs[:4], layers_key=inputs[4], vet_fixes=False)
-    check_model(model, OmegaConf.to_container(cfg.data, resolve=True))
+    check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True))
     if cfg.data.get("tokenizer"):  # loads it (transformers): model.vocab_size must cover it
         from pipeline_recipes.datamodules.tokenizer import check_tokenizer_config  # local: torch ≥1.2 s
 

@@ -137,16 +137,23 @@ class ConfigError(ValueError):
     (prose that proposes no value). An error raised with a plain message has neither and says what it says."""
 
     def __init__(self, problem: str, proposals: Iterable[Proposal] = (), *, setting: str = "",
-                 alternatives: Iterable[Proposal] = (), note: str = "") -> None:
+                 alternatives: Iterable[Proposal] | Callable[[], Iterable[Proposal]] = (), note: str = "") -> None:
         self.problem = problem
         self.proposals = tuple(proposals)
-        self.alternatives = tuple(alternatives)
+        self._alternatives = alternatives  # a callable: made only when vetting needs them
         self.setting = setting or _keys_of(self.proposals)
         self.note = note
         self.stuck = False
         self.vetted = False
         self._groups = _groups(self.proposals, None)
         super().__init__(self.render())
+
+    @property
+    def alternatives(self) -> tuple[Proposal, ...]:
+        """What else may be changed where no proposal passes (other devices, layers or schedule)."""
+        if callable(self._alternatives):
+            self._alternatives = tuple(self._alternatives())
+        return tuple(self._alternatives)
 
     @property
     def fixes(self) -> list[Fix]:
@@ -194,12 +201,77 @@ def _keys_of(proposals: Sequence[Proposal]) -> str:
     return " or ".join(keys)
 
 
-def vet(error: ConfigError, passes: Callable[[Fix], bool]) -> ConfigError:
-    """``error`` with the proposals that pass (``passes(fix)``: the command with ``fix`` applied passes every
-    check); where none does, stuck, with the alternatives that pass. An error without proposals is returned as is."""
+Check = Callable[[Fix], "ValueError | None"]
+"""The checks of a command with a fix applied: None where it passes, else the refusal (a :class:`ConfigError`
+carries its own proposals, which :func:`vet` may combine with the fix)."""
+
+COMPOUND_TRIES = 16  # refused fixes whose next refusal vet tries to fix too (all levels together)
+COMPOUND_FOLLOW = 2  # of them, per proposal
+COMPOUND_LOOK = 8  # fixes of each proposal looked at for a compound
+COMPOUND_KEEP = 2  # compound fixes proposed
+COMPOUND_DEPTH = 3  # other rules a compound fix may also satisfy (a command may break four rules at once)
+
+
+def vet(error: ConfigError, check: Check) -> ConfigError:
+    """``error`` with the proposals that pass (``check(fix)`` is None: the command with ``fix`` applied passes
+    every check). Where none does, it is stuck: the alternatives that pass, else a proposal together with fixes of
+    the other rules that then refuse it (a command can break several rules), else an alternative with such fixes.
+    An error without proposals is returned as is."""
     if not error.proposals or not isinstance(error, ConfigError):
         return error
+    verdicts: dict[tuple, ValueError | None] = {}
+
+    def verdict(fix: Fix) -> ValueError | None:
+        key = tuple(sorted(fix.items()))
+        if key not in verdicts:
+            verdicts[key] = check(fix)
+        return verdicts[key]
+
+    def passes(fix: Fix) -> bool:
+        return verdict(fix) is None
+
     groups = _groups(error.proposals, passes)
     if groups:
         return error.with_groups(groups, stuck=False)
-    return error.with_groups(_groups(error.alternatives, passes), stuck=True)
+    tries = [COMPOUND_TRIES]
+    return error.with_groups(_groups(error.alternatives, passes)
+                             or _compounds(error.proposals, verdict, COMPOUND_DEPTH, tries, COMPOUND_KEEP)
+                             or _compounds(error.alternatives, verdict, COMPOUND_DEPTH, tries, COMPOUND_KEEP),
+                             stuck=True)
+
+
+def _compounds(proposals: Sequence[Proposal], verdict: Callable[[Fix], ValueError | None], depth: int,
+               tries: list[int], keep: int) -> Groups:
+    """Up to ``keep`` proposals refused by another rule (one about a setting they do not change), each with the
+    first fix of that refusal which makes both pass, ``{**proposal, **fix}`` (up to ``depth`` rules deep);
+    ``COMPOUND_FOLLOW`` refused fixes followed per proposal and ``tries`` in all."""
+    found: list[tuple[str, Fix]] = []
+    for proposal in proposals:
+        followed = 0
+        for fix in proposal.fixes[:COMPOUND_LOOK]:
+            if len(found) >= keep or tries[0] <= 0 or followed >= COMPOUND_FOLLOW:
+                break
+            then = verdict(fix)
+            if not isinstance(then, ConfigError) or then.refused and set(then.refused) <= set(fix):
+                continue  # refused for another reason than a setting this fix leaves as it was
+            tries[0] -= 1
+            followed += 1
+            more = _next_fix((*then.proposals, *then.alternatives), lambda g, fix=fix: verdict({**fix, **g}),
+                             depth, tries)
+            if more is not None and {**fix, **more} not in [f for _, f in found]:
+                found.append((proposal.lead, {**fix, **more}))
+    leads = list(dict.fromkeys(lead for lead, _ in found))
+    return tuple((lead, tuple(f for l, f in found if l == lead)) for lead in leads)
+
+
+def _next_fix(proposals: Sequence[Proposal], verdict: Callable[[Fix], ValueError | None], depth: int,
+              tries: list[int]) -> Fix | None:
+    """The first fix that passes (``verdict`` is None), else, ``depth`` allowing, the first compound."""
+    for proposal in proposals:
+        for fix in proposal.fixes[:COMPOUND_LOOK]:
+            if verdict(fix) is None:
+                return fix
+    if depth > 1:
+        for _, fixes in _compounds(proposals, verdict, depth - 1, tries, 1):
+            return fixes[0]
+    return None

@@ -167,10 +167,10 @@ def _divisors(n: int) -> list[int]:
 
 def _batch_proposals(global_batch_size: int, step: int) -> list[Proposal]:
     """The multiples of ``step`` nearest to ``global_batch_size``: the largest below it and the least above
-    it that pass (a window of 64 each way)."""
+    it that pass (a window of 16 each way)."""
     q = global_batch_size // step
-    below = [k * step for k in range(q, max(q - 64, 0), -1) if k * step != global_batch_size]
-    above = [k * step for k in range(q + 1, q + 65)]
+    below = [k * step for k in range(q, max(q - 16, 0), -1) if k * step != global_batch_size]
+    above = [k * step for k in range(q + 1, q + 17)]
     return [values("data.global_batch_size", below, keep=1), values("data.global_batch_size", above, keep=1)]
 
 
@@ -246,29 +246,32 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
 
 
 def _passes_with(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int,
-                 layers_key: str | None, fix: Fix) -> bool:
-    """Whether the layout passes with ``fix`` applied; a fix of anything else (another strategy config, a model
-    setting) is not judged here and does not pass."""
+                 layers_key: str | None, fix: Fix) -> ValueError | None:
+    """The layout's refusal with ``fix`` applied (None: it passes); a fix of anything else (another strategy
+    config, a model setting) is not judged here and does not pass."""
     applied = _applied(strategy, trainer, global_batch_size, num_layers, layers_key, fix, literal=True)
-    return applied is not None and _accepts(*applied, layers_key)
+    if applied is None:
+        return ValueError(f"{fix} sets something other than the layout")
+    return _refusal(*applied, layers_key)
 
 
-def refuses(inputs: tuple[dict[str, Any], dict[str, Any], int, int, str | None], fix: Fix) -> bool:
-    """Whether ``fix`` surely breaks a rule of the layout of ``inputs`` (:func:`resolve_layout`'s arguments, the
-    trainer concrete), so that the whole command with it fails too; False where the fix changes something
-    the layout cannot tell from these (the strategy's name, another config group, another setting)."""
+def refuses(inputs: tuple[dict[str, Any], dict[str, Any], int, int, str | None], fix: Fix) -> ConfigError | None:
+    """The refusal by the layout's rules of ``inputs`` (:func:`resolve_layout`'s arguments, the trainer
+    concrete) with ``fix`` applied, so that the whole command with it fails too; None where they pass or the fix
+    changes something the layout cannot tell from these (the strategy's name, another config group, another
+    setting)."""
     strategy, trainer, global_batch_size, num_layers, key = inputs
     applied = _applied(strategy, trainer, global_batch_size, num_layers, key, fix, literal=False)
-    return applied is not None and not _accepts(*applied, key)
+    return None if applied is None else _refusal(*applied, key)
 
 
-def _accepts(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int,
-             layers_key: str | None) -> bool:
+def _refusal(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int,
+             layers_key: str | None) -> ConfigError | None:
     try:
         _resolve(strategy, trainer, global_batch_size, num_layers, layers_key)
-    except ConfigError:
-        return False
-    return True
+    except ConfigError as err:
+        return err
+    return None
 
 
 def _applied(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int,
@@ -382,7 +385,7 @@ class _Around:
     layers_key: str | None
 
     def error(self, problem: str, proposals: Sequence[Proposal]) -> ConfigError:
-        return ConfigError(problem, proposals, alternatives=self.elsewhere())
+        return ConfigError(problem, proposals, alternatives=self.elsewhere)
 
     def refused(self, message: str) -> ConfigError:
         """The error of a rule's message: its problem with candidates for the settings it names (a rule that
@@ -455,9 +458,9 @@ class _Around:
                               if k != self.D), keep=2)]
         if self.layers_key is not None:
             blocks = self.num_layers - EXTRA_LAYERS
-            out.append(values(self.layers_key, range(blocks + 1, blocks + 8 * self.world + 1), keep=1))
+            out.append(values(self.layers_key, range(blocks + 1, blocks + 17), keep=1))
         name = self.spec.name
-        return out + [values("strategy", [n for n in (*names(), *BASELINES) if n != name], keep=3)]
+        return out + [values("strategy", [n for n in (*names(), *BASELINES) if n != name], keep=2)]
 
 
 @lru_cache(maxsize=1024)

@@ -278,8 +278,8 @@ def concat_error(s: Settings, concatenates: bool) -> str | None:
     if concatenates:
         if c is None or c in (*CONCAT_METHODS, AUTO_CONCAT):
             return None
-        return Refusal(f"{s.schedule}: {n.concat} = {c!r} is not a concatenation method",
-                       f"use {CONCAT_RULE}" + _suggest(c, (*CONCAT_METHODS, AUTO_CONCAT)), ("concat",),
+        return Refusal(f"{s.schedule}: {n.concat} = {c!r} is not a concatenation method ({CONCAT_RULE})",
+                       "use one of them" + _suggest(c, (*CONCAT_METHODS, AUTO_CONCAT)), ("concat",),
                        guess=did_you_mean(c, (*CONCAT_METHODS, AUTO_CONCAT)))
     if c in (None, "direct"):
         return None
