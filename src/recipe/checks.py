@@ -18,7 +18,13 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from typing import Any
 
+from hydra import compose
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from .accelerator import (
     GPU_NAMES, AcceleratorChoice, NodeDevices, check_precision, choose_accelerator, layout_processes, probe_node,
@@ -76,10 +82,6 @@ class Command:
     def config(self) -> DictConfig | None:
         """The command's config, or None where Hydra would refuse it (an override of a key it lacks, a group
         option that does not exist)."""
-        from hydra._internal.config_loader_impl import ConfigLoaderImpl
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
-
         parsed = _parse(self.overrides)
         chosen = tuple(line for line, o in zip(self.overrides, parsed) if o.key_or_group in self.groups)
         try:
@@ -121,10 +123,6 @@ def _unresolved(compose: Callable[[tuple[str, ...]], DictConfig | None], chosen:
 def _node(compose: Callable[[tuple[str, ...]], DictConfig | None], chosen: tuple[str, ...], lines: tuple[str, ...],
           key: str) -> dict[str, Any] | None:
     """:meth:`Command.node`: node ``key`` of these group choices with the override ``lines`` under it set."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         base = _unresolved(compose, chosen, key)
         if base is None:
@@ -138,23 +136,19 @@ def _node(compose: Callable[[tuple[str, ...]], DictConfig | None], chosen: tuple
 
 
 def _parse(overrides: tuple[str, ...]) -> list[Any]:
+    """The overrides as Hydra parses them."""
     return [_parse_one(line) for line in overrides]
 
 
 @lru_cache(maxsize=4096)
 def _parse_one(line: str) -> Any:
     """One override as Hydra parses it (read only: the same object serves every command that has the line)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     return OverridesParser.create().parse_override(line)
 
 
 def hydra_command() -> Command:
     """The running Hydra job's command: its task overrides, composed with Hydra's compose API in the app's
     own search path (each choice of config groups once)."""
-    from hydra import compose
-    from hydra.core.hydra_config import HydraConfig
-
     hydra_cfg = HydraConfig.get()
     name = hydra_cfg.job.config_name
 
@@ -259,6 +253,8 @@ def _passes(command: Command, options: _Options, fix: Fix) -> ValueError | None:
         _checks(cfg, replace(options, checked=Checked()))
     except ValueError as err:
         return err
+    except Exception as err:  # a candidate no check foresaw: it does not pass (the refusal is still shown)
+        return ValueError(f"{fix}: {type(err).__name__}: {err}")
     return None
 
 

@@ -6,8 +6,9 @@ the rule) and its *proposals* (:class:`Proposal`): candidate fixes, best first, 
 :func:`vet` keeps the ones that pass when applied to the same command, asking the checks themselves (so no
 rule is written a second time to compute a suggestion), and renders what is left. Where no proposal passes,
 the refused setting has no working value here: the error says so and offers its *alternatives* instead (other
-devices, layers or schedule), vetted the same way. Without vetting (a check called on its own) the message
-shows the proposals as the refusing rule made them.
+devices, layers or schedule), vetted the same way; where the command breaks other rules too, a fix combines a
+proposal with the fixes of the rules that then refuse it. Without vetting (a check called on its own) the
+message shows the proposals as the refusing rule made them.
 
 Values are written as on the command line (:func:`override_text`): ``null``, ``true``, ``8``, ``direct``.
 """
@@ -58,11 +59,9 @@ class Proposal:
             object.__setattr__(self, "keys", tuple(dict.fromkeys(k for fix in self.fixes for k in fix)))
 
 
-def values(key: str, candidates: Iterable[Any], keep: int | None = None, lead: str = "",
-           **also: Any) -> Proposal:
-    """One fix per candidate value of ``key`` (each with the overrides ``also``, dotted keys spelled with ``__``)."""
-    extra = {k.replace("__", "."): override_text(v) for k, v in also.items()}
-    return Proposal(tuple({key: override_text(v), **extra} for v in candidates), keep, lead, (key, *extra))
+def values(key: str, candidates: Iterable[Any], keep: int | None = None, lead: str = "") -> Proposal:
+    """One fix per candidate value of ``key``."""
+    return Proposal(tuple({key: override_text(v)} for v in candidates), keep, lead, (key,))
 
 
 def fixes_of(*fixes: Mapping[str, Any], keep: int | None = None, lead: str = "") -> Proposal:
@@ -87,6 +86,7 @@ Groups = tuple[tuple[str, tuple[Fix, ...]], ...]
 
 
 def _groups(proposals: Sequence[Proposal], passes: Callable[[Fix], bool] | None) -> Groups:
+    """Each proposal's lead and the fixes :func:`_first` keeps of it (proposals that keep none left out)."""
     seen: list[Fix] = []
     out = []
     for proposal in proposals:
@@ -132,17 +132,16 @@ class ConfigError(ValueError):
     """An invalid combination of settings, explained: ``problem`` (the settings, their values and the rule) and
     ``fixes`` (:data:`Fix` each, best first), the message rendered from both.
 
-    ``proposals`` are the candidate fixes before :func:`vet`; ``alternatives`` the other changes offered when none
-    of them passes (``stuck``: the message then says that no value of ``setting`` works). ``note`` ends the message
-    (prose that proposes no value). An error raised with a plain message has neither and says what it says."""
+    ``proposals`` are the candidate fixes before :func:`vet`; ``alternatives`` (or a function that makes them, called
+    only when vetting needs them) the other changes offered when none of them passes (``stuck``: the message then
+    says that no value of :attr:`setting` works). An error raised with a plain message has neither and says what it
+    says."""
 
-    def __init__(self, problem: str, proposals: Iterable[Proposal] = (), *, setting: str = "",
-                 alternatives: Iterable[Proposal] | Callable[[], Iterable[Proposal]] = (), note: str = "") -> None:
+    def __init__(self, problem: str, proposals: Iterable[Proposal] = (), *,
+                 alternatives: Iterable[Proposal] | Callable[[], Iterable[Proposal]] = ()) -> None:
         self.problem = problem
         self.proposals = tuple(proposals)
-        self._alternatives = alternatives  # a callable: made only when vetting needs them
-        self.setting = setting or _keys_of(self.proposals)
-        self.note = note
+        self._alternatives = alternatives
         self.stuck = False
         self.vetted = False
         self._groups = _groups(self.proposals, None)
@@ -161,6 +160,11 @@ class ConfigError(ValueError):
         return [dict(fix) for _, fixes in self._groups for fix in fixes]
 
     @property
+    def setting(self) -> str:
+        """The refused setting(s) in words: those its proposals change, config groups left out."""
+        return " or ".join(k for k in self.refused if "." in k)
+
+    @property
     def refused(self) -> tuple[str, ...]:
         """The settings the proposals change (those of which no value works when ``stuck``)."""
         return tuple(dict.fromkeys(k for p in self.proposals for k in p.keys))
@@ -175,7 +179,7 @@ class ConfigError(ValueError):
                         ", nor does any other change tried (other devices, more layers or another schedule)"))
         elif fixes:
             text += f"; {fixes}"
-        return text + self.note
+        return text
 
     def with_groups(self, groups: Groups, stuck: bool) -> ConfigError:
         """This error with other (vetted) fixes, its message rendered anew."""
@@ -185,7 +189,9 @@ class ConfigError(ValueError):
         return out
 
     def __reduce__(self) -> tuple:
-        return _rebuild, (type(self), self.__dict__)
+        """Pickled with its fixes (alternatives not made yet are left out: they may need this process)."""
+        state = {**self.__dict__, "_alternatives": () if callable(self._alternatives) else self._alternatives}
+        return _rebuild, (type(self), state)
 
 
 def _rebuild(cls: type[ConfigError], state: dict[str, Any]) -> ConfigError:
@@ -193,12 +199,6 @@ def _rebuild(cls: type[ConfigError], state: dict[str, Any]) -> ConfigError:
     error.__dict__.update(state)
     error.args = (error.render(),)
     return error
-
-
-def _keys_of(proposals: Sequence[Proposal]) -> str:
-    """The settings the proposals change, config groups (another schedule, another trainer) left out."""
-    keys = list(dict.fromkeys(k for p in proposals for k in p.keys if "." in k))
-    return " or ".join(keys)
 
 
 Check = Callable[[Fix], "ValueError | None"]
@@ -261,7 +261,7 @@ def _compounds(proposals: Sequence[Proposal], verdict: Callable[[Fix], ValueErro
             if more is not None and {**fix, **more} not in [f for _, f in found]:
                 found.append((proposal.lead, {**fix, **more}))
     leads = list(dict.fromkeys(lead for lead, _ in found))
-    return tuple((lead, tuple(f for l, f in found if l == lead)) for lead in leads)
+    return tuple((lead, tuple(fix for of, fix in found if of == lead)) for lead in leads)
 
 
 def _next_fix(proposals: Sequence[Proposal], verdict: Callable[[Fix], ValueError | None], depth: int,

@@ -276,17 +276,17 @@ def _refusal(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_siz
 
 def _applied(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int,
              layers_key: str | None, fix: Fix, literal: bool) -> tuple | None:
-    """The layout's settings with ``fix`` applied, or None where it sets something else (``literal``: the
-    strategy's name and schedule are set as given, as a caller of :func:`resolve_layout` would; otherwise
-    they are not judged, since in a config ``strategy.name`` follows ``strategy.schedule``)."""
+    """The layout's settings with ``fix`` applied, or None where it sets something else (``literal``: every
+    setting is set as given, as a caller of :func:`resolve_layout` would; otherwise, on a config's settings,
+    ``strategy.name`` and ``strategy.schedule`` are not judged, since the name follows the schedule, nor
+    ``trainer.accelerator``, which decides what ``trainer.devices=auto`` means)."""
     strategy, trainer = dict(strategy), dict(trainer)
     for key, text in fix.items():
         value = override_value(text)
         group, _, leaf = key.partition(".")
         if group == "strategy" and leaf and (literal or leaf not in ("schedule", "name")):
             strategy[leaf] = value
-        elif group == "trainer" and leaf in (("devices", "num_nodes", "accelerator", "strategy", "peak_tflops")
-                                             if not literal else (leaf,)) and leaf:
+        elif group == "trainer" and leaf and (literal or leaf != "accelerator"):
             trainer[leaf] = value
         elif key == "data.global_batch_size":
             global_batch_size = value
