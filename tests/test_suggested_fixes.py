@@ -252,8 +252,9 @@ MEMORY = [  # (overrides, budget as a share of what the command's own layout is 
 def test_every_fix_of_a_memory_refusal_fits_and_passes_every_check(composer: Any, overrides: tuple[str, ...],
                                                                    share: float) -> None:
     """The pre-flight's layouts of the same devices and global batch are fixes like any other: each one, applied to
-    the command, passes every check with the memory pre-flight on (and the same budget); so does each fix of a layout
-    rule's refusal while the pre-flight runs (D = 3 on 2 processes)."""
+    the command, passes every check with the memory pre-flight on (and the same budget). A refusal before the
+    pre-flight (D = 3 on 2 processes) is vetted without it (no torch for a layout error): its fixes pass every other
+    check, with the pre-flight off."""
     from pipeline_recipes.planner.preflight import PreflightError
 
     node = GPU_NODE if "trainer=gpu" in overrides else CPU_NODE
@@ -263,7 +264,9 @@ def test_every_fix_of_a_memory_refusal_fits_and_passes_every_check(composer: Any
     check_command(_command(composer, (*base, "preflight=report")).config(), found, node=node, env={})
     per_rank = max(found.report["predicted_peak_bytes_per_rank"])
     budget = int(per_rank * (1 if node.cuda_devices else found.report["ranks_per_node"]) * share)
-    for extra in ((), ("strategy.D=3",)):
-        err, failures = problems(_command(composer, (*base, *extra, "preflight=true")), node, budget_bytes=budget)
-        assert isinstance(err, PreflightError if not extra else ConfigError), err
-        assert err.fixes and not failures, "\n".join(failures)
+    err, failures = problems(_command(composer, (*base, "preflight=true")), node, budget_bytes=budget)
+    assert isinstance(err, PreflightError) and err.fixes and not failures, "\n".join(failures)
+    err = _refusal(_command(composer, (*base, "strategy.D=3", "preflight=true")), node, {}, budget_bytes=budget)
+    assert not isinstance(err, PreflightError) and err.fixes, err
+    err_off, failures = problems(_command(composer, (*base, "strategy.D=3", "preflight=false")), node)
+    assert err_off.fixes == err.fixes and not failures, "\n".join(failures)

@@ -6,7 +6,9 @@ model's shapes, the tokenizer, the GPUs of the node, the precision, the logger, 
 memory pre-flight. A refusal (:class:`~pipeline_recipes.recipe.fixes.ConfigError`) comes back with the fixes it
 proposes that pass every one of these checks: each candidate is applied to the command (:class:`Command`: its
 overrides, composed as Hydra composes them) and checked again, so a suggestion never names a value that
-another rule refuses (:func:`~pipeline_recipes.recipe.fixes.vet`).
+another rule refuses (:func:`~pipeline_recipes.recipe.fixes.vet`). One exception: the fixes of a refusal that
+comes before the memory pre-flight are checked without it, which needs torch (a layout error stays a fraction
+of a second and imports neither torch nor the data modules); the pre-flight's own fixes are checked by all.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Checked:
     also when a later check refuses the job."""
 
     mode: Any = True  # preflight: true, false or report
+    memory: bool = False  # the memory pre-flight has started (every check before it passed)
     choice: AcceleratorChoice | None = None
     layout_inputs: tuple | None = None  # resolve_layout's arguments, once the trainer is concrete
     layout: Layout | None = None
@@ -184,13 +187,14 @@ def node_gpus(choice: AcceleratorChoice) -> int | None:
 class _Options:
     """How :func:`check_command` runs: the node, the environment, whether it prepares data, the memory budget
     (None: the accelerator's), whether a refusal proposes layouts of its own (the pre-flight's search) and
-    vets its fixes."""
+    whether the memory pre-flight runs at all (``preflight`` as set)."""
 
     nodes: NodeProbe
     env: Mapping[str, str]
     prepare: bool = True
     budget_bytes: int | None = None
     suggest: bool = True
+    memory: bool = True
     checked: Checked = field(default_factory=Checked)
 
 
@@ -217,7 +221,8 @@ def check_command(cfg: DictConfig, found: Checked | None = None, *, command: Com
         command = command or original
         checked = replace(options.checked,
                           layout_inputs=options.checked.layout_inputs or _layout_inputs(command, options.nodes))
-        passes = partial(_passes, command, replace(options, prepare=False, suggest=False, checked=checked))
+        passes = partial(_passes, command, replace(options, prepare=False, suggest=False, checked=checked,
+                                                   memory=options.checked.memory))
         raise vet(err, passes) from err.__cause__
 
 
@@ -309,7 +314,8 @@ def _checks(cfg: DictConfig, options: _Options) -> Layout:
     found.launch = detect_launch(options.env, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
     if real_data and mode != "report" and options.prepare:  # once on the node, before the ranks
         prepare_data(OmegaConf.to_container(cfg.data, resolve=True))
-    if mode:  # the checks above answer without importing torch
+    if mode and options.memory:  # the checks above answer without importing torch
+        found.memory = True
         _memory(cfg, layout, choice, options)
     return layout
 
