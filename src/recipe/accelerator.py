@@ -334,8 +334,8 @@ def check_precision(strategy: str, trainer: Mapping[str, Any], optim: Mapping[st
         raise ConfigError(f"trainer.precision = {precision} with optim.fused = true and trainer.gradient_clip_val = "
                           f"{trainer.get('gradient_clip_val')}: under fp16 the gradients carry the GradScaler's loss "
                           "scale until the fused optimizer step removes it, so they cannot be clipped before it (bf16 "
-                          "needs no scaler; null optim.fused is torch's default implementation)",
-                          [values("trainer.precision", ["bf16-mixed"]), values("optim.fused", [None]),
+                          "and fp32 need no scaler; null optim.fused is torch's default implementation)",
+                          [values("trainer.precision", ["bf16-mixed", "32-true"]), values("optim.fused", [None]),
                            values("trainer.gradient_clip_val", [None])])
     if strategy not in BASELINES and precision in FP16_MIXED:
         raise ConfigError(f"trainer.precision = {precision} (fp16 with loss scaling) is not supported by "

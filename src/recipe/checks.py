@@ -306,7 +306,7 @@ def _checks(cfg: DictConfig, options: _Options) -> Layout:
 
         check_tokenizer_config(OmegaConf.to_container(cfg.data, resolve=True))
     if mode != "report":  # preflight=report predicts for GPUs this node may lack
-        check_devices(trainer_cfg, node_gpus(choice))
+        check_devices(trainer_cfg, node_gpus(choice), inputs[0])
     check_precision(layout.strategy, trainer_cfg, OmegaConf.to_container(cfg.optim, resolve=True)
                     if cfg.get("optim") is not None else None)
     if cfg.get("logger") is not None and cfg.logger.get("drain_timeout_s") is not None:

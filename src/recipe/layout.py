@@ -569,9 +569,10 @@ def check_model(model: dict[str, Any], data: dict[str, Any]) -> None:
                            values(key, [seq_len])])
 
 
-def check_devices(trainer: dict[str, Any], available_gpus: int | None) -> None:
+def check_devices(trainer: dict[str, Any], available_gpus: int | None, strategy: Mapping[str, Any] | None = None) -> None:
     """More GPUs per node than this node has (CPU processes are not limited; ``available_gpus`` None:
-    not checked, e.g. under ``trainer=auto``, whose processes share the GPUs then)."""
+    not checked, e.g. under ``trainer=auto``, whose processes share the GPUs then). ``strategy``: its D and W,
+    which the fewer processes proposed come with."""
     if trainer.get("accelerator") in GPU_NAMES and available_gpus is not None:
         devices = int(trainer.get("devices", 1))
         if devices > available_gpus == 0:
@@ -580,16 +581,18 @@ def check_devices(trainer: dict[str, Any], available_gpus: int | None) -> None:
         if devices > available_gpus:
             gpus = f"{available_gpus} GPU{'s' if available_gpus > 1 else ''}"
             fewer = range(available_gpus, 0, -1)
+            nodes = int(trainer.get("num_nodes", 1) or 1)
+            D, W = (strategy or {}).get("D"), (strategy or {}).get("W")
+            depths = [(g, d) for g in fewer for d in sorted(_divisors(g * nodes),
+                                                            key=lambda d: (abs(d - D) if isinstance(D, int) else 0, d))]
             raise ConfigError(
                 f"trainer.accelerator = {trainer['accelerator']} with trainer.devices = {devices} processes per node, "
                 f"but this node has {gpus} (one GPU per process): run at most {available_gpus} per node (strategy.D × "
                 f"strategy.W to match, trainer.num_nodes for more nodes), or let the {devices} processes share the "
                 f"{gpus} over gloo (trainer.accelerator=auto; fine for trying schedules, not for speed)",
                 [values("trainer.devices", fewer, keep=1),
-                 Proposal(tuple({"trainer.devices": str(g), "strategy.D": str(d)} for g in fewer
-                                for d in _divisors(g * int(trainer.get("num_nodes", 1) or 1))), keep=2),
-                 Proposal(tuple({"trainer.devices": str(g), "strategy.D": str(d), "strategy.W": "null"}
-                                for g in fewer for d in _divisors(g * int(trainer.get("num_nodes", 1) or 1))), keep=1),
+                 fixes_of(*({"trainer.devices": g, "strategy.D": d, **({"strategy.W": None} if W else {})}
+                            for g, d in depths), keep=2),
                  values("trainer", ["auto"]), values("trainer.accelerator", ["auto"])])
 
 
