@@ -196,5 +196,5 @@ def test_model_compile_setting_is_checked_before_launch() -> None:
     with pytest.raises(ConfigError, match=r"model.compile = 'atuo' is not one of auto, true or false .*did you mean "
                                           r"'auto'\? set model.compile=auto"):
         resolve_compile("atuo", "gpu")
-    with pytest.raises(ConfigError, match=r"model.compile = 1 .*set model.compile to auto, true or false"):
+    with pytest.raises(ConfigError, match=r"model.compile = 1 .*set model.compile to one of \[auto, true, false\]"):
         resolve_compile(1, "gpu")

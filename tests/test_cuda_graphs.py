@@ -64,7 +64,7 @@ def test_the_layout_line_says_so() -> None:
 @pytest.mark.parametrize("strategy, trainer, words", [
     ({"cuda_graphs": "yes"}, None, ["strategy.cuda_graphs = 'yes'", "true or false", "strategy.cuda_graphs=false"]),
     ({"cuda_graphs": True}, {"accelerator": "cpu", "devices": 2}, [
-        "strategy.cuda_graphs = true", "trainer.accelerator = cpu", "CUDA graphs need CUDA devices", "trainer=gpu",
+        "strategy.cuda_graphs = true", "trainer.accelerator = cpu", "CUDA graphs need CUDA devices", "trainer.accelerator=gpu",
         "strategy.cuda_graphs=false"]),
     ({"cuda_graphs": True, "name": "pipedream_2bw"}, None, [
         "strategy=pipedream_2bw", "asynchronous", "parameter storage", "synchronous schedule",
@@ -74,7 +74,7 @@ def test_the_layout_line_says_so() -> None:
     ({"cuda_graphs": True, "name": "zb_h1"}, None, [
         "strategy=zb_h1", "I and W", "weight gradients", "whole backwards", "strategy.cuda_graphs=false"]),
     ({"cuda_graphs": True, "name": "chimera", "concat": "backward_halving", "micro_batch_size": 2}, None, [
-        "backward_halving", "half micro-batches", "strategy.concat=direct", "strategy.cuda_graphs=false"]),
+        "backward_halving", "half micro-batches", "strategy.concat to one of [direct, forward_doubling, auto]", "strategy.cuda_graphs=false"]),
 ])
 def test_what_cannot_be_captured_is_refused_before_launch(strategy: dict, trainer: dict | None,
                                                           words: list[str]) -> None:

@@ -327,7 +327,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
     "overrides, fragment",
     [
         (["model.seq_len=100"], "sequence length 100 (model.seq_len / data.seq_len) exceeds the model's 64 positions"),
-        (["trainer=gpu", "trainer.devices=2"], "trainer.devices = 2 GPUs but this node has no GPU; use trainer=cpu"),
+        (["trainer=gpu", "trainer.devices=2"], "trainer.devices = 2 GPUs but this node has no GPU; set trainer=cpu"),
         (["strategy=chimera", "strategy.D=3", "trainer.devices=3"], "chimera needs strategy.D to be even"),
         (["strategy.micro_batch_size=5"], "not divisible by W·B"),
         (["trainer.num_nodes=2"], "trainer.num_nodes = 2 but MASTER_ADDR, MASTER_PORT, NODE_RANK are not set"),

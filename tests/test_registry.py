@@ -158,60 +158,101 @@ def test_chunks_reach_a_generator_that_takes_them(monkeypatch: pytest.MonkeyPatc
                               "a choice of chunks per worker (interleaved_1f1b, toy_v)")
 
 
-CONFIG_RULES = [  # (strategy, devices, global batch) -> the whole message: setting, values, rule, fix
+CONFIG_RULES = [  # (strategy, devices, global batch) -> the problem (setting, values, rule), the fix in words
     ({"name": "chimera", "D": 1}, 1, 4,
      "chimera needs strategy.D to be even (its down and up pipelines merge without conflict, Chimera §3.1), got "
-     "strategy.D = 1; use strategy.D = 2 (a divisor of trainer.devices × trainer.num_nodes)"),
+     "strategy.D = 1", "no value of strategy.D passes every check"),
     ({"name": "chimera", "D": 3}, 3, 6,
      "chimera needs strategy.D to be even (its down and up pipelines merge without conflict, Chimera §3.1), got "
-     "strategy.D = 3; use strategy.D = 2 or 4 (a divisor of trainer.devices × trainer.num_nodes)"),
+     "strategy.D = 3", "no value of strategy.D passes every check"),
+    ({"name": "chimera", "D": 3}, 6, 6,
+     "chimera needs strategy.D to be even (its down and up pipelines merge without conflict, Chimera §3.1), got "
+     "strategy.D = 3", "set strategy.D=2 or strategy.D=6"),
     ({"name": "gems", "D": 5}, 5, 10,
-     "gems needs strategy.D to be even (each worker holds one stage of each of its two replicas), got strategy.D = 5; "
-     "use strategy.D = 4 or 6 (a divisor of trainer.devices × trainer.num_nodes)"),
+     "gems needs strategy.D to be even (each worker holds one stage of each of its two replicas), got strategy.D = 5",
+     "so change something else: set trainer.devices=4 strategy.D=4"),
     ({"name": "chimera", "D": 8, "pipelines": 6}, 8, 8,
-     "chimera: strategy.pipelines = 6 must be 2f for a divisor f of D/2 (Chimera §3.6), with strategy.D = 8; "
-     "choose one of [2, 4, 8]"),
+     "chimera: strategy.pipelines = 6 must be 2f for a divisor f of D/2 (Chimera §3.6), with strategy.D = 8",
+     "set strategy.pipelines to one of [2, 4, 8]"),
     ({"name": "gems", "D": 4, "pipelines": 4}, 4, 8,
-     "gems runs exactly 2 pipelines (two opposite replicas), got strategy.pipelines = 4; leave strategy.pipelines "
-     "unset (or 2), or use a schedule with a choice of pipelines (chimera, chimera_zb)"),
+     "gems runs exactly 2 pipelines (two opposite replicas), got strategy.pipelines = 4",
+     "set strategy.pipelines=null or strategy.pipelines=2"),
     ({"name": "gpipe", "D": 2, "pipelines": 2}, 2, 4,
-     "gpipe runs a single pipeline, got strategy.pipelines = 2; leave strategy.pipelines unset (or 1), or use a "
-     "schedule with a choice of pipelines (chimera, chimera_zb)"),
+     "gpipe runs a single pipeline, got strategy.pipelines = 2", "set strategy.pipelines=null or strategy.pipelines=1"),
     ({"name": "chimera", "D": 2, "concat": "tripling"}, 2, 4,
-     "chimera: strategy.concat = 'tripling' is not a concatenation method; use direct, forward_doubling, "
-     "backward_halving or auto (the fastest simulated; Chimera §3.5)"),
+     "chimera: strategy.concat = 'tripling' is not a concatenation method (direct, forward_doubling, "
+     "backward_halving or auto (the fastest simulated; Chimera §3.5))",
+     "set strategy.concat to one of [direct, forward_doubling, auto]"),
+    ({"name": "chimera", "D": 2, "concat": "forward_dubling"}, 2, 4,
+     "chimera: strategy.concat = 'forward_dubling' is not a concatenation method (direct, forward_doubling, "
+     "backward_halving or auto (the fastest simulated; Chimera §3.5))",
+     "did you mean 'forward_doubling'? set strategy.concat=forward_doubling, or strategy.concat=direct or "
+     "strategy.concat=auto"),
     ({"name": "dapple", "D": 2, "concat": "auto"}, 2, 4,
-     "strategy.concat applies to schedules that concatenate units of micro-batches (chimera, chimera_zb) only: dapple has none, "
-     "got strategy.concat = auto; drop strategy.concat"),
+     "strategy.concat applies to schedules that concatenate units of micro-batches (chimera, chimera_zb) only: dapple "
+     "has none, got strategy.concat = auto", "set strategy.concat=null"),
     ({"name": "dapple", "D": 2, "chunks": 2}, 2, 4,
-     "dapple runs one stage per worker, got strategy.chunks = 2; drop strategy.chunks, or use a schedule with a "
-     "choice of chunks per worker (interleaved_1f1b)"),
+     "dapple runs one stage per worker, got strategy.chunks = 2", "set strategy.chunks=null"),
     ({"name": "pipedream_2bw", "D": 4}, 4, 3,
      "pipedream_2bw needs N ≥ D micro-batches per update (so that only two weight versions are in flight), got N = 3 "
-     "(data.global_batch_size / (W·strategy.micro_batch_size)) < D = 4 (strategy.D); raise data.global_batch_size "
-     "or lower strategy.micro_batch_size, or lower strategy.D"),
+     "(data.global_batch_size / (W·strategy.micro_batch_size)) < D = 4 (strategy.D)",
+     "set data.global_batch_size=4"),
+    ({"name": "pipedream_2bw", "D": 2}, 4, 2,  # "lower strategy.D" would not do: D = 1 makes W = 4 and N = 1/2
+     "pipedream_2bw needs N ≥ D micro-batches per update (so that only two weight versions are in flight), got N = 1 "
+     "(data.global_batch_size / (W·strategy.micro_batch_size)) < D = 2 (strategy.D)",
+     "; set data.global_batch_size=4"),
+    ({"name": "dualpipev", "D": 2}, 4, 6,  # N ≥ 2D: 3 < 4; 2·D·W·B = 8
+     "dualpipev needs N ≥ 2·D micro-batches per step (one per stage of the V), got N = 3 (data.global_batch_size / "
+     "(W·strategy.micro_batch_size)) < 2·D = 4 (strategy.D = 2)", "set data.global_batch_size=8"),
     ({"name": "pipedream", "D": 2}, 2, 4,
      "pipedream updates the weights after every micro-batch, so N must be 1, got N = 4 (data.global_batch_size / "
-     "(W·strategy.micro_batch_size)); set data.global_batch_size = W·strategy.micro_batch_size, or leave "
-     "strategy.micro_batch_size null (B = data.global_batch_size / W)"),
+     "(W·strategy.micro_batch_size))",
+     "set data.global_batch_size=1, or strategy.micro_batch_size=4 or strategy.micro_batch_size=null"),
     ({"name": "pipedream_2bw", "D": 2, "recompute": "always"}, 2, 4,
      "pipedream_2bw stashes weight versions per step and runs with strategy.grad_sync=end and strategy.recompute=none, "
-     "got strategy.grad_sync=end and strategy.recompute=always; drop those settings"),
+     "got strategy.grad_sync=end and strategy.recompute=always", "set strategy.recompute=none"),
+    ({"name": "chimera", "D": 2, "concat": "backward_halving", "micro_batch_size": 3}, 2, 12,
+     "concat = backward_halving splits micro-batches in two halves, but strategy.micro_batch_size = 3 is odd",
+     "set strategy.micro_batch_size to one of [2, 4, 6, 12], or strategy.concat=direct or "
+     "strategy.concat=forward_doubling"),
     ({"name": "gpipe2", "D": 2}, 2, 4,
-     "strategy 'gpipe2' is neither a pipeline schedule (gpipe, dapple, gems, chimera, pipedream_2bw, pipedream, interleaved_1f1b, zb_h1, zb_h2, zbv, dualpipev, chimera_zb) nor a "
-     "baseline (ddp, single); choose one of them with strategy=NAME; did you mean 'gpipe'?"),
+     "strategy 'gpipe2' is neither a pipeline schedule (gpipe, dapple, gems, chimera, pipedream_2bw, pipedream, "
+     "interleaved_1f1b, zb_h1, zb_h2, zbv, dualpipev, chimera_zb) nor a baseline (ddp, single); choose one of them "
+     "with strategy=NAME", "did you mean 'gpipe'? set strategy.name=gpipe"),
     ({"schedule": "gpipe", "name": "dapple", "D": 2}, 2, 4,
-     "strategy.schedule = gpipe but strategy.name = dapple: strategy.name follows the schedule; choose the schedule "
-     "with strategy=dapple (or strategy.schedule=dapple) instead"),
+     "strategy.schedule = gpipe but strategy.name = dapple: strategy.name follows the schedule, which strategy=NAME "
+     "chooses", "set strategy.schedule=dapple, or strategy.name=gpipe"),
 ]
 
 
-@pytest.mark.parametrize("strategy, devices, batch, message", CONFIG_RULES)
-def test_each_rule_names_the_setting_the_values_the_rule_and_the_fix(strategy: dict, devices: int, batch: int,
-                                                                      message: str) -> None:
+def _with_fix(strategy: dict, devices: int, batch: int, fix: dict[str, str]) -> tuple[dict, dict, int]:
+    """The layout's settings with a fix's overrides set (the values as YAML reads them)."""
+    import yaml
+
+    strategy, trainer = dict(strategy), {"devices": devices}
+    for key, text in fix.items():
+        value = yaml.safe_load(text)
+        if key == "data.global_batch_size":
+            batch = value
+        else:
+            group, leaf = key.split(".", 1)
+            {"strategy": strategy, "trainer": trainer}[group][leaf] = value
+    return strategy, trainer, batch
+
+
+@pytest.mark.parametrize("strategy, devices, batch, problem, fix_text", CONFIG_RULES)
+def test_each_rule_names_the_setting_the_values_the_rule_and_fixes_that_pass(
+        strategy: dict, devices: int, batch: int, problem: str, fix_text: str) -> None:
+    """The message is the problem, then its fixes; each fix, applied to the same settings, passes every rule (where
+    no value of the refused setting works, the message says so and each of its alternatives passes)."""
+    strategy = {"micro_batch_size": 1, **strategy}
     with pytest.raises(ConfigError) as err:
-        resolve_layout({"micro_batch_size": 1, **strategy}, {"devices": devices}, batch, num_layers=8)
-    assert str(err.value) == message
+        resolve_layout(strategy, {"devices": devices}, batch, num_layers=8)
+    message = str(err.value)
+    assert message.startswith(problem + "; ") and fix_text in message, message
+    assert err.value.fixes and err.value.stuck == ("no value of" in message)
+    for fix in err.value.fixes:
+        resolve_layout(*_with_fix(strategy, devices, batch, fix), num_layers=8)
 
 
 @pytest.mark.parametrize("argv, message", [

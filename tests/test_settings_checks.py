@@ -107,19 +107,22 @@ def test_batch_message_names_both_settings_and_fixes_that_work(batch: int, devic
     assert f"strategy.micro_batch_size = {B}" in message
     assert (f"strategy.W = {W}" if explicit_w else f"trainer.devices × trainer.num_nodes = {devices} processes / "
             f"strategy.D = {D}") in message
-    batches = [int(v) for v in re.search(r"\(e\.g\. ([\d or]+)\)", message).group(1).split(" or ")]
-    sizes = re.search(r"strategy\.micro_batch_size to one of \[([\d, ]+)\]", message)
-    # every fix it names is accepted, and they are all the micro-batch sizes that divide B̂ / W
+    fixes = info.value.fixes
+    batches = [int(f["data.global_batch_size"]) for f in fixes if set(f) == {"data.global_batch_size"}]
+    sizes = [int(f["strategy.micro_batch_size"]) for f in fixes if set(f) == {"strategy.micro_batch_size"}]
+    # the nearest multiples of W·B each way, and every micro-batch size that divides B̂ / W; each one is accepted
+    assert batches == [v for v in ((batch // (W * B)) * W * B, (batch // (W * B) + 1) * W * B) if v > 0]
     for fixed in batches:
-        assert fixed % (W * B) == 0
         resolve_layout(strategy, {"devices": devices}, fixed, 8)
     if batch % W:
-        assert sizes is None and f"not a multiple of W = {W}" in message
+        assert sizes == [] and f"not a multiple of W = {W}" in message
     else:
-        listed = [int(v) for v in sizes.group(1).split(", ")]
-        assert listed == [b for b in range(1, batch + 1) if (batch // W) % b == 0 and batch % (W * b) == 0]
-        for b in listed:
+        assert sizes == [b for b in range(1, batch + 1) if (batch // W) % b == 0 and batch % (W * b) == 0]
+        for b in sizes:
             resolve_layout({**strategy, "micro_batch_size": b}, {"devices": devices}, batch, 8)
+    for fix in fixes[len(batches) + len(sizes):]:  # then other depths: W changes with D
+        assert set(fix) == {"strategy.D"}
+        resolve_layout({**strategy, "D": int(fix["strategy.D"])}, {"devices": devices}, batch, 8)
 
 
 @pytest.mark.slow
@@ -127,7 +130,7 @@ def test_batch_refusal_from_train_py(tmp_path: Path) -> None:
     err = _refused(_train(tmp_path, "strategy=gpipe", "trainer=cpu", "trainer.devices=4", "strategy.D=2",
                           "strategy.micro_batch_size=3", "data.global_batch_size=10"), tmp_path)
     assert "data.global_batch_size = 10" in err and "strategy.micro_batch_size = 3" in err
-    assert "a multiple of 6" in err and "[1, 5]" in err
+    assert "a multiple of 6" in err and "strategy.micro_batch_size=1 or strategy.micro_batch_size=5" in err
 
 
 # -- misspelled keys -------------------------------------------------------------------------------------------
@@ -215,8 +218,9 @@ def test_a_misspelled_schedule_or_concat_method_gets_the_closest() -> None:
 
     with pytest.raises(ScheduleError, match=r"unknown schedule 'chimra'.*; did you mean 'chimera'\?$"):
         get_spec("chimra")
-    with pytest.raises(ConfigError, match=r"strategy 'interleaved' .*; did you mean 'interleaved_1f1b'\?$"):
-        resolve_layout({"name": "interleaved", "D": 2}, {"devices": 2}, 8, 4)
+    with pytest.raises(ConfigError, match=r"strategy 'interleaved' .*; did you mean 'interleaved_1f1b'\? set "
+                                          r"strategy.name=interleaved_1f1b$"):
+        resolve_layout({"name": "interleaved", "D": 2, "micro_batch_size": 1}, {"devices": 2}, 8, 4)
 
 
 # -- the stage table -------------------------------------------------------------------------------------------

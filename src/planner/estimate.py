@@ -209,6 +209,7 @@ def _loss_transient(model: Any, size: int, dtype: Any) -> int:
     return int(model.loss_transient_bytes(size, itemsize))
 
 
+@lru_cache(maxsize=16)
 def _estimate(cfg_json: str, sizes: tuple[int, ...], dtype_name: str | None, device: str) -> ModelCosts:
     cfg = json.loads(cfg_json)
     dtype = getattr(torch, dtype_name) if dtype_name else None

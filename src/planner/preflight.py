@@ -6,17 +6,19 @@ rank's peak for the configured layout (:mod:`pipeline_recipes.planner.memory`: w
 autocast's weight copies, activations in flight under the schedule, recomputation) and compares it
 with the device budget (free host RAM shared by the CPU ranks of a node, or one GPU's memory per
 rank). When it does not fit it raises :class:`PreflightError` with the numbers and the layouts of the
-same devices and global batch that would fit. :func:`predict_layout` gives the prediction alone
+same devices and global batch that would fit, as fixes (Hydra overrides; :mod:`pipeline_recipes.recipe.fixes`),
+which the launcher checks against every other rule of the command. :func:`predict_layout` gives the prediction alone
 (``preflight=report``), also for GPUs on a machine without any.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
+from pipeline_recipes.recipe.fixes import ConfigError, Fix, Proposal
 from pipeline_recipes.strategies.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.schedules import get_spec
 
@@ -32,8 +34,48 @@ GPU_ACCELERATORS = ("gpu", "cuda")
 REPORT = "report"  # preflight=report: print the prediction as one JSON line, launch nothing
 
 
-class PreflightError(ValueError):
-    """The configured layout is predicted not to fit in memory (the message says by how much)."""
+EAGER = {"strategy.cuda_graphs": "false"}  # the fix that drops the CUDA graphs' pools
+
+
+class PreflightError(ConfigError):
+    """The configured layout is predicted not to fit in memory (the message says by how much); its fixes are the
+    layouts predicted to fit (``peaks``: the peak each is predicted at, by its overrides), rendered one a line."""
+
+    def __init__(self, problem: str, proposals: Sequence[Proposal], peaks: Mapping[tuple, int],
+                 nothing: str, alternatives: Callable[[], Sequence[Proposal]] | None = None) -> None:
+        self.peaks, self.nothing = dict(peaks), nothing
+        super().__init__(problem, proposals, alternatives=alternatives or ())
+
+    def render(self) -> str:
+        lines, fixes = [self.problem], self.fixes
+        layouts = [f for f in fixes if "strategy.cuda_graphs" not in f]
+        eager = [f for f in fixes if f.get("strategy.cuda_graphs") == "false" and f != EAGER]
+        if layouts:
+            lines.append("layouts of the same devices and global batch predicted to fit (Hydra overrides):")
+            lines += [self._line(f) for f in layouts]
+        elif self.nothing:
+            lines.append(self.nothing.format(checked=" and passes the other checks" if self.vetted else ""))
+        if EAGER in fixes:
+            lines.append(f"without CUDA graphs this layout is predicted to fit (peak "
+                         f"{format_bytes(self.peaks[_key(EAGER)])}/rank): strategy.cuda_graphs=false")
+        elif eager:
+            lines.append("without CUDA graphs, layouts predicted to fit:")
+            lines += [self._line(f) for f in eager]
+        return "\n".join(lines)
+
+    def _line(self, fix: Fix) -> str:
+        overrides = " ".join(f"{k}={v}" for k, v in fix.items() if k != "strategy.cuda_graphs")
+        eager = " strategy.cuda_graphs=false" if "strategy.cuda_graphs" in fix else ""
+        return f"  {overrides}{eager}   # peak {format_bytes(self.peaks[_key(fix)])}/rank"
+
+
+def _key(fix: Mapping[str, str]) -> tuple:
+    return tuple(sorted(fix.items()))
+
+
+def _fix(cand: Candidate, *extra: str) -> Fix:
+    """A layout's overrides (:meth:`Candidate.overrides`) as a fix."""
+    return dict(item.split("=", 1) for item in (*cand.overrides(), *extra))
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -110,7 +152,8 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
 
     ``cfg_dict``: the resolved Hydra config (``OmegaConf.to_container(cfg, resolve=True)``);
     ``layout``: :func:`pipeline_recipes.recipe.layout.resolve_layout`'s result. ``budget_bytes`` overrides the
-    measured budget (per rank on GPU, per node on CPU); ``budget`` replaces it entirely.
+    measured budget (per rank on GPU, per node on CPU); ``budget`` replaces it entirely. ``max_options``: the
+    fitting layouts to search for and propose (0: none, the refusal alone).
     """
     costs, cand, per_node, keep_sends, _ = _setup(cfg_dict, layout)
     if budget is None:
@@ -132,34 +175,49 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
         f"{casts} + {format_bytes(w.activations)} activations and buffers{pools}; per rank: "
         + ", ".join(format_bytes(p) for p in peaks[: min(len(peaks), 8)]) + (" ..." if len(peaks) > 8 else ""),
     ]
-    options = _fitting_options(costs, cand, budget, per_node, keep_sends, max_options)
-    if options:
-        lines.append("layouts of the same devices and global batch predicted to fit (Hydra overrides):")
-        lines += [f"  {' '.join(c.overrides())}   # peak {format_bytes(peak)}/rank" for c, peak in options]
-    else:
-        graphs = " with strategy.cuda_graphs=true" if cand.cuda_graphs else ""
-        lines.append(f"no layout of {cand.world_size} processes with global batch {cand.global_batch_size}{graphs} "
-                     "is predicted to fit: add devices, lower data.global_batch_size or use a smaller model.")
-    if cand.cuda_graphs:
-        lines += _without_graphs(costs, cand, budget, per_node, keep_sends, max_options if not options else 0)
-    raise PreflightError("\n".join(lines))
+    options = _fitting_options(costs, cand, budget, per_node, keep_sends, max_options) if max_options else []
+    fits = [(_fix(c), peak) for c, peak in options]
+    searched = partial(_searched, costs, cand, budget, per_node, keep_sends)  # asked for only where needed
+    if cand.cuda_graphs and max_options:
+        fits += _without_graphs(costs, cand, budget, per_node, keep_sends, max_options if not options else 0)
+    graphs = " with strategy.cuda_graphs=true" if cand.cuda_graphs else ""
+    nothing = (f"no layout of {cand.world_size} processes with global batch {cand.global_batch_size}{graphs} "
+               "is predicted to fit{checked}: add devices, lower data.global_batch_size or use a smaller model."
+               if max_options else "")
+    raise PreflightError("\n".join(lines), [Proposal(tuple(fix for fix, _ in fits))] if fits else [],
+                         {_key(fix): peak for fix, peak in fits}, nothing, None if max_options else searched)
+
+
+SEARCHED = 5  # fitting layouts a refusal made without its search offers once asked (vetting a fix of another rule)
+
+
+def _searched(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int, keep_sends: bool) -> list[Proposal]:
+    """The fitting layouts of a refusal that did not search for them (:func:`preflight` with ``max_options=0``),
+    as alternatives: the same search for every layout of one schedule, devices and batch (:func:`_walked`)."""
+    key = (cand.strategy, cand.world_size, cand.global_batch_size, cand.recompute, cand.grad_sync, cand.cuda_graphs)
+    return [Proposal(tuple(_fix(c) for c, _ in _walked(costs, key, budget, per_node, keep_sends)))]
+
+
+@lru_cache(maxsize=32)
+def _walked(costs: ModelCosts, key: tuple, budget: Budget, per_node: int, keep_sends: bool) -> tuple:
+    """:func:`_fitting_options` once per ``key``: what the search reads of the refused layout (its schedule, its
+    processes and global batch, its gradient sync and CUDA graphs), whatever its D and B."""
+    strategy, world, batch, recompute, grad_sync, cuda_graphs = key
+    like = Candidate(strategy, 1, world, 1, batch, recompute=recompute, grad_sync=grad_sync, cuda_graphs=cuda_graphs)
+    return tuple(_fitting_options(costs, like, budget, per_node, keep_sends, SEARCHED))
 
 
 def _without_graphs(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int, keep_sends: bool,
-                    limit: int) -> list[str]:
+                    limit: int) -> list[tuple[Fix, int]]:
     """What ``strategy.cuda_graphs=false`` would fit, so that a refusal never leaves the graphs' pools an
-    unstated way out: this layout, if only its pools do not fit; else up to ``limit`` layouts without them."""
+    unstated way out: this layout, if only its pools do not fit; else up to ``limit`` layouts without them
+    (each fix with its predicted peak)."""
     eager = replace(cand, cuda_graphs=False)
     mem = predict_memory(costs, eager, keep_sends=keep_sends)
     if budget.fits(mem.per_rank, per_node):
-        return [f"without CUDA graphs this layout is predicted to fit (peak {format_bytes(mem.max_rank)}/rank): "
-                "strategy.cuda_graphs=false"]
+        return [(dict(EAGER), mem.max_rank)]
     options = _fitting_options(costs, eager, budget, per_node, keep_sends, limit) if limit else []
-    if not options:
-        return []
-    return (["without CUDA graphs, layouts predicted to fit:"]
-            + [f"  {' '.join(c.overrides())} strategy.cuda_graphs=false   # peak {format_bytes(peak)}/rank"
-               for c, peak in options])
+    return [(_fix(c, "strategy.cuda_graphs=false"), peak) for c, peak in options]
 
 
 def _states_bound(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int) -> float:

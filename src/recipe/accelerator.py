@@ -26,11 +26,12 @@ inside the pipeline step), so its GradScaler would unscale gradients that were n
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .layout import GPU_NAMES, ConfigError, did_you_mean
+from .fixes import ConfigError, values
+from .layout import GPU_NAMES, did_you_mean
 
 AUTO = "auto"
 CPU_DEVICES = 2  # `trainer=auto` without CUDA and without trainer.devices: the README's 2-process CPU job
@@ -169,9 +170,7 @@ def resolve_accelerator(trainer: Mapping[str, Any], node: NodeDevices,
     accelerator = str(out.get("accelerator", AUTO))
     matmul = out.get(MATMUL_KEY, AUTO)
     if matmul not in (AUTO, None, *MATMUL_PRECISIONS):
-        raise ConfigError(f"trainer.{MATMUL_KEY} = {matmul!r} is not a precision of "
-                          f"torch.set_float32_matmul_precision; set trainer.{MATMUL_KEY} to auto (TF32 on CUDA), "
-                          "highest, high or medium")
+        raise _matmul_refusal(matmul)
     if accelerator == AUTO:
         if node.cuda_devices > 0:
             out["accelerator"] = "gpu"
@@ -184,7 +183,8 @@ def resolve_accelerator(trainer: Mapping[str, Any], node: NodeDevices,
     gpu = out["accelerator"] in GPU_NAMES
     if gpu and node.cuda_devices == 0 and out.get("devices", AUTO) in (AUTO, None, -1):
         raise ConfigError(f"trainer.accelerator = {out['accelerator']} with trainer.devices = {out.get('devices')} but "
-                          "this node has no CUDA device; use trainer=cpu (or trainer=auto, which picks the CPU here)")
+                          "this node has no CUDA device (trainer=auto picks the CPU here)",
+                          [values("trainer", ["cpu", "auto"]), values("trainer.accelerator", ["cpu", "auto"])])
     wanted = node.cuda_devices if gpu else CPU_DEVICES
     if gpu and accelerator == AUTO and processes:  # fewer GPUs than the layout's processes: they share them
         wanted = max(wanted, processes)
@@ -202,8 +202,8 @@ def resolve_accelerator(trainer: Mapping[str, Any], node: NodeDevices,
             why += f", {name} has bf16" if bf16 else f", no native bf16 on {name}: fp32"
     elif gpu and node.cuda_devices > 0 and not node.bf16 and str(precision).startswith("bf16"):
         raise ConfigError(f"trainer.precision = {precision} but {node.gpu_name or 'this GPU'} has no native bf16 "
-                          "(it needs compute capability 8.0 or newer); set trainer.precision=32-true "
-                          "(or trainer.precision=auto)")
+                          "(it needs compute capability 8.0 or newer)",
+                          [values("trainer.precision", ["32-true", AUTO])])
     if matmul in (AUTO, None):  # TF32 exists from Ampere on, as native bf16 does
         out[MATMUL_KEY] = CUDA_MATMUL_PRECISION if gpu and node.bf16 else MATMUL_PRECISIONS[0]
         if gpu and node.bf16:
@@ -213,15 +213,24 @@ def resolve_accelerator(trainer: Mapping[str, Any], node: NodeDevices,
     return AcceleratorChoice(out, why, node, shared)
 
 
+def _matmul_refusal(value: Any) -> ConfigError:
+    """``trainer.float32_matmul_precision`` is not one torch takes (nor auto)."""
+    return ConfigError(f"trainer.{MATMUL_KEY} = {value!r} is not a precision of torch.set_float32_matmul_precision "
+                       "(auto: TF32 on CUDA)", [values(f"trainer.{MATMUL_KEY}", (AUTO, *MATMUL_PRECISIONS))])
+
+
 def _matmul_words(precision: str) -> str:
     return f"fp32 matmuls in {_MATMUL_WORDS[precision]} (trainer.{MATMUL_KEY}={precision})"
 
 
-def choose_accelerator(trainer: Mapping[str, Any], processes: int | None = None) -> AcceleratorChoice:
+def choose_accelerator(trainer: Mapping[str, Any], processes: int | None = None,
+                       probe: Callable[[bool], NodeDevices] | None = None) -> AcceleratorChoice:
     """:func:`resolve_accelerator` for this node (``processes``: per node, what the layout needs). Only
-    ``auto`` and GPU runs pay for importing torch (to look at the node's GPUs); ``trainer=cpu`` needs nothing."""
+    ``auto`` and GPU runs pay for importing torch (to look at the node's GPUs); ``trainer=cpu`` needs nothing.
+    ``probe(cuda)`` tells what the node offers (default :func:`probe_node`)."""
     accelerator = trainer.get("accelerator", AUTO)
-    return resolve_accelerator(trainer, probe_node(cuda=accelerator == AUTO or accelerator in GPU_NAMES), processes)
+    cuda = accelerator == AUTO or accelerator in GPU_NAMES
+    return resolve_accelerator(trainer, probe(cuda) if probe is not None else probe_node(cuda=cuda), processes)
 
 
 COMPILE_SETTINGS = ("auto", "true", "false")  # model.compile (pipeline_recipes.strategies.compile)
@@ -240,9 +249,10 @@ def resolve_compile(value: Any, accelerator: str) -> bool:
     if isinstance(value, bool):
         return value
     close = did_you_mean(value, COMPILE_SETTINGS)
-    fix = f"did you mean {close!r}? set model.compile={close}" if close else "set model.compile to auto, true or false"
+    guess = [values("model.compile", [close], keep=1, lead=f"did you mean {close!r}?")] if close else []
     raise ConfigError(f"model.compile = {value!r} is not one of auto, true or false (whether each repeated block of "
-                      f"the model is compiled with torch.compile; auto: on CUDA, not on CPU); {fix}")
+                      "the model is compiled with torch.compile; auto: on CUDA, not on CPU)",
+                      [*guess, values("model.compile", COMPILE_SETTINGS)])
 
 
 def with_compile(choice: AcceleratorChoice, value: Any) -> AcceleratorChoice:
@@ -259,7 +269,7 @@ def matmul_precision(trainer: Mapping[str, Any]) -> str:
     if value in (AUTO, None):
         return CUDA_MATMUL_PRECISION if trainer.get("accelerator") in GPU_NAMES else MATMUL_PRECISIONS[0]
     if value not in MATMUL_PRECISIONS:
-        raise ConfigError(f"trainer.{MATMUL_KEY} = {value!r}; set it to auto, highest, high or medium")
+        raise _matmul_refusal(value)
     return str(value)
 
 
@@ -282,15 +292,15 @@ def loader_settings(num_workers: Any, pin_memory: Any, *, cuda: bool, cpus: int)
     elif isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers >= 0:
         workers = num_workers
     else:
-        raise ConfigError(f"data.num_workers = {num_workers!r} is neither auto nor a number of loader processes; "
-                          "set data.num_workers=auto (on CUDA up to 4 per rank, 0 on CPU) or a number ≥ 0")
+        raise ConfigError(f"data.num_workers = {num_workers!r} is neither auto (on CUDA up to 4 per rank, 0 on CPU) "
+                          "nor a number ≥ 0 of loader processes", [values("data.num_workers", [AUTO, 0])])
     if pin_memory in (AUTO, None):
         pin = cuda
     elif isinstance(pin_memory, bool):
         pin = pin_memory
     else:
-        raise ConfigError(f"data.pin_memory = {pin_memory!r} must be auto, true or false; set data.pin_memory=auto "
-                          "(pinned on CUDA)")
+        raise ConfigError(f"data.pin_memory = {pin_memory!r} must be auto, true or false (auto: pinned on CUDA)",
+                          [values("data.pin_memory", [AUTO, True, False], keep=1)])
     return workers, pin
 
 
@@ -323,11 +333,12 @@ def check_precision(strategy: str, trainer: Mapping[str, Any], optim: Mapping[st
     if precision in FP16_MIXED and (optim or {}).get("fused") and trainer.get("gradient_clip_val"):
         raise ConfigError(f"trainer.precision = {precision} with optim.fused = true and trainer.gradient_clip_val = "
                           f"{trainer.get('gradient_clip_val')}: under fp16 the gradients carry the GradScaler's loss "
-                          "scale until the fused optimizer step removes it, so they cannot be clipped before it; set "
-                          "trainer.precision=bf16-mixed (no scaler: clipping works with the fused optimizer), "
-                          "optim.fused=null (torch's default implementation), or trainer.gradient_clip_val=null")
+                          "scale until the fused optimizer step removes it, so they cannot be clipped before it (bf16 "
+                          "and fp32 need no scaler; null optim.fused is torch's default implementation)",
+                          [values("trainer.precision", ["bf16-mixed", "32-true"]), values("optim.fused", [None]),
+                           values("trainer.gradient_clip_val", [None])])
     if strategy not in BASELINES and precision in FP16_MIXED:
         raise ConfigError(f"trainer.precision = {precision} (fp16 with loss scaling) is not supported by "
                           f"strategy={strategy}: the pipeline runs every backward itself, so Lightning's loss "
-                          "scaler would unscale gradients that were never scaled; use trainer.precision=bf16-mixed "
-                          "(Ampere GPUs or newer) or trainer.precision=32-true")
+                          "scaler would unscale gradients that were never scaled (bf16 needs Ampere GPUs or newer)",
+                          [values("trainer.precision", ["bf16-mixed", "32-true"])])

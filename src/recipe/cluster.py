@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .layout import ConfigError
+from .fixes import ConfigError, Proposal, fixes_of
 
 SLURM_PORT_BASE = 15000  # Lightning's SLURMEnvironment: port = 15000 + the last 4 digits of the job id
 # SLURM's per-task variables: workers started by train.py drop them, or Lightning would take every
@@ -129,6 +129,21 @@ def _fix_hint(devices: int, num_nodes: int) -> str:
             "given its own --ntasks and --ntasks-per-node")
 
 
+def _world_fixes(sizes: dict[str, int], world: int) -> list[Proposal]:
+    """The fix ``sizes`` (``trainer.devices`` / ``trainer.num_nodes``) for ``world`` processes, alone or with
+    another ``strategy.D`` (a divisor of them, the largest first)."""
+    divisors = [d for d in range(world, 0, -1) if world % d == 0]
+    return [fixes_of(sizes), fixes_of(*({**sizes, "strategy.D": d} for d in divisors), keep=1)]
+
+
+def _torchrun_fixes(started: int | None, per_node: int | None) -> list[Proposal]:
+    """``trainer.devices`` and ``trainer.num_nodes`` as torchrun's ``--nproc_per_node`` and ``--nnodes``
+    (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE`` / it)."""
+    if not started or not per_node or started % per_node:
+        return []
+    return _world_fixes({"trainer.devices": per_node, "trainer.num_nodes": started // per_node}, started)
+
+
 def detect_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launch:
     """How this process runs a job of ``devices`` processes on each of ``num_nodes`` nodes.
 
@@ -141,8 +156,9 @@ def detect_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
     if env.get("TORCHELASTIC_RUN_ID") is not None:  # torchrun first, also inside SLURM (as Lightning)
         started = _int(env, "WORLD_SIZE")
         if started != world:
-            raise ConfigError(f"torchrun started WORLD_SIZE = {env.get('WORLD_SIZE')} processes but {sizes}; set "
-                              "trainer.devices to torchrun's --nproc_per_node and trainer.num_nodes to its --nnodes")
+            raise ConfigError(f"torchrun started WORLD_SIZE = {env.get('WORLD_SIZE')} processes but {sizes}: "
+                              "trainer.devices is torchrun's --nproc_per_node and trainer.num_nodes its --nnodes",
+                              _torchrun_fixes(started, _int(env, "LOCAL_WORLD_SIZE")))
         return Launch("torchrun", _int(env, "GROUP_RANK") or 0, _int(env, "RANK"),
                       env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT"))
     if env.get("LOCAL_RANK") is not None:  # a rank started by another launcher, Lightning's manual mode
@@ -158,11 +174,12 @@ def detect_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
         port = env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID"))
         if nnodes is not None and nnodes != num_nodes:
             raise ConfigError(f"SLURM runs this job on SLURM_NNODES = {nnodes} nodes but trainer.num_nodes = "
-                              f"{num_nodes}; set trainer.num_nodes={nnodes} (or srun --nodes={num_nodes})")
+                              f"{num_nodes} (or run it with srun --nodes={num_nodes})",
+                              _world_fixes({"trainer.num_nodes": nnodes}, nnodes * devices))
         if tasks == world:  # one task per process: the job runs in them
             if per_node != devices:
                 raise ConfigError(f"SLURM started SLURM_NTASKS = {tasks} tasks with SLURM_NTASKS_PER_NODE = "
-                                  f"{env.get('SLURM_NTASKS_PER_NODE')} but trainer.devices = {devices}; start them "
+                                  f"{env.get('SLURM_NTASKS_PER_NODE')} but trainer.devices = {devices}: start them "
                                   f"with --ntasks-per-node={devices} (Lightning reads the tasks per node from it)")
             said = f"one SLURM task per rank ({tasks} tasks, {per_node} per node)"
             return Launch("slurm", _int(env, "SLURM_NODEID") or 0, _int(env, "SLURM_PROCID"), addr, port, said)
@@ -170,7 +187,9 @@ def detect_launch(env: Mapping[str, str], devices: int, num_nodes: int) -> Launc
             node = _int(env, "SLURM_NODEID")
             said = f"one SLURM task per node ({tasks} tasks): train.py starts each node's {devices} workers"
             return Launch("self", _int(env, "SLURM_PROCID") if node is None else node, None, addr, port, said)
-        raise ConfigError(f"SLURM started SLURM_NTASKS = {tasks} tasks but {sizes}; {_fix_hint(devices, num_nodes)}")
+        raise ConfigError(f"SLURM started SLURM_NTASKS = {tasks} tasks but {sizes}: {_fix_hint(devices, num_nodes)}",
+                          _world_fixes({"trainer.devices": tasks // num_nodes}, tasks)
+                          if tasks % num_nodes == 0 else ())
     if num_nodes > 1 and env.get("SLURM_JOB_ID") and not env.get("MASTER_ADDR"):
         raise ConfigError(
             f"trainer.num_nodes = {num_nodes} but this process is not a SLURM task (SLURM_JOB_ID = "

@@ -36,48 +36,22 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
+
 from pipeline_recipes.core import exits
 from pipeline_recipes.core.disk import no_space, no_space_message
 from pipeline_recipes.core.errors import TrainingDiverged
 from pipeline_recipes.core.signals import SignalRecord
 
-from .accelerator import (
-    GPU_NAMES,
-    AcceleratorChoice,
-    check_precision,
-    choose_accelerator,
-    layout_processes,
-    resolve_loader,
-    with_compile,
-)
-from .cluster import Launch, detect_launch, is_global_zero, rank_env
+from .checks import Checked, check_command, hydra_command
+from .cluster import Launch, is_global_zero, rank_env
 from .ending import last_line
+from .fixes import ConfigError, fixes_of
 from .heartbeat import describe_exception
 from .job_spec import JobSpec
-from .layout import (
-    ConfigError,
-    DataError,
-    Layout,
-    check_devices,
-    check_drain_timeout,
-    check_fixed_settings,
-    check_model,
-    resolve_layout,
-)
+from .layout import DataError, Layout, num_layers  # noqa: F401 (num_layers: read from here by callers)
 from .results import RunResult, read_results, summary_table, update_results, write_results
 from .resume import resolve_resume
 from .supervise import Outcome, launch_workers
-
-
-def num_layers(model_cfg: DictConfig | dict) -> int:
-    """Pipeline layers of a model config: its blocks plus the embedding and the head."""
-    layers = model_cfg.get("n_layer", model_cfg.get("num_hidden_layers"))
-    return int(layers) + 2
-
-
-def _gpus(choice: AcceleratorChoice) -> int | None:
-    """GPUs of this node when the job runs one process per GPU (probed by :func:`choose_accelerator`)."""
-    return choice.node.cuda_devices if choice.accelerator in GPU_NAMES and not choice.shared_gpus else None
 
 
 def _group(cfg: DictConfig, multirun: bool, sweep_dir: str) -> str:
@@ -98,12 +72,12 @@ def check_stop_settings(cfg: DictConfig) -> None:
     timeout = cfg.get("stop_timeout_s", 120)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"stop_timeout_s = {timeout!r}: it is how long the ranks get to reach a step boundary and "
-                          "save after a stop signal, a positive number of seconds; set stop_timeout_s=120")
+                          "save after a stop signal, a positive number of seconds", [fixes_of({"stop_timeout_s": 120})])
     patience = cfg.get("nonfinite_loss_patience", 3)
     if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
         raise ConfigError(f"nonfinite_loss_patience = {patience!r}: it is how many non-finite losses in a row "
-                          "nonfinite_loss=skip skips before the run ends as diverged, an integer ≥ 0; set "
-                          "nonfinite_loss_patience=3")
+                          "nonfinite_loss=skip skips before the run ends as diverged, an integer ≥ 0",
+                          [fixes_of({"nonfinite_loss_patience": 3})])
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -120,55 +94,15 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals: SignalRecord) -> float | None:
-    launch: Launch | None = None
-    choice: AcceleratorChoice | None = None
-    try:
-        check_fixed_settings(cfg)  # strategy.grad_sync=eagr, checkpoint.keep=…: one message, not a traceback per rank
+    checked = Checked()
+    try:  # every check before launch, in-process (recipe.checks; the tests run the same), its fixes checked too
         check_stop_settings(cfg)
-        mode = cfg.get("preflight", True)
-        if mode not in (True, False, "report"):
-            raise ConfigError(f"preflight = {mode!r}: it is true (predict the peak memory per rank and refuse a layout "
-                              "that cannot fit), false (skip it) or report (print the prediction as one JSON line "
-                              "and launch nothing); set preflight=true, preflight=false or preflight=report")
-        if cfg.data.get("name", "synthetic") != "synthetic":  # its local files exist (prepared below)
-            from pipeline_recipes.datamodules.prepare import check_data, prepare_data  # local: torch ≥1.2 s
-
-            check_data(OmegaConf.to_container(cfg.data, resolve=True))
-        trainer_asked = OmegaConf.to_container(cfg.trainer, resolve=True)
-        choice = choose_accelerator(trainer_asked, layout_processes(OmegaConf.to_container(cfg.strategy, resolve=True),
-                                                                    trainer_asked.get("num_nodes", 1)))
-        choice = with_compile(choice, cfg.model.get("compile"))  # model.compile=atuo: refused here, before any rank
-        trainer_cfg = choice.trainer
-        with open_dict(cfg):  # every later reader (pre-flight, workers, W&B config) sees the concrete trainer
-            cfg.trainer = trainer_cfg
-            cfg.data.update(resolve_loader(cfg.data, choice))  # data.num_workers / pin_memory for this accelerator
-        layout = resolve_layout(OmegaConf.to_container(cfg.strategy, resolve=True), trainer_cfg,
-                                cfg.data.global_batch_size, num_layers(cfg.model))
-        check_model(OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.data, resolve=True))
-        if cfg.data.get("tokenizer"):  # loads it (transformers): model.vocab_size must cover it
-            from pipeline_recipes.datamodules.tokenizer import check_tokenizer_config  # local: torch ≥1.2 s
-
-            check_tokenizer_config(OmegaConf.to_container(cfg.data, resolve=True))
-        if mode != "report":  # preflight=report predicts for GPUs this node may lack
-            check_devices(trainer_cfg, _gpus(choice))
-        check_precision(layout.strategy, trainer_cfg, OmegaConf.to_container(cfg.optim, resolve=True)
-                        if cfg.get("optim") is not None else None)
-        if cfg.get("logger") is not None and cfg.logger.get("drain_timeout_s") is not None:
-            check_drain_timeout(cfg.logger.drain_timeout_s)
-        resume = resolve_resume(cfg, out_dir, layout.strategy)  # ckpt_path=auto found; complete, fits strategy, model
+        layout = check_command(cfg, checked, command=hydra_command())
+        resume = resolve_resume(cfg, out_dir, layout.strategy)  # ckpt_path=auto found; complete, fits, same model
         with open_dict(cfg):
             cfg.ckpt_path = resume.path  # what the workers resume from (job.yaml), or null
-        launch = detect_launch(os.environ, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
-        if cfg.data.get("name", "synthetic") != "synthetic" and mode != "report":  # once on the node, before the ranks
-            prepare_data(OmegaConf.to_container(cfg.data, resolve=True))
-        if mode:  # the checks above answer without importing torch
-            from pipeline_recipes.planner.preflight import predict_layout, preflight  # local: torch ≥1.2 s
-        if mode == "report":  # estimates on fake tensors: no memory is allocated, no GPU needed
-            report = predict_layout(OmegaConf.to_container(cfg, resolve=True), layout,
-                                    budget_bytes=choice.memory_per_rank)
-        elif mode:
-            preflight(OmegaConf.to_container(cfg, resolve=True), layout, budget_bytes=choice.memory_per_rank)
     except ValueError as err:  # ConfigError, or the planner's PreflightError (does not fit in memory)
+        choice, launch = checked.choice, checked.launch
         # a DataError's cause and fixes end the message: nothing after it (no import here: a layout error stays light)
         chosen = f"\n({choice.describe()})" if choice is not None and not isinstance(err, DataError) else ""
         global_zero = launch.is_global_zero if launch is not None else is_global_zero()
@@ -180,6 +114,8 @@ def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals
             write_results(out_dir, **_skipped_fields(cfg, str(err)))
             print(f"skipped {out_dir}: {err}{chosen}", flush=True)
         return None
+    choice, launch, mode, report = checked.choice, checked.launch, checked.mode, checked.report
+    trainer_cfg = choice.trainer
     if mode == "report":
         if launch.is_global_zero:
             print(json.dumps(report), flush=True)

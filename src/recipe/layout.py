@@ -4,23 +4,31 @@ Every rule names the settings, their values and a fix, so a bad combination stop
 message before any process starts. Settings whose values are a fixed set are listed once, in
 :func:`fixed_settings`, and a near miss gets "did you mean" (:func:`did_you_mean`, also used for
 misspelled keys by ``train.py``).
+
+The fixes are data (:mod:`pipeline_recipes.recipe.fixes`): a refusal proposes candidate overrides and
+:func:`resolve_layout` keeps those with which it passes itself; the launcher keeps those that pass every check
+of the command (:func:`pipeline_recipes.recipe.checks.check_command`). So a proposal here is only a candidate:
+every rule is written once, in its check, and decides about the values the others propose.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import lru_cache, partial
 from typing import Any
 
-from pipeline_recipes.strategies.schedules import (
-    CONFIG, ScheduleError, Settings, build_schedule, get_spec, names, resolve_concat,
-)
 from pipeline_recipes.strategies.cuda_graph_rules import cuda_graphs_error
-from pipeline_recipes.strategies.schedules.rules import did_you_mean
+from pipeline_recipes.strategies.schedules import (
+    AUTO_CONCAT, CONCAT_METHODS, CONFIG, ScheduleError, ScheduleSpec, Settings, build_schedule, get_spec, names,
+    resolve_concat,
+)
+from pipeline_recipes.strategies.schedules.rules import Refusal, did_you_mean
 
+from .fixes import ConfigError, Fix, Proposal, fixes_of, override_value, values, vet
 
-class ConfigError(ValueError):
-    """An invalid combination of settings, explained."""
+__all__ = ["ConfigError", "DataError", "Layout", "check_devices", "check_drain_timeout", "check_fixed_settings",
+           "check_model", "did_you_mean", "fixed_settings", "resolve_layout"]
 
 
 class DataError(ConfigError):
@@ -94,14 +102,21 @@ class FixedSetting:
     meaning: str
     nullable: bool = False
 
-    def error(self, value: Any) -> str | None:
-        """The message for ``value`` (the key, the value, the allowed values, a near miss, the fix), or None."""
+    def refusal(self, value: Any) -> ConfigError | None:
+        """The refusal of ``value`` (the key, the value, the allowed values; the near miss first among the
+        fixes), or None."""
         if (value is None and self.nullable) or (isinstance(value, str) and value in self.values):
             return None
         allowed = ", ".join(self.values) + (" or null" if self.nullable else "")
         close = did_you_mean(value, self.values)
-        fix = f"did you mean {close!r}? set {self.key}={close}" if close else f"set {self.key} to one of them"
-        return f"{self.key} = {value!r} is not one of {allowed} ({self.meaning}); {fix}"
+        guess = [values(self.key, [close], keep=1, lead=f"did you mean {close!r}?")] if close else []
+        return ConfigError(f"{self.key} = {value!r} is not one of {allowed} ({self.meaning})",
+                           [*guess, values(self.key, (*self.values, *([None] if self.nullable else ())), keep=1)])
+
+    def error(self, value: Any) -> str | None:
+        """The message for ``value`` (the key, the value, the allowed values, a near miss, the fix), or None."""
+        refusal = self.refusal(value)
+        return None if refusal is None else str(refusal)
 
 
 def fixed_settings() -> tuple[FixedSetting, ...]:
@@ -135,14 +150,28 @@ def check_fixed_settings(config: Mapping[str, Any]) -> None:
     :func:`fixed_settings` that ``config`` (the whole config, or ``{"strategy": ...}``) has."""
     for setting in fixed_settings():
         value = _lookup(config, setting.key)
-        if value is not _ABSENT and (message := setting.error(value)) is not None:
-            raise ConfigError(message)
+        if value is not _ABSENT and (refusal := setting.refusal(value)) is not None:
+            raise refusal
 
 
-def _positive(name: str, value: Any) -> int:
+def _positive(name: str, value: Any, up_to: int = 16) -> int:
+    """``value`` when it is a positive integer; a refusal proposing the least of 1…``up_to`` that passes."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}; set {name}=1 or more")
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}", [values(name, range(1, up_to + 1), keep=1)])
     return value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _batch_proposals(global_batch_size: int, step: int) -> list[Proposal]:
+    """The multiples of ``step`` nearest to ``global_batch_size``: the largest below it and the least above
+    it that pass (a window of 16 each way)."""
+    q = global_batch_size // step
+    below = [k * step for k in range(q, max(q - 16, 0), -1) if k * step != global_batch_size]
+    above = [k * step for k in range(q + 1, q + 17)]
+    return [values("data.global_batch_size", below, keep=1), values("data.global_batch_size", above, keep=1)]
 
 
 BASELINES = ("ddp", "single")
@@ -152,14 +181,15 @@ def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> L
     """``ddp``: W = world size replicas of the whole model; ``single``: one process. Both take the
     replica's whole mini-batch in one pass (B = B̂/W, N = 1); ``strategy.micro_batch_size`` is unused."""
     if D != 1:
-        raise ConfigError(f"strategy={name} has no pipeline stages but strategy.D = {D}; set strategy.D=1 "
-                          f"(or pick a pipeline strategy: {', '.join(names())})")
+        raise ConfigError(f"strategy={name} has no pipeline stages but strategy.D = {D}",
+                          [values("strategy.D", [1]), values("strategy", names(), keep=3)])
     if name == "single" and world != 1:
-        raise ConfigError(f"strategy=single runs one process but trainer.devices × trainer.num_nodes = {world}; "
-                          "set trainer.devices=1 trainer.num_nodes=1 (or use strategy=ddp)")
+        raise ConfigError(f"strategy=single runs one process but trainer.devices × trainer.num_nodes = {world}",
+                          [fixes_of({"trainer.devices": 1, "trainer.num_nodes": 1}), values("strategy", ["ddp"])])
     if global_batch_size % world:
         raise ConfigError(f"data.global_batch_size = {global_batch_size} is not divisible by the W = {world} "
-                          f"replicas of strategy={name}; use a multiple of {world}")
+                          f"replicas of strategy={name}, so it must be a multiple of {world}",
+                          _batch_proposals(global_batch_size, world))
     return Layout(name, world, world, 1, global_batch_size // world, 1, global_batch_size, 1)
 
 
@@ -169,7 +199,10 @@ def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
     schedule, name = strategy.get("schedule"), strategy.get("name")
     if schedule is not None and name is not None and schedule != name:
         raise ConfigError(f"strategy.schedule = {schedule} but strategy.name = {name}: strategy.name follows the "
-                          f"schedule; choose the schedule with strategy={name} (or strategy.schedule={name}) instead")
+                          "schedule, which strategy=NAME chooses",
+                          [values("strategy", [name]), values("strategy.schedule", [name]),
+                           values("strategy.name", [schedule])])
+    key = "strategy.schedule" if schedule is not None else "strategy.name"
     name = str(schedule or name or "gpipe")
     if name in BASELINES:
         return name, None
@@ -177,119 +210,315 @@ def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
         return name, get_spec(name)
     except ScheduleError as err:
         close = did_you_mean(name, (*names(aliases=True), *BASELINES))
+        guess = [values(key, [close], lead=f"did you mean {close!r}?"), values("strategy", [close])] if close else []
         raise ConfigError(f"strategy {name!r} is neither a pipeline schedule ({', '.join(names())}) nor a "
-                          f"baseline ({', '.join(BASELINES)}); choose one of them with strategy=NAME"
-                          + (f"; did you mean {close!r}?" if close else "")) from err
+                          f"baseline ({', '.join(BASELINES)}); choose one of them with strategy=NAME",
+                          [*guess, values("strategy", (*names(), *BASELINES), keep=3)]) from err
 
 
-def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int) -> Layout:
+EXTRA_LAYERS = 2  # pipeline layers besides a model's blocks: the embedding and the head
+BLOCK_KEYS = ("n_layer", "num_hidden_layers")  # a model config's blocks: GPT-2's name, transformers' other one
+
+
+def num_layers(model: Mapping[str, Any]) -> int:
+    """Pipeline layers of a model config: its blocks plus the embedding and the head."""
+    return int(model.get(BLOCK_KEYS[0], model.get(BLOCK_KEYS[1]))) + EXTRA_LAYERS
+
+
+def layers_key(model: Mapping[str, Any]) -> str | None:
+    """The override that sets a model config's blocks (``model.n_layer``), or None."""
+    return next((f"model.{key}" for key in BLOCK_KEYS if key in model), None)
+
+
+def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int, *,
+                   layers_key: str | None = None, vet_fixes: bool = True) -> Layout:
     """Derive W and N and check every rule of the pipeline layout (the schedule's own rules come from its
-    registry spec)."""
+    registry spec). A refusal keeps the fixes with which this function passes (``vet_fixes``; the launcher
+    checks them against the whole command instead, :mod:`pipeline_recipes.recipe.checks`); ``layers_key``: the
+    model's setting of its blocks (``model.n_layer``), so that a refusal may propose more of them."""
+    try:
+        return _resolve(strategy, trainer, global_batch_size, num_layers, layers_key)
+    except ConfigError as err:
+        if not vet_fixes:
+            raise
+        passes = partial(_passes_with, strategy, trainer, global_batch_size, num_layers, layers_key)
+        raise vet(err, passes) from err.__cause__
+
+
+def _passes_with(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int,
+                 layers_key: str | None, fix: Fix) -> ValueError | None:
+    """The layout's refusal with ``fix`` applied (None: it passes); a fix of anything else (another strategy
+    config, a model setting) is not judged here and does not pass."""
+    applied = _applied(strategy, trainer, global_batch_size, num_layers, layers_key, fix, literal=True)
+    if applied is None:
+        return ValueError(f"{fix} sets something other than the layout")
+    return _refusal(*applied, layers_key)
+
+
+def refuses(inputs: tuple[dict[str, Any], dict[str, Any], int, int, str | None], fix: Fix) -> ConfigError | None:
+    """The refusal by the layout's rules of ``inputs`` (:func:`resolve_layout`'s arguments, the trainer
+    concrete) with ``fix`` applied, so that the whole command with it fails too; None where they pass or the fix
+    changes something the layout cannot tell from these (the strategy's name, another config group, another
+    setting)."""
+    strategy, trainer, global_batch_size, num_layers, key = inputs
+    applied = _applied(strategy, trainer, global_batch_size, num_layers, key, fix, literal=False)
+    return None if applied is None else _refusal(*applied, key)
+
+
+def _refusal(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int,
+             layers_key: str | None) -> ConfigError | None:
+    try:
+        _resolve(strategy, trainer, global_batch_size, num_layers, layers_key)
+    except ConfigError as err:
+        return err
+    return None
+
+
+def _applied(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int,
+             layers_key: str | None, fix: Fix, literal: bool) -> tuple | None:
+    """The layout's settings with ``fix`` applied, or None where it sets something else (``literal``: every
+    setting is set as given, as a caller of :func:`resolve_layout` would; otherwise, on a config's settings,
+    ``strategy.name`` and ``strategy.schedule`` are not judged, since the name follows the schedule, nor
+    ``trainer.accelerator``, which decides what ``trainer.devices=auto`` means)."""
+    strategy, trainer = dict(strategy), dict(trainer)
+    for key, text in fix.items():
+        value = override_value(text)
+        group, _, leaf = key.partition(".")
+        if group == "strategy" and leaf and (literal or leaf not in ("schedule", "name")):
+            strategy[leaf] = value
+        elif group == "trainer" and leaf and (literal or leaf != "accelerator"):
+            trainer[leaf] = value
+        elif key == "data.global_batch_size":
+            global_batch_size = value
+        elif key == layers_key and isinstance(value, int):
+            num_layers = value + EXTRA_LAYERS
+        else:
+            return None
+    return strategy, trainer, global_batch_size, num_layers
+
+
+def _resolve(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int,
+             layers_key: str | None) -> Layout:
     name, spec = _schedule_spec(strategy)
     check_fixed_settings({"strategy": strategy})
     _check_trainer_keys(trainer)
     devices = trainer.get("devices", 1)
     if devices == "auto" or devices == -1:
-        raise ConfigError("trainer.devices must be a number for pipeline runs (W·D must be known before launch)")
+        raise ConfigError("trainer.devices must be a number for pipeline runs (W·D must be known before launch)",
+                          [values("trainer.devices", range(1, 17), keep=1)])
     world = _positive("trainer.devices", devices) * _positive("trainer.num_nodes", trainer.get("num_nodes", 1))
     D = _positive("strategy.D", strategy.get("D"))
-    _positive("data.global_batch_size", global_batch_size)
+    _positive("data.global_batch_size", global_batch_size, up_to=64)
     if spec is None:
         return _baseline_layout(name, world, D, global_batch_size)
     fixed_n = spec.fixed_micro_batches
     one_per_update = fixed_n is not None and strategy.get("micro_batch_size") is None  # B = B̂ / (W·N)
     B = 1 if one_per_update else _positive("strategy.micro_batch_size", strategy.get("micro_batch_size"))
+    W = strategy.get("W") or (world // D if world % D == 0 else 1)
+    around = _Around(spec, strategy, trainer, world, D, W, B, global_batch_size, num_layers, layers_key)
     if world % D:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ConfigError(
-            f"strategy.D = {D} does not divide the {world} processes (trainer.devices × trainer.num_nodes); "
-            f"set strategy.D to one of {divisors}"
-        )
-    W = strategy.get("W") or world // D
+        raise around.error(f"strategy.D = {D} does not divide the {world} processes (trainer.devices × "
+                           "trainer.num_nodes)", around.stages())
     if W * D != world:
-        raise ConfigError(
-            f"W·D = {W}·{D} = {W * D} but trainer.devices × trainer.num_nodes = {world}; "
-            f"set strategy.W = {world // D} (or leave it null) or strategy.D to a divisor of {world}"
-        )
+        raise around.error(f"W·D = {W}·{D} = {W * D} but trainer.devices × trainer.num_nodes = {world}",
+                           [values("strategy.W", [None, world // D]),
+                            values("strategy.D", [world // W] if world % W == 0 else [])])
     if one_per_update:
         if global_batch_size % (W * fixed_n):
-            raise ConfigError(f"data.global_batch_size = {global_batch_size} is not divisible by W·N = "
-                              f"{W}·{fixed_n}; use a multiple of {W * fixed_n} (strategy={name} takes B = global "
-                              f"batch / (W·N), N = {fixed_n})")
+            raise around.error(f"data.global_batch_size = {global_batch_size} is not divisible by W·N = "
+                               f"{W}·{fixed_n} (strategy={name} takes B = global batch / (W·N), N = {fixed_n}), so "
+                               f"it must be a multiple of {W * fixed_n}",
+                               _batch_proposals(global_batch_size, W * fixed_n))
         B = global_batch_size // (W * fixed_n)
     S = spec.total_stages(D, strategy.get("chunks"))
     if S > num_layers:
         per = S // D
-        raise ConfigError(
+        raise around.error(
             f"strategy.D = {D}" + (f" with {per} stages per worker (S = {S})" if per > 1 else " stages")
-            + f" but the model has only {num_layers} pipeline layers; use " + (
-                f"D ≤ {num_layers // per}" + (", or fewer strategy.chunks" if spec.chunks.choosable else "")
-                if per > 1 else f"D ≤ {num_layers}"))
+            + f" but the model has only {num_layers} pipeline layers (at least one per stage)",
+            around.stages() + (around.changing("chunks") if spec.chunks.choosable else []))
     if global_batch_size % (W * B):
-        raise ConfigError(_batch_error(global_batch_size, W, B, world, D, strategy.get("W") is not None))
+        raise around.error(_batch_problem(global_batch_size, W, B, world, D, strategy.get("W") is not None),
+                           around.micro_batches())
     N = global_batch_size // (W * B)
     settings = Settings(name, D, N, B, strategy.get("pipelines"), strategy.get("concat"), strategy.get("chunks"),
                         grad_sync=strategy.get("grad_sync", "end"), recompute=strategy.get("recompute", "none"),
                         naming=CONFIG)
     errors = spec.errors(settings)
     if errors:
-        raise ConfigError(errors[0])
+        raise around.refused(errors[0])
     pipelines = settings.pipelines or spec.pipelines.default
     requested = str(settings.concat or "direct") if spec.concat else "direct"
-    concat = resolve_concat(name, D, N, pipelines, B, requested)
-    schedule = _check_schedule(spec, D, N, B, pipelines, concat, settings.chunks)
+    concat = _resolved_concat(name, D, N, pipelines, B, requested)
+    schedule = _check_schedule(spec, D, N, B, pipelines, concat, settings.chunks, around)
     cuda_graphs = strategy.get("cuda_graphs", False)
-    message = cuda_graphs_device_error(cuda_graphs, trainer.get("accelerator")) or cuda_graphs_error(
+    refusal = cuda_graphs_device_error(cuda_graphs, trainer.get("accelerator")) or cuda_graphs_error(
         cuda_graphs, spec, strategy.get("recompute", "none"), schedule)
-    if message is not None:
-        raise ConfigError(message)
+    if refusal is not None:
+        raise around.refused(refusal)
     return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, spec, pipelines, concat),
                   concat, requested == "auto", S if S != D else None, cuda_graphs)
 
 
-def _batch_error(global_batch_size: int, W: int, B: int, world: int, D: int, w_set: bool) -> str:
-    """N = B̂ / (W·B) must be whole: name both settings, where W comes from, and the values that work."""
+KIND_KEYS = {"stages": "strategy.D", "pipelines": "strategy.pipelines", "concat": "strategy.concat",
+             "chunks": "strategy.chunks", "grad_sync": "strategy.grad_sync", "recompute": "strategy.recompute",
+             "cuda_graphs": "strategy.cuda_graphs", "accelerator": "trainer.accelerator"}
+"""The config's key of each setting a rule's refusal may name (:class:`~pipeline_recipes.strategies.schedules.rules.Refusal`)."""
+DEFAULTS = {"grad_sync": "end", "recompute": "none"}  # what an asynchronous schedule or CUDA graphs run with
+
+
+@dataclass(frozen=True)
+class _Around:
+    """The settings around a refusal of the layout, and the candidate fixes they suggest: values of the refused
+    setting near the given one (:meth:`stages`, :meth:`micro_batches`, :meth:`changing`), or, where none works,
+    other devices, more layers or another schedule (:meth:`elsewhere`). Candidates only: the checks decide."""
+
+    spec: ScheduleSpec
+    strategy: Mapping[str, Any]
+    trainer: Mapping[str, Any]
+    world: int
+    D: int
+    W: int
+    B: int
+    global_batch_size: int
+    num_layers: int
+    layers_key: str | None
+
+    def error(self, problem: str, proposals: Sequence[Proposal]) -> ConfigError:
+        return ConfigError(problem, proposals, alternatives=self.elsewhere)
+
+    def refused(self, message: str) -> ConfigError:
+        """The error of a rule's message: its problem with candidates for the settings it names (a rule that
+        returns a plain message keeps its own words)."""
+        if not hasattr(message, "changes"):
+            return ConfigError(str(message))
+        out: list[Proposal] = []
+        if message.guess is not None and message.changes:
+            out.append(values(KIND_KEYS[message.changes[0]], [message.guess], keep=1,
+                              lead=f"did you mean {message.guess!r}?"))
+        defaults = {KIND_KEYS[k]: v for k, v in DEFAULTS.items()
+                    if k in message.changes and self.strategy.get(k, v) != v}
+        if defaults:
+            out.append(fixes_of(defaults))
+        for kind in message.changes:
+            out += self.changing(kind)
+        if message.schedules:
+            out.append(values("strategy", message.schedules, keep=3))
+        return self.error(message.problem, out)
+
+    def stages(self) -> list[Proposal]:
+        """Every other divisor of the processes as D."""
+        return [values("strategy.D", [d for d in _divisors(self.world) if d != self.D])]
+
+    def micro_batches(self) -> list[Proposal]:
+        """N through the batch: the nearest global batches, every micro-batch size that divides the replica's
+        batch (and none, where the schedule fixes N), every other D."""
+        out = _batch_proposals(self.global_batch_size, self.W * self.B)
+        if self.global_batch_size % self.W == 0:
+            out.append(values("strategy.micro_batch_size",
+                              [b for b in _divisors(self.global_batch_size // self.W) if b != self.B]))
+        if self.spec.fixed_micro_batches is not None:
+            out.append(values("strategy.micro_batch_size", [None]))
+        return out + self.stages()
+
+    def changing(self, kind: str) -> list[Proposal]:
+        """Other values of one setting of the schedule (named as :data:`KIND_KEYS`), or null where the schedule
+        has no choice of it."""
+        if kind == "micro_batches":
+            return self.micro_batches()
+        key = KIND_KEYS.get(kind)
+        if key is None or kind in DEFAULTS:
+            return []
+        if kind == "stages":
+            return self.stages()
+        current = self.strategy.get(key.split(".", 1)[1])
+        choices: Sequence[Any] = {
+            "pipelines": range(1, 2 * self.D + 1) if self.spec.pipelines.choices is not None else
+            [self.spec.pipelines.default],
+            "concat": (*CONCAT_METHODS, AUTO_CONCAT) if self.spec.concat else (),
+            "chunks": range(1, 2 * max(self.spec.chunks.default, current if isinstance(current, int) else 1) + 1)
+            if self.spec.chunks.choosable else (),
+            "cuda_graphs": [False],
+            "accelerator": ["gpu", "auto"],
+        }[kind]
+        fixed = {"pipelines": self.spec.pipelines.choices is None, "concat": not self.spec.concat,
+                 "chunks": not self.spec.chunks.choosable}
+        nulls = [values(key, [None], keep=1)] if fixed.get(kind) else []
+        return [*nulls, values(key, [c for c in choices if c != current])]
+
+    def elsewhere(self) -> list[Proposal]:
+        """Where no value of the refused setting works: other devices (with D as it is, then with another D),
+        more of the model's blocks, another schedule."""
+        devices = int(self.trainer.get("devices", 1)) if isinstance(self.trainer.get("devices"), int) else 1
+        nodes = self.world // max(devices, 1)
+        near = sorted((d for d in range(1, max(2 * devices, 8) + 1) if d != devices), key=lambda d: (abs(d - devices), d))
+        out = [values("trainer.devices", near, keep=1),
+               Proposal(tuple({"trainer.devices": str(d), "strategy.D": str(k)} for d in near
+                              for k in sorted(_divisors(d * nodes), key=lambda k: (abs(k - self.D), k))
+                              if k != self.D), keep=2)]
+        if self.layers_key is not None:
+            blocks = self.num_layers - EXTRA_LAYERS
+            out.append(values(self.layers_key, range(blocks + 1, blocks + 17), keep=1))
+        name = self.spec.name
+        return out + [values("strategy", [n for n in (*names(), *BASELINES) if n != name], keep=2)]
+
+
+@lru_cache(maxsize=1024)
+def _resolved_concat(name: str, D: int, N: int, pipelines: int, B: int, requested: str) -> str:
+    """:func:`resolve_concat`, once per layout (``auto`` simulates every method)."""
+    return resolve_concat(name, D, N, pipelines, B, requested)
+
+
+@lru_cache(maxsize=1024)
+def _built(name: str, D: int, N: int, pipelines: int, concat: str, chunks: int | None, B: int) -> Any:
+    """The validated schedule of a layout, built once (a refusal's candidate fixes check the same ones again)."""
+    return build_schedule(name, D, N, pipelines, concat, chunks=chunks, micro_batch_size=B)
+
+
+def _batch_problem(global_batch_size: int, W: int, B: int, world: int, D: int, w_set: bool) -> str:
+    """N = B̂ / (W·B) must be whole: name both settings and where W comes from."""
     step = W * B
     origin = (f"strategy.W = {W}" if w_set else
               f"{W} replicas: trainer.devices × trainer.num_nodes = {world} processes / strategy.D = {D}")
-    below, above = global_batch_size // step * step, (global_batch_size // step + 1) * step
-    batches = " or ".join(str(v) for v in (below, above) if v > 0)
     head = (f"data.global_batch_size = {global_batch_size} is not divisible by W·B = {W}·{B} = {step} "
             f"(W = {origin}; B = strategy.micro_batch_size = {B}): N = data.global_batch_size / (W·B) "
-            f"micro-batches per step must be whole; set data.global_batch_size to a multiple of {step} "
-            f"(e.g. {batches})")
+            f"micro-batches per step must be whole, so data.global_batch_size must be a multiple of {step}")
     if global_batch_size % W:
-        return head + f"; no strategy.micro_batch_size helps while data.global_batch_size is not a multiple of W = {W}"
-    per_replica = global_batch_size // W
-    sizes = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
-    return head + (f", or strategy.micro_batch_size to one of {sizes} (the divisors of data.global_batch_size / W "
-                   f"= {per_replica})")
+        return head + f", and no strategy.micro_batch_size helps while it is not a multiple of W = {W}"
+    return head + f" or strategy.micro_batch_size a divisor of data.global_batch_size / W = {global_batch_size // W}"
 
 
 def _check_trainer_keys(trainer: dict[str, Any]) -> None:
     """``trainer.*`` keys the recipe cannot take: a Trainer strategy (the ``strategy`` group derives the
     layout) and a peak that is not positive."""
     if trainer.get("strategy") is not None:
-        raise ConfigError(f"trainer.strategy = {trainer['strategy']!r} would bypass the layout; choose the strategy "
-                          "with the strategy group instead (strategy=gpipe, strategy=ddp, ...)")
+        raise ConfigError(f"trainer.strategy = {trainer['strategy']!r} would bypass the layout; the strategy group "
+                          "chooses the strategy instead (strategy=gpipe, strategy=ddp, ...)",
+                          [values("trainer.strategy", [None])])
     peak = trainer.get("peak_tflops")
     if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
         raise ConfigError(f"trainer.peak_tflops = {peak!r} must be a positive number (the device's peak TFLOP/s, "
-                          "for MFU) or null (looked up from the GPU's name)")
+                          "for MFU) or null (looked up from the GPU's name)", [values("trainer.peak_tflops", [None])])
 
 
-def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: str, chunks: int | None = None) -> Any:
+def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: str, chunks: int | None = None,
+                    around: _Around | None = None) -> Any:
     """Build (and validate) the schedule the workers will run, so a bad combination stops here; returns it."""
     name = spec.name
     try:
-        schedule = build_schedule(name, D, N, pipelines, concat, chunks=chunks, micro_batch_size=B)
+        schedule = _built(name, D, N, pipelines, concat, chunks, B)
     except ValueError as err:
         extra = f", concat = {concat}" if spec.concat else ""
         raise ConfigError(f"strategy={name} with D = {D}, N = {N} micro-batches{extra}: {err}") from err
     halved = any(a.half is not None for acts in schedule.workers for a in acts)
     if halved and B % 2:
-        raise ConfigError(f"concat = backward_halving splits micro-batches in two halves, but strategy.micro_batch_size "
-                          f"= {B} is odd; use an even micro_batch_size (e.g. {B + 1}) or concat = direct")
+        problem = (f"concat = backward_halving splits micro-batches in two halves, but strategy.micro_batch_size "
+                   f"= {B} is odd")
+        if around is None:
+            raise ConfigError(problem)
+        even = [b for b in _divisors(around.global_batch_size // around.W) if b % 2 == 0]
+        raise around.error(problem, [values("strategy.micro_batch_size", even),
+                                     values("strategy.concat", ["direct", "forward_doubling"])])
     return schedule
 
 
@@ -301,8 +530,9 @@ def cuda_graphs_device_error(value: Any, accelerator: Any) -> str | None:
     checked again once the launcher resolved it)."""
     if value is not True or accelerator in (None, "auto", *GPU_NAMES):
         return None
-    return (f"strategy.cuda_graphs = true but trainer.accelerator = {accelerator}: CUDA graphs need CUDA devices; "
-            "run on GPUs (trainer=gpu, or trainer=auto on a node with CUDA) or set strategy.cuda_graphs=false")
+    return Refusal(f"strategy.cuda_graphs = true but trainer.accelerator = {accelerator}: CUDA graphs need CUDA "
+                   "devices (trainer=auto finds them where the node has CUDA)", "run on GPUs (trainer=gpu, or "
+                   "trainer=auto on a node with CUDA) or set strategy.cuda_graphs=false", ("cuda_graphs", "accelerator"))
 
 
 def _variant(strategy: dict[str, Any], spec: Any, pipelines: int, concat: str = "direct") -> str:
@@ -327,31 +557,43 @@ def check_model(model: dict[str, Any], data: dict[str, Any]) -> None:
     chunk = model.get("loss_chunk_tokens")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ConfigError(f"model.loss_chunk_tokens = {chunk!r}: the tokens whose logits the LM loss computes at a "
-                          "time must be a positive integer (e.g. model.loss_chunk_tokens=4096), or null for the "
-                          "whole micro-batch at once")
+                          "time must be a positive integer, or null for the whole micro-batch at once",
+                          [values("model.loss_chunk_tokens", [4096, None])])
     positions = model.get("n_positions", model.get("max_position_embeddings"))
     seq_len = data.get("seq_len", model.get("seq_len"))
     if positions is not None and seq_len is not None and int(seq_len) > int(positions):
         key = "model.n_positions" if "n_positions" in model else "model.max_position_embeddings"
         raise ConfigError(f"sequence length {seq_len} (model.seq_len / data.seq_len) exceeds the model's {positions} "
-                          f"positions ({key}); set model.seq_len ≤ {positions} or raise {key}")
+                          f"positions ({key}): model.seq_len must be ≤ {positions}, or {key} ≥ {seq_len}",
+                          [values("model.seq_len", [positions]), values("data.seq_len", [positions]),
+                           values(key, [seq_len])])
 
 
-def check_devices(trainer: dict[str, Any], available_gpus: int | None) -> None:
+def check_devices(trainer: dict[str, Any], available_gpus: int | None, strategy: Mapping[str, Any] | None = None) -> None:
     """More GPUs per node than this node has (CPU processes are not limited; ``available_gpus`` None:
-    not checked, e.g. under ``trainer=auto``, whose processes share the GPUs then)."""
+    not checked, e.g. under ``trainer=auto``, whose processes share the GPUs then). ``strategy``: its D and W,
+    which the fewer processes proposed come with."""
     if trainer.get("accelerator") in GPU_NAMES and available_gpus is not None:
         devices = int(trainer.get("devices", 1))
         if devices > available_gpus == 0:
-            raise ConfigError(f"trainer.devices = {devices} GPUs but this node has no GPU; use trainer=cpu")
+            raise ConfigError(f"trainer.devices = {devices} GPUs but this node has no GPU",
+                              [values("trainer", ["cpu"]), values("trainer.accelerator", ["cpu"])])
         if devices > available_gpus:
             gpus = f"{available_gpus} GPU{'s' if available_gpus > 1 else ''}"
+            fewer = range(available_gpus, 0, -1)
+            nodes = int(trainer.get("num_nodes", 1) or 1)
+            D, W = (strategy or {}).get("D"), (strategy or {}).get("W")
+            depths = [(g, d) for g in fewer for d in sorted(_divisors(g * nodes),
+                                                            key=lambda d: (abs(d - D) if isinstance(D, int) else 0, d))]
             raise ConfigError(
                 f"trainer.accelerator = {trainer['accelerator']} with trainer.devices = {devices} processes per node, "
-                f"but this node has {gpus} (one GPU per process); either run fewer processes: "
-                f"trainer.devices ≤ {available_gpus} with strategy.D (× strategy.W) to match, and trainer.num_nodes "
-                f"for more nodes; or use trainer=auto to run the {devices} processes sharing the {gpus} over gloo "
-                "(fine for trying schedules, not for speed)")
+                f"but this node has {gpus} (one GPU per process): run at most {available_gpus} per node (strategy.D × "
+                f"strategy.W to match, trainer.num_nodes for more nodes), or let the {devices} processes share the "
+                f"{gpus} over gloo (trainer.accelerator=auto; fine for trying schedules, not for speed)",
+                [values("trainer.devices", fewer, keep=1),
+                 fixes_of(*({"trainer.devices": g, "strategy.D": d, **({"strategy.W": None} if W else {})}
+                            for g, d in depths), keep=2),
+                 values("trainer", ["auto"]), values("trainer.accelerator", ["auto"])])
 
 
 def check_drain_timeout(drain_timeout_s: Any) -> float:
@@ -359,5 +601,5 @@ def check_drain_timeout(drain_timeout_s: Any) -> float:
     number of seconds."""
     if isinstance(drain_timeout_s, bool) or not isinstance(drain_timeout_s, (int, float)) or not drain_timeout_s > 0:
         raise ConfigError(f"logger.drain_timeout_s = {drain_timeout_s!r}: the longest wait for queued W&B rows must be "
-                          "a positive number of seconds (default 300)")
+                          "a positive number of seconds", [values("logger.drain_timeout_s", [300])])
     return float(drain_timeout_s)

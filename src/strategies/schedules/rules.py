@@ -83,6 +83,26 @@ class Settings:
     registered: tuple[ScheduleSpec, ...] = ()  # every registered schedule (the registry fills it): fixes name them
 
 
+class Refusal(str):
+    """A rule's message (the setting, its value, the rule and the fix) that keeps its parts: ``problem`` (all
+    but the fix), ``fix`` (in the front end's words), ``changes`` (the settings, named as :class:`Naming`'s
+    fields, whose values may fix it), ``schedules`` (other schedules it names as a way out) and ``guess`` (a
+    near miss of the refused value). A front end that proposes checked values of its own (the launcher,
+    :mod:`pipeline_recipes.recipe.fixes`) shows ``problem`` with them instead of ``fix``."""
+
+    problem: str
+    fix: str
+    changes: tuple[str, ...]
+    schedules: tuple[str, ...]
+    guess: str | None
+
+    def __new__(cls, problem: str, fix: str, changes: tuple[str, ...] = (), schedules: tuple[str, ...] = (),
+                guess: str | None = None) -> Refusal:
+        self = super().__new__(cls, f"{problem}; {fix}")
+        self.problem, self.fix, self.changes, self.schedules, self.guess = problem, fix, changes, schedules, guess
+        return self
+
+
 Rule = Callable[["ScheduleSpec", Settings], "str | None"]
 
 
@@ -97,12 +117,13 @@ class Pipelines:
     what: str = "a single pipeline"
 
 
-def size_error(setting: str, value: object, minimum: int = 1, fix: str = "") -> str | None:
+def size_error(setting: str, value: object, minimum: int = 1, fix: str = "",
+               changes: tuple[str, ...] = ()) -> Refusal | None:
     """The one check of a size: an integer (not a bool) of at least ``minimum``; the message otherwise."""
     if not isinstance(value, bool) and isinstance(value, int) and value >= minimum:
         return None
     rule = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer ≥ {minimum}")
-    return f"{setting} must be {rule}, got {value!r}; {fix or f'use {minimum} or more'}"
+    return Refusal(f"{setting} must be {rule}, got {value!r}", fix or f"use {minimum} or more", changes)
 
 
 def raise_if(name: str, message: str | None) -> None:
@@ -138,10 +159,16 @@ def _or_use(s: Settings, what: str, predicate: Callable[[ScheduleSpec], bool]) -
     return "" if others == "none" else f", or use a schedule with {what} ({others})"
 
 
+def _where(s: Settings, predicate: Callable[[ScheduleSpec], bool]) -> tuple[str, ...]:
+    """The registered schedules that satisfy ``predicate`` (a refusal's ``schedules``)."""
+    return tuple(sp.name for sp in s.registered if predicate(sp))
+
+
 def positive_sizes(spec: ScheduleSpec, s: Settings) -> str | None:
     """D and N (when known) are positive integers."""
-    for name, value in ((s.naming.stages, s.stages), (s.naming.micro_batches, s.micro_batches)):
-        error = None if value is None else size_error(name, value)
+    for name, value, kind in ((s.naming.stages, s.stages, "stages"),
+                              (s.naming.micro_batches, s.micro_batches, "micro_batches")):
+        error = None if value is None else size_error(name, value, changes=(kind,))
         if error is not None:
             return error
     return None
@@ -152,8 +179,8 @@ def stages_even(s: Settings, reason: str) -> str | None:
     if s.stages % 2 == 0:
         return None
     n = s.naming
-    return (f"{s.schedule} needs {n.stages} to be even ({reason}), got {n.stages} = {s.stages}; "
-            f"use {n.stages} = {_even_near(s.stages)}{n.stages_note}")
+    return Refusal(f"{s.schedule} needs {n.stages} to be even ({reason}), got {n.stages} = {s.stages}",
+                   f"use {n.stages} = {_even_near(s.stages)}{n.stages_note}", ("stages",))
 
 
 def even_stages(reason: str) -> Rule:
@@ -180,8 +207,9 @@ def at_least_stages(s: Settings, reason: str) -> str | None:
     if s.micro_batches is None or s.micro_batches >= s.stages:
         return None
     n = s.naming
-    return (f"{s.schedule} needs N ≥ D micro-batches per update ({reason}), got N = {s.micro_batches} "
-            f"({n.micro_batches}) < D = {s.stages} ({n.stages}); {n.more_micro_batches}, or lower {n.stages}")
+    return Refusal(f"{s.schedule} needs N ≥ D micro-batches per update ({reason}), got N = {s.micro_batches} "
+                   f"({n.micro_batches}) < D = {s.stages} ({n.stages})",
+                   f"{n.more_micro_batches}, or lower {n.stages}", ("micro_batches", "stages"))
 
 
 def micro_batches_at_least_stages(reason: str) -> Rule:
@@ -199,9 +227,9 @@ def exact_micro_batches(s: Settings, want: int | None) -> str | None:
         return None
     n = s.naming
     per = "after every micro-batch" if want == 1 else f"every {want} micro-batches"
-    return (f"{s.schedule} updates the weights {per}, so N must be {want}, got N = {s.micro_batches} "
-            f"({n.micro_batches}); "
-            f"{n.exact_micro_batches.format(n=want, times='' if want == 1 else f'{want}·')}")
+    return Refusal(f"{s.schedule} updates the weights {per}, so N must be {want}, got N = {s.micro_batches} "
+                   f"({n.micro_batches})", n.exact_micro_batches.format(n=want, times='' if want == 1 else f'{want}·'),
+                   ("micro_batches",))
 
 
 def fixed_micro_batches(spec: ScheduleSpec, s: Settings) -> str | None:
@@ -217,14 +245,15 @@ def pipelines_error(s: Settings, pipelines: Pipelines) -> str | None:
     if pipelines.choices is None:
         if p == pipelines.default:
             return None
-        return (f"{s.schedule} runs {pipelines.what}, got {n.pipelines} = {p}; leave {n.pipelines} unset "
-                f"(or {pipelines.default})"
-                f"{_or_use(s, 'a choice of pipelines', lambda sp: sp.pipelines.choices is not None)}")
+        choosing = lambda sp: sp.pipelines.choices is not None  # noqa: E731
+        return Refusal(f"{s.schedule} runs {pipelines.what}, got {n.pipelines} = {p}",
+                       f"leave {n.pipelines} unset (or {pipelines.default})"
+                       f"{_or_use(s, 'a choice of pipelines', choosing)}", ("pipelines",), _where(s, choosing))
     valid = list(pipelines.choices(s.stages))
     if p in valid:
         return None
-    return (f"{s.schedule}: {n.pipelines} = {p} must be {pipelines.rule}, with {n.stages} = {s.stages}; "
-            f"choose one of {valid}")
+    return Refusal(f"{s.schedule}: {n.pipelines} = {p} must be {pipelines.rule}, with {n.stages} = {s.stages}",
+                   f"choose one of {valid}", ("pipelines",))
 
 
 def pipelines_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
@@ -249,13 +278,15 @@ def concat_error(s: Settings, concatenates: bool) -> str | None:
     if concatenates:
         if c is None or c in (*CONCAT_METHODS, AUTO_CONCAT):
             return None
-        return (f"{s.schedule}: {n.concat} = {c!r} is not a concatenation method; use {CONCAT_RULE}"
-                + _suggest(c, (*CONCAT_METHODS, AUTO_CONCAT)))
+        return Refusal(f"{s.schedule}: {n.concat} = {c!r} is not a concatenation method ({CONCAT_RULE})",
+                       "use one of them" + _suggest(c, (*CONCAT_METHODS, AUTO_CONCAT)), ("concat",),
+                       guess=did_you_mean(c, (*CONCAT_METHODS, AUTO_CONCAT)))
     if c in (None, "direct"):
         return None
     others = _names_where(s, lambda sp: sp.concat)
-    return (f"{n.concat} applies to schedules that concatenate units of micro-batches ({others}) only: "
-            f"{s.schedule} has none, got {n.concat} = {c}; drop {n.concat}")
+    return Refusal(f"{n.concat} applies to schedules that concatenate units of micro-batches ({others}) only: "
+                   f"{s.schedule} has none, got {n.concat} = {c}", f"drop {n.concat}", ("concat",),
+                   _where(s, lambda sp: sp.concat))
 
 
 def concat_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
@@ -272,11 +303,12 @@ def chunks_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
         if v == spec_v.default:
             return None
         per = "one stage" if spec_v.default == 1 else f"{spec_v.default} stages"
-        return (f"{spec.name} runs {per} per worker, got {n.chunks} = {v}; drop {n.chunks}"
-                f"{_or_use(s, 'a choice of chunks per worker', lambda sp: sp.chunks.choosable)}")
+        return Refusal(f"{spec.name} runs {per} per worker, got {n.chunks} = {v}",
+                       f"drop {n.chunks}{_or_use(s, 'a choice of chunks per worker', lambda sp: sp.chunks.choosable)}",
+                       ("chunks",), _where(s, lambda sp: sp.chunks.choosable))
     if size_error(n.chunks, v, spec_v.minimum) is not None:
-        return (f"{spec.name}: {n.chunks} = {v!r} must be an integer ≥ {spec_v.minimum} (stages per worker); "
-                f"use {n.chunks} = {max(spec_v.default, spec_v.minimum)}")
+        return Refusal(f"{spec.name}: {n.chunks} = {v!r} must be an integer ≥ {spec_v.minimum} (stages per worker)",
+                       f"use {n.chunks} = {max(spec_v.default, spec_v.minimum)}", ("chunks",))
     return None
 
 
@@ -287,10 +319,12 @@ def steps_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
     n = s.naming
     if not spec.asynchronous:
         others = _names_where(s, lambda sp: sp.asynchronous)
-        return (f"{n.steps} applies to asynchronous schedules only ({others}: their "
-                f"windows run without flushes), got {n.steps} = {s.steps} for {spec.name}; drop {n.steps}")
+        return Refusal(f"{n.steps} applies to asynchronous schedules only ({others}: their "
+                       f"windows run without flushes), got {n.steps} = {s.steps} for {spec.name}", f"drop {n.steps}",
+                       ("steps",), _where(s, lambda sp: sp.asynchronous))
     if size_error(n.steps, s.steps) is not None:
-        return f"{spec.name}: {n.steps} must be a positive number of optimizer steps, got {s.steps!r}; e.g. 3"
+        return Refusal(f"{spec.name}: {n.steps} must be a positive number of optimizer steps, got {s.steps!r}",
+                       "e.g. 3", ("steps",))
     return None
 
 
@@ -299,9 +333,9 @@ def stashed_versions(spec: ScheduleSpec, s: Settings) -> str | None:
     if not spec.asynchronous or (s.grad_sync, s.recompute) == ("end", "none"):
         return None
     n = s.naming
-    return (f"{spec.name} stashes weight versions per step and runs with {n.grad_sync}=end and "
-            f"{n.recompute}=none, got {n.grad_sync}={s.grad_sync} and {n.recompute}={s.recompute}; "
-            "drop those settings")
+    return Refusal(f"{spec.name} stashes weight versions per step and runs with {n.grad_sync}=end and "
+                   f"{n.recompute}=none, got {n.grad_sync}={s.grad_sync} and {n.recompute}={s.recompute}",
+                   "drop those settings", ("grad_sync", "recompute"))
 
 
 def _fits_rounds(micro_batches: int, workers: int) -> bool:
@@ -325,10 +359,10 @@ def equal_rounds_error(s: Settings) -> str | None:
     below = next(m for m in range(N - 1, 0, -1) if _fits_rounds(m, P))
     above = next(m for m in range(N + 1, 2 * N + P) if _fits_rounds(m, P))
     n = s.naming
-    return (f"{s.schedule} runs rounds of equal size: N must be a multiple of rounds = max(1, N // P) = {N // P} "
-            f"(Megatron-LM requires N mod P = 0; torch's ScheduleInterleaved1F1B relaxes it to this rule), got "
-            f"N = {N} ({n.micro_batches}) with P = {P} workers ({n.stages}); use N = {below} or N = {above}: "
-            f"{n.more_micro_batches}")
+    return Refusal(f"{s.schedule} runs rounds of equal size: N must be a multiple of rounds = max(1, N // P) = "
+                   f"{N // P} (Megatron-LM requires N mod P = 0; torch's ScheduleInterleaved1F1B relaxes it to this "
+                   f"rule), got N = {N} ({n.micro_batches}) with P = {P} workers ({n.stages})",
+                   f"use N = {below} or N = {above}: {n.more_micro_batches}", ("micro_batches", "stages"))
 
 
 def equal_rounds(spec: ScheduleSpec, s: Settings) -> str | None:
@@ -341,9 +375,10 @@ def at_least_twice_stages(s: Settings, reason: str) -> str | None:
     if s.micro_batches is None or s.micro_batches >= 2 * s.stages:
         return None
     n = s.naming
-    return (f"{s.schedule} needs N ≥ 2·D micro-batches per step ({reason}), got N = {s.micro_batches} "
-            f"({n.micro_batches}) < 2·D = {2 * s.stages} ({n.stages} = {s.stages}); {n.more_micro_batches}, "
-            f"lower {n.stages}, or use a schedule with no such bound (zbv)")
+    return Refusal(f"{s.schedule} needs N ≥ 2·D micro-batches per step ({reason}), got N = {s.micro_batches} "
+                   f"({n.micro_batches}) < 2·D = {2 * s.stages} ({n.stages} = {s.stages})",
+                   f"{n.more_micro_batches}, lower {n.stages}, or use a schedule with no such bound (zbv)",
+                   ("micro_batches", "stages"), ("zbv",))
 
 
 def micro_batches_at_least_twice_stages(reason: str) -> Rule:
