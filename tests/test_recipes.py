@@ -367,10 +367,11 @@ def test_two_nodes_over_loopback_equal_one_node(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, patience", [("stop", 3), ("skip", 3), ("skip", 1)])
+@pytest.mark.parametrize("mode, patience", [("stop", 3), ("skip", 1)])
 def test_nonfinite_loss_stops_or_skips(tmp_path: Path, mode: str, patience: int) -> None:
     """At lr 1e30 every loss after the first is NaN: ``stop`` ends the run as diverged at once (exit status 3);
-    ``skip`` skips the updates, at most ``nonfinite_loss_patience`` in a row, then ends it as diverged."""
+    ``skip`` skips the update of step 2 (its loss null, the run goes on), and the second NaN in a row is one more
+    than ``nonfinite_loss_patience=1`` allows: the run ends as diverged."""
     result = _run([str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}", "optim.lr=1e30", "trainer.max_steps=3",
                    "trainer.gradient_clip_val=null", "data.global_batch_size=8", "logger=none",
                    f"nonfinite_loss={mode}", f"nonfinite_loss_patience={patience}"], cwd=tmp_path)
@@ -380,10 +381,7 @@ def test_nonfinite_loss_stops_or_skips(tmp_path: Path, mode: str, patience: int)
         assert result.returncode == 3 and res.status == "diverged", result.stderr[-2000:]
         assert "training loss is nan at step 1" in last and "nonfinite_loss=skip" in res.reason
         assert last.startswith("error: training diverged: rank ")
-    elif patience == 3:
-        assert result.returncode == 0 and res.status == "ok"
-        assert res.loss_history[0] is not None and list(res.loss_history[1:]) == [None, None]
-    else:  # the second NaN in a row is one too many
+    else:
         assert result.returncode == 3 and res.status == "diverged", result.stderr[-2000:]
         assert "non-finite 2 steps in a row (nonfinite_loss_patience = 1)" in last
         assert res.loss_history[0] is not None and res.global_step == 2

@@ -132,48 +132,54 @@ def test_srun_one_task_per_node_trains_like_one_machine(cluster: Cluster, refere
     assert "one SLURM task per node (2 tasks): train.py starts each node's 2 workers" in done.stdout
 
 
-@pytest.mark.parametrize("how, proctrack", [("scancel --signal=TERM", "linuxproc"), ("scancel", "pgid")])
-def test_scancel_stops_every_rank_with_a_checkpoint(slurm_clusters, how: str, proctrack: str,  # noqa: ANN001
-                                                    tmp_path: Path) -> None:
-    cluster = slurm_clusters.get(nodes=2 if proctrack == "linuxproc" else 1, proctrack=proctrack, kill_wait=30,
-                                 cpus_per_node=8)
-    nodes = 2 if proctrack == "linuxproc" else 1
-    run_dir = tmp_path / "run"
-    job = Batch(cluster, run_dir, f"--nodes={nodes}", "--cpus-per-task=2",
-                overrides=(f"trainer.num_nodes={nodes}", "trainer.max_steps=100000"))
-    job.training()
-    cluster.run(*how.split(), job.id)
-    state = job.ended()
-    assert state["JobState"] != "COMPLETED", state  # a stop never reads as success
-    if how == "scancel --signal=TERM":
-        assert state["JobState"] == "FAILED" and state["ExitCode"] == "143:0", state
-    result = read_results(run_dir)
-    assert result.status == "stopped" and "SIGTERM received by" in result.reason, job.output()[-3000:]
-    assert result.last_checkpoint == str(run_dir / "checkpoints" / f"step-{result.global_step:06d}.ckpt")
-    assert (Path(result.last_checkpoint) / "meta.json").is_file()
-    assert len(result.loss_history) == result.global_step >= 3
-    _wait(lambda: not _left_running(str(run_dir)), 10, "the job's processes to end")
+def test_scancel_stops_every_rank_with_a_checkpoint(slurm_clusters, tmp_path: Path) -> None:  # noqa: ANN001
+    """``scancel --signal=TERM`` of a two-node job (``proctrack/linuxproc``) and a plain ``scancel`` of a one-node
+    job under ``proctrack/pgid`` (the workers' own sessions are outside the task's process group), at once."""
+    jobs = {}
+    for how, proctrack, nodes in (("scancel --signal=TERM", "linuxproc", 2), ("scancel", "pgid", 1)):
+        cluster = slurm_clusters.get(nodes=nodes, proctrack=proctrack, kill_wait=30, cpus_per_node=8)
+        jobs[how] = Batch(cluster, tmp_path / proctrack, f"--nodes={nodes}", "--cpus-per-task=2",
+                          overrides=(f"trainer.num_nodes={nodes}", "trainer.max_steps=100000"))
+    for how, job in jobs.items():
+        job.training()
+        job.cluster.run(*how.split(), job.id)
+    for how, job in jobs.items():
+        state = job.ended()
+        assert state["JobState"] != "COMPLETED", state  # a stop never reads as success
+        if how == "scancel --signal=TERM":
+            assert state["JobState"] == "FAILED" and state["ExitCode"] == "143:0", state
+        result = read_results(job.run_dir)
+        assert result.status == "stopped" and "SIGTERM received by" in result.reason, job.output()[-3000:]
+        assert result.last_checkpoint == str(job.run_dir / "checkpoints" / f"step-{result.global_step:06d}.ckpt")
+        assert (Path(result.last_checkpoint) / "meta.json").is_file()
+        assert len(result.loss_history) == result.global_step >= 3
+        _wait(lambda job=job: not _left_running(str(job.run_dir)), 10, f"{how}: the job's processes to end")
 
 
-@pytest.mark.parametrize("how", ["scontrol requeue", "USR1 notice"])
-def test_a_requeued_job_resumes_by_itself_and_ends_with_the_uninterrupted_losses(
-        cluster: Cluster, reference: subprocess.Popen, tmp_path: Path, how: str) -> None:
-    run_dir = tmp_path / "run"
-    job = Batch(cluster, run_dir, "--nodes=2", "--cpus-per-task=2")
-    job.training()
-    if how == "scontrol requeue":  # as a preemption does: SIGTERM to every task, then SLURM requeues the job
-        cluster.run("scontrol", "requeue", job.id)
-    else:  # what --signal=USR1@<s> sends before the time limit: train.py stops, saves and requeues the job
-        cluster.run("scancel", "--signal=USR1", job.id)
-    _wait(lambda: cluster.job(job.id).get("Restarts", "0") == "1", 120, "the job to be requeued")
-    state = job.ended()
-    output = job.output()
-    assert state["JobState"] == "COMPLETED", output[-4000:]
-    result = read_results(run_dir)
-    assert result.status == "ok" and list(result.loss_history) == _reference_losses(reference)
-    assert f"ckpt_path=auto: resuming from {run_dir / 'checkpoints'}" in output
-    if how == "USR1 notice":
-        assert f"SLURM job {job.id} requeued (scontrol requeue): it resumes with ckpt_path=auto" in output
+def test_requeued_jobs_resume_by_themselves_and_end_with_the_uninterrupted_losses(
+        cluster: Cluster, reference: subprocess.Popen, tmp_path: Path) -> None:
+    """Two jobs of ``scripts/train.sbatch`` at once: one requeued as a preemption does (``scontrol requeue``:
+    SIGTERM to every task, then SLURM requeues it), one sent what ``--signal=USR1@<s>`` sends before the time
+    limit (``train.py`` stops, saves and requeues the job itself)."""
+    jobs = {how: Batch(cluster, tmp_path / how.replace(" ", "_"), "--nodes=2", "--cpus-per-task=2")
+            for how in ("scontrol requeue", "USR1 notice")}
+    for how, job in jobs.items():
+        job.training()
+        if how == "scontrol requeue":
+            cluster.run("scontrol", "requeue", job.id)
+        else:
+            cluster.run("scancel", "--signal=USR1", job.id)
+    expected = _reference_losses(reference)
+    for how, job in jobs.items():
+        _wait(lambda job=job: cluster.job(job.id).get("Restarts", "0") == "1", 120, f"job {job.id} to be requeued")
+        state = job.ended()
+        output = job.output()
+        assert state["JobState"] == "COMPLETED", f"{how}: {output[-4000:]}"
+        result = read_results(job.run_dir)
+        assert result.status == "ok" and list(result.loss_history) == expected, how
+        assert f"ckpt_path=auto: resuming from {job.run_dir / 'checkpoints'}" in output, how
+        if how == "USR1 notice":
+            assert f"SLURM job {job.id} requeued (scontrol requeue): it resumes with ckpt_path=auto" in output
 
 
 def test_srun_one_task_per_rank_in_salloc_trains_like_one_machine_and_a_bad_setting_is_said_once(
