@@ -205,3 +205,38 @@ def test_a_full_disk_is_said_and_leaves_the_previous_checkpoint_intact(tmp_path:
         assert not job.left_running()
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_sweep_with_a_failing_and_a_refused_point_lists_both_and_exits_1(tmp_path: Path) -> None:
+    """Point 0 diverges while it trains, point 1 is refused before launch: the sweep goes on after each, its end
+    lists both with their status and reason, and it exits 1."""
+    sweep = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={sweep}", *COMMON,
+                           "trainer.max_steps=2", "optim.lr=1e30", "trainer.gradient_clip_val=null",
+                           "strategy.D=2,3"], cwd=tmp_path, env=ENV, text=True, capture_output=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: sweep: 2 of 2 points did not train to the end (1 diverged, 1 skipped)")
+    table = done.stdout[done.stdout.rindex("strategy  W"):].splitlines()
+    assert any("diverged: rank " in row and "training loss is nan" in row for row in table)
+    assert any("skipped: strategy.D = 3 does not divide the 2 processes" in row for row in table)
+    assert [read_results(sweep / str(n)).status for n in (0, 1)] == ["diverged", "skipped"]
+
+
+def test_a_full_disk_under_the_job_directory_is_said_before_hydra_writes(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs (the full disk) needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'fill'}", "bs=4k", "count=64"], capture_output=True)
+        done = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={disk / 'run'}", *COMMON],
+                              cwd=tmp_path, env=ENV, text=True, capture_output=True, timeout=120)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"error: no space left on device: cannot write the job directory (hydra.run.dir) {disk / 'run'} (0 B free")
