@@ -32,7 +32,7 @@ def resolve_auto_strategy(argv: list[str]) -> list[str]:
         return argv
     if "-m" in argv or "--multirun" in argv:
         sys.exit("error: strategy=auto picks one layout; it cannot be part of a -m sweep")
-    from pipeline_recipes.planner.auto import auto_overrides
+    from pipeline_recipes.recipe.auto import auto_overrides
 
     config_overrides = [a for a in argv if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
     others = [a for a in argv if a not in config_overrides]
@@ -106,7 +106,7 @@ def _probe(overrides: list[Any]) -> tuple[list[tuple[str, Any]], list[tuple[int,
 def unknown_key_message(cfg: DictConfig, key: str, line: str) -> str | None:
     """The project's message for an override of a key the composed ``cfg`` lacks, or None (no key is
     missing, or its parent is not a mapping: Hydra's own message then)."""
-    from pipeline_recipes.recipe.layout import did_you_mean
+    from pipeline_recipes.core.errors import did_you_mean
 
     parts = key.split(".")
     node: Any = cfg
@@ -197,7 +197,7 @@ def _compose_or_explain(args: Any, probe: list[tuple[str, Any]]) -> tuple[DictCo
     other composition error is raised."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
-    from pipeline_recipes.strategies.schedules.rules import did_you_mean
+    from pipeline_recipes.core.errors import did_you_mean
 
     lines = [line for line, _ in probe]
     try:

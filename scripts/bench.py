@@ -348,7 +348,7 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
 
 def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, steps: int, warmup: int) -> dict:
     from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
-    from pipeline_recipes.strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.core.pipeline_model import sequential_loss
 
     batch = _gpt2_batch(size, samples)
     plain_model = _gpt2(size)

@@ -138,7 +138,7 @@ class _PlainModule(pl.LightningModule):
         self.model, self.optimizer_factory = model, optimizer
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        from pipeline_recipes.strategies.pipeline_model import sequential_loss
+        from pipeline_recipes.core.pipeline_model import sequential_loss
 
         return sequential_loss(self.model, batch)
 

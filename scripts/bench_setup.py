@@ -11,7 +11,7 @@ the model, on the CPU, in fp32:
 * ``full`` (before): build the whole model (every layer initialised), then drop the layers of other
   stages as ``PipelineEngine`` does; the unsplit HF reference still holds them, as it always did.
 * ``meta`` (after): build on the meta device, materialise the rank's layers
-  (:func:`pipeline_recipes.strategies.pipeline_model.materialize_local`, the engine's call), drop the other layers.
+  (:func:`pipeline_recipes.core.pipeline_model.materialize_local`, the engine's call), drop the other layers.
 
 Per rank: ``setup_s`` (build + materialise + drop, wall clock; ``setup_cpu_s`` its CPU time, which
 other users' load on a shared machine disturbs less), ``baseline_bytes`` (resident memory
@@ -62,7 +62,7 @@ def _child(model_name: str, stages: int, rank: int, mode: str) -> dict[str, Any]
     from torch import nn
 
     from pipeline_recipes.models import build_model
-    from pipeline_recipes.strategies.pipeline_model import materialize_local
+    from pipeline_recipes.core.pipeline_model import materialize_local
 
     torch.set_num_threads(1)
     layout = build_model(model_name, device="meta")

@@ -13,8 +13,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pipeline_recipes.recipe.accelerator import (NodeDevices, apply_float32_matmul_precision, layout_processes,
-                                                 loader_settings, resolve_accelerator, resolve_loader, shared_devices)
+from pipeline_recipes.core.node import NodeDevices, loader_settings
+from pipeline_recipes.recipe.accelerator import (apply_float32_matmul_precision, layout_processes, resolve_accelerator,
+                                                 resolve_loader, shared_devices)
 from pipeline_recipes.recipe.layout import ConfigError, check_devices, resolve_layout
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -166,7 +166,7 @@ def _reference(name: str, model: ToyMLP, D: int, batches: list[dict],
     """The asynchronous update rule in one process (same optimizer, same data); ``clip``: each
     stage's due gradient scaled to at most that norm on its own (tied parameters as one group)."""
     from pipeline_recipes.strategies.engine import even_partition
-    from pipeline_recipes.strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.core.pipeline_model import sequential_loss
 
     delay_of: dict[int, int] = {}  # a parameter on several stages (tied) takes the largest delay
     stages_of: dict[int, set[int]] = {}

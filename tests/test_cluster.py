@@ -15,7 +15,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pipeline_recipes.recipe.accelerator import NodeDevices, check_precision, probe_node, resolve_accelerator
+from pipeline_recipes.core.node import NodeDevices, probe_node
+from pipeline_recipes.recipe.accelerator import check_precision, resolve_accelerator
 from pipeline_recipes.recipe.cluster import (SLURM_TASK_VARS, Launch, detect_launch, global_rank, is_global_zero,
                                              slurm_port, slurm_root_address, worker_env)
 from pipeline_recipes.recipe.layout import ConfigError

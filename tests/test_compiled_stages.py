@@ -21,12 +21,13 @@ from distributed import run_world
 from test_models import bert_batch, gpt2_batch
 
 from pipeline_recipes.models import build_model
-from pipeline_recipes.recipe.accelerator import NodeDevices, resolve_accelerator, resolve_compile, with_compile
+from pipeline_recipes.core.node import NodeDevices
+from pipeline_recipes.recipe.accelerator import resolve_accelerator, resolve_compile, with_compile
 from pipeline_recipes.recipe.layout import ConfigError
 from pipeline_recipes.strategies.compile import compile_blocks, repeated_blocks
 from pipeline_recipes.strategies.deferred_weights import WeightGradientStore, defer_weight_gradients
 from pipeline_recipes.strategies.lightning import PipelineModule
-from pipeline_recipes.strategies.pipeline_model import sequential_loss
+from pipeline_recipes.core.pipeline_model import sequential_loss
 
 TINY = {"gpt2-tiny": {"n_layer": 2}, "llama-tiny": {"num_hidden_layers": 2}, "bert-tiny": {"num_hidden_layers": 2}}
 CAPTURE = "aot_eager"  # TorchDynamo + AOTAutograd, no code generation

@@ -30,7 +30,7 @@ from pipeline_recipes.strategies.compile import compile_target, repeated_blocks
 from pipeline_recipes.strategies.cuda_graphs import ShapeChanged, StageGraphs, slots_needed, thread_local_capture
 from pipeline_recipes.strategies.engine import PipelineConfig
 from pipeline_recipes.strategies.lightning import PipelineStrategy
-from pipeline_recipes.strategies.pipeline_model import run_layers
+from pipeline_recipes.core.pipeline_model import run_layers
 from pipeline_recipes.strategies.schedules import build_schedule, get_spec, names
 
 ROOT = Path(__file__).resolve().parents[1]

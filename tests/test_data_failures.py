@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_recipes.recipe.heartbeat import describe_exception, first_exception
+from pipeline_recipes.core.failures import describe_exception, first_exception
 from pipeline_recipes.recipe.launch import launch_workers
 from pipeline_recipes.recipe.layout import resolve_layout
 
@@ -154,7 +154,8 @@ def test_the_first_exception_is_the_one_a_teardown_interrupted() -> None:
 
 PEER_WORKER = '''
 import os, sys, time
-from pipeline_recipes.recipe.heartbeat import HEARTBEAT_ENV, error_path, record_error, start_heartbeat
+from pipeline_recipes.core.failures import HEARTBEAT_ENV, error_path, record_error
+from pipeline_recipes.recipe.heartbeat import start_heartbeat
 
 start_heartbeat(os.environ[HEARTBEAT_ENV], interval_s=0.2)
 rank = os.environ["RANK"]
@@ -227,7 +228,7 @@ def test_a_missing_local_tokenizer_directory_is_not_a_hub_failure(tmp_path: Path
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """``data.tokenizer=/missing/dir`` is a mistyped path: named as missing, the hub never asked."""
     from pipeline_recipes.datamodules import tokenizer
-    from pipeline_recipes.datamodules.errors import DataError
+    from pipeline_recipes.core.errors import DataError
 
     def no_lookup(*args: object, **kwargs: object) -> None:
         raise AssertionError("a local path was looked up on the hub")
@@ -261,7 +262,7 @@ def test_an_unknown_data_option_is_a_config_error(tmp_path: Path) -> None:
 def test_data_source_failures_name_their_fix_and_bugs_keep_their_type(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from pipeline_recipes.datamodules import factory
-    from pipeline_recipes.datamodules.errors import DataError
+    from pipeline_recipes.core.errors import DataError
     from pipeline_recipes.datamodules.prepare import prepare_data
 
     corpus = write_corpus(tmp_path / "corpus.txt", docs=5)
@@ -291,7 +292,7 @@ def test_data_source_failures_name_their_fix_and_bugs_keep_their_type(tmp_path: 
 
 
 def test_a_local_copy_without_the_validation_split_names_the_split_settings(tmp_path: Path) -> None:
-    from pipeline_recipes.datamodules.errors import DataError
+    from pipeline_recipes.core.errors import DataError
     from pipeline_recipes.datamodules.prepare import prepare_data
 
     corpus = write_corpus(tmp_path / "corpus.txt", docs=8)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline_recipes.models import build_model
-from pipeline_recipes.strategies.pipeline_model import (call_layer, materialize_local, run_layers, sequential_loss,
+from pipeline_recipes.core.pipeline_model import (call_layer, materialize_local, run_layers, sequential_loss,
                                                         split_batch)
 
 SMALL = {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -82,7 +82,7 @@ def test_compiled_rows_compute_the_eager_loss_and_gradients_and_switch_off(name:
     of the transformers model; the hand-written model's compiled blocks give its eager loss and gradients."""
     from pipeline_recipes.models import build_model
     from pipeline_recipes.strategies.compile import BACKEND, compile_target, repeated_blocks
-    from pipeline_recipes.strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.core.pipeline_model import sequential_loss
 
     assert bench_gpu.COMPILE_BACKEND == BACKEND  # the benchmark compiles as training does
     model = build_model(name, init_seed=0)

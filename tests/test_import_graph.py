@@ -1,4 +1,10 @@
-"""The import graph of ``src/``: no cycles between modules, imports at the top.
+"""The import graph of ``src/``: packages in layers, no cycles between modules, imports at the top.
+
+The packages form layers (:data:`LAYERS`, bottom first): ``core`` (what every layer shares: errors and their
+fixes, the model protocol, the node's probe, signals, exit statuses), then the models and the data, then the
+runtime and schedules (``strategies``), then the planner, then the launch layer (``recipe``), then the package
+root (its console commands). No import runs upwards, module-level or inside a function, and packages of one
+layer do not import each other.
 
 Every module is read with :mod:`ast` (nothing is imported), each import of the project's own modules is resolved to a
 module name under ``pipeline_recipes`` (the folders of ``src/`` map onto it as ``pyproject.toml``'s
@@ -25,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "pipeline_recipes"
 LOCAL_IMPORT_BUDGET = 10
 REASON = "# local:"
+LAYERS: tuple[tuple[str, ...], ...] = (("core",), ("models", "datamodules"), ("strategies",), ("planner",),
+                                       ("recipe",), ("",))  # "": the package root, pipeline_recipes itself
 
 
 @dataclass(frozen=True)
@@ -218,7 +226,50 @@ def test_function_local_imports_of_project_modules_have_a_reason_and_stay_few() 
         f"{len(local)} function-local imports of project modules, at most {LOCAL_IMPORT_BUDGET}:\n" + "\n".join(where)
 
 
+def package_of(module: str) -> str:
+    """The project package a module belongs to: ``core`` for ``pipeline_recipes.core.fixes``, "" for the root."""
+    rest = module.removeprefix(PACKAGE).removeprefix(".")
+    return rest.partition(".")[0] if "." in rest or rest in {p for layer in LAYERS for p in layer} else ""
+
+
+def layer_violations(imports: list[Import], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """Each import (module-level or local) of a module of a higher layer, or of another package of the same
+    layer, as ``path:line importer -> target``."""
+    rank = {package: i for i, layer in enumerate(layers) for package in layer}
+    found = []
+    for item in imports:
+        source = package_of(item.importer)
+        for target in item.targets:
+            other = package_of(target)
+            if other != source and rank.get(other, -1) >= rank.get(source, len(layers)):
+                found.append(f"{item.path.name}:{item.line} {_short(item.importer)} -> {_short(target)}")
+    return found
+
+
+def test_no_import_runs_upwards_between_the_layers() -> None:
+    found = layer_violations(project_imports())
+    order = " < ".join("/".join(p or "pipeline_recipes" for p in layer) for layer in LAYERS)
+    assert not found, f"{len(found)} import(s) against the layers ({order}): move the shared piece down " \
+        "(core holds what every layer shares):\n" + "\n".join(found)
+
+
 # -- the checker itself, on a package written here --------------------------------------------
+
+
+def test_an_upward_or_sideways_import_is_found_local_ones_too(tmp_path: Path) -> None:
+    root = _write(tmp_path, {
+        "core/__init__.py": "",
+        "core/low.py": "def f():\n    from ..extra import high  # local: reason given, still upwards\n",
+        "extra/__init__.py": "",
+        "extra/high.py": f"from {PACKAGE}.core import low\n",
+        "side/__init__.py": "",
+        "side/peer.py": f"from {PACKAGE}.extra import high\n",
+    })
+    (root / "pyproject.toml").write_text((root / "pyproject.toml").read_text() + f'"{PACKAGE}.side" = "src/side"\n')
+    found = layer_violations(project_imports(root), (("core",), ("extra", "side")))
+    assert found == ["low.py:2 core.low -> extra.high", "peer.py:1 side.peer -> extra.high"]
+
+
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipeline_recipes.models import build_model
-from pipeline_recipes.strategies.pipeline_model import materialize_local
+from pipeline_recipes.core.pipeline_model import materialize_local
 
 SMALL = {"gpt2-tiny": {"n_layer": 6, "n_embd": 32, "n_head": 2, "vocab_size": 96, "seq_len": 16},
          "bert-tiny": {"num_hidden_layers": 6, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,

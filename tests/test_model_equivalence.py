@@ -110,7 +110,7 @@ def _mask_sensitivity(model, batch: dict) -> float:
     change over the layers): far above the tolerance, so every stage must have received the mask."""
     import torch
 
-    from pipeline_recipes.strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.core.pipeline_model import sequential_loss
 
     twin = copy.deepcopy(model)
     layers = twin.pipeline_layers()

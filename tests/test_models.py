@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from pipeline_recipes.models import PAPER_PARAMS, PRESETS, build_model, hydra_config, model_names
-from pipeline_recipes.strategies.pipeline_model import call_layer, run_layers, sequential_loss, split_batch
+from pipeline_recipes.core.pipeline_model import call_layer, run_layers, sequential_loss, split_batch
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 

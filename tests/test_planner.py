@@ -493,7 +493,7 @@ def test_model_costs_json_round_trip() -> None:
 
 
 def test_strategy_auto_overrides(tmp_path: Path) -> None:
-    from pipeline_recipes.planner.auto import auto_overrides
+    from pipeline_recipes.recipe.auto import auto_overrides
 
     given = ["model=gpt2-tiny", "trainer.devices=2", "data.global_batch_size=4"]
     assert auto_overrides(given, ROOT / "conf") == given  # no strategy=auto: unchanged

@@ -76,7 +76,7 @@ def test_identical_blocks_run_once_and_get_the_costs_of_a_block_measured_alone(m
     assert all(b.fwd == blocks[0].fwd and b.stored_added == blocks[1].stored_added for b in blocks[1:])
 
     from pipeline_recipes.planner.profile import _LayerRunner, make_batch
-    from pipeline_recipes.strategies.pipeline_model import run_layers
+    from pipeline_recipes.core.pipeline_model import run_layers
 
     model = build_model(cfg, device="meta")
     model.materialize(None, "cpu")

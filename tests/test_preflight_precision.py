@@ -78,7 +78,7 @@ def _measured_cpu_peak(model_cfg: dict[str, Any], batch_size: int) -> int:
 
     from pipeline_recipes.models import build_model
     from pipeline_recipes.planner.profile import make_batch
-    from pipeline_recipes.strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.core.pipeline_model import sequential_loss
 
     model = build_model({**model_cfg, "init_seed": 0}, device="cpu")
     model.train()

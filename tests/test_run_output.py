@@ -50,7 +50,7 @@ def test_a_stage_builds_its_attention_mask_once_per_forward_without_deprecation_
 
     from pipeline_recipes.models.bert import build_bert
     from pipeline_recipes.models.gpt2 import build_gpt2
-    from pipeline_recipes.strategies.pipeline_model import run_layers, sequential_loss
+    from pipeline_recipes.core.pipeline_model import run_layers, sequential_loss
 
     gpt2 = build_gpt2("gpt2-tiny", 16, attn_implementation=attn, init_seed=0, device="cpu", n_layer=3, n_embd=32,
                       n_head=2, n_positions=16, vocab_size=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -84,7 +84,7 @@ def test_a_new_attention_implementation_gets_its_own_mask() -> None:
     import torch
 
     from pipeline_recipes.models.gpt2 import build_gpt2
-    from pipeline_recipes.strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.core.pipeline_model import sequential_loss
 
     sizes = dict(init_seed=0, device="cpu", n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

@@ -16,7 +16,7 @@ STEPS, B, LR = 3, 2, 0.05
 
 
 def _reference(model: ToyMLP, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from pipeline_recipes.strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.core.pipeline_model import sequential_loss
 
     return train_sgd(model, lambda batch: sequential_loss(model, batch), batches, LR)
 

@@ -19,7 +19,7 @@ from torch import nn
 from distributed import WorldError, run_world
 from pipeline_recipes.strategies.engine import PipelineConfig
 from pipeline_recipes.strategies.grad_sync import bubble_after, last_backwards, launch_plan
-from pipeline_recipes.strategies.pipeline_model import PipelineModel
+from pipeline_recipes.core.pipeline_model import PipelineModel
 from pipeline_recipes.strategies.recompute import recompute_stages
 from pipeline_recipes.strategies.schedules import build_schedule, get_spec, names
 from schedule_grids import smallest_valid_size
@@ -99,7 +99,7 @@ def test_saved_bytes_tracking_frees_a_graph_dropped_without_backward() -> None:
 def test_a_stage_counts_saved_bytes_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     """Saved-tensor hooks run on the first forward of each input shape only; later forwards of that
     shape keep the same count, which equals SavedBytes around a plain forward of the same layers."""
-    from pipeline_recipes.strategies.pipeline_model import run_layers
+    from pipeline_recipes.core.pipeline_model import run_layers
     from pipeline_recipes.strategies.recompute import SavedBytes, parameter_storages
     from pipeline_recipes.strategies.stage import PipelineStage
 
@@ -195,7 +195,7 @@ def _train(engine, batches, rank, N):
 
 
 def _reference(model, batches):
-    from pipeline_recipes.strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.core.pipeline_model import sequential_loss
 
     return train_sgd(model, lambda batch: sequential_loss(model, batch), batches, LR)
 

@@ -29,9 +29,9 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from pipeline_recipes.recipe.accelerator import NodeDevices
+from pipeline_recipes.core.node import NodeDevices
 from pipeline_recipes.recipe.checks import Checked, Command, check_command
-from pipeline_recipes.recipe.fixes import ConfigError
+from pipeline_recipes.core.fixes import ConfigError
 from pipeline_recipes.recipe.layout import BASELINES, resolve_layout
 from pipeline_recipes.strategies.schedules import get_spec, names
 

@@ -50,7 +50,7 @@ def test_bad_layout_stops_before_launch(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "strategy, trainer, batch, fragment",
     [
-        ({"name": "gpipe", "D": 3, "micro_batch_size": 1}, {"devices": 8}, 8, "set strategy.D to one of [1, 2, 4, 8]"),
+        ({"name": "gpipe", "D": 3, "micro_batch_size": 1}, {"devices": 8}, 8, "set strategy.D to one of [1, 2, 4]"),  # 8 > 6 layers
         ({"name": "gpipe", "D": 2, "W": 3, "micro_batch_size": 1}, {"devices": 8}, 8, "W·D = 3·2 = 6"),
         ({"name": "gpipe", "D": 2, "micro_batch_size": 3}, {"devices": 4}, 8, "not divisible by W·B = 2·3 = 6"),
         ({"name": "chimera", "D": 3, "micro_batch_size": 1}, {"devices": 3}, 6, "chimera needs strategy.D to be even"),
@@ -59,11 +59,11 @@ def test_bad_layout_stops_before_launch(tmp_path: Path) -> None:
         ({"name": "pipedream", "D": 2, "micro_batch_size": 1}, {"devices": 2}, 4, "N must be 1"),
         ({"name": "pipedream", "D": 2, "micro_batch_size": 1, "grad_sync": "eager"}, {"devices": 2}, 1,
          "runs with strategy.grad_sync=end and strategy.recompute=none"),
-        ({"name": "chimera", "D": 4, "pipelines": 3, "micro_batch_size": 1}, {"devices": 4}, 8, "one of [2, 4]"),
+        ({"name": "chimera", "D": 4, "pipelines": 3, "micro_batch_size": 1}, {"devices": 4}, 8, "set strategy.pipelines=2 or strategy.pipelines=4"),
         ({"name": "gpipe", "D": 16, "micro_batch_size": 1}, {"devices": 16}, 16, "only 6 pipeline layers"),
         ({"name": "gpipe", "D": 0, "micro_batch_size": 1}, {"devices": 2}, 8, "strategy.D must be a positive integer"),
         ({"name": "gpipe", "D": 2, "micro_batch_size": 1}, {"devices": 2, "strategy": "ddp"}, 8,
-         "trainer.strategy = 'ddp' would bypass the layout; choose the strategy with the strategy group"),
+         "trainer.strategy = 'ddp' would bypass the layout; the strategy group chooses the strategy instead"),
         ({"name": "gpipe", "D": 2, "micro_batch_size": 1}, {"devices": 2, "peak_tflops": 0}, 8,
          "trainer.peak_tflops = 0 must be a positive number"),
     ],
@@ -161,7 +161,7 @@ def _ddp_share_vs_whole_batch(rank: int, world: int) -> float:
 
     from pipeline_recipes.datamodules import build_datasets
     from pipeline_recipes.strategies.lightning import PipelineModule
-    from pipeline_recipes.strategies.pipeline_model import sequential_loss
+    from pipeline_recipes.core.pipeline_model import sequential_loss
 
     cfg = {**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "bert-tiny.yaml")), "num_hidden_layers": 1}
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline_recipes.strategies.pipeline_model import PipelineModel
+from pipeline_recipes.core.pipeline_model import PipelineModel
 
 
 class ToyMLP(nn.Module, PipelineModel):

@@ -1,6 +1,26 @@
-"""Errors every layer shares."""
+"""Errors every layer shares: a refused setting (:class:`ConfigError`, its fixes as data in :mod:`.fixes`), data
+that cannot be had (:class:`DataError`), a diverged run (:class:`TrainingDiverged`), and the helpers that name them."""
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+from .fixes import ConfigError
+
+__all__ = ["ConfigError", "DataError", "TrainingDiverged", "did_you_mean", "exception_chain"]
+
+
+class DataError(ConfigError):
+    """The job's data cannot be had (no such file, offline with an empty cache, no answer from the hub): the
+    message names the setting, the cause and the fixes (last). Torch-free, so that the launcher tells it apart
+    without importing ``datasets`` or torch."""
+
+
+def did_you_mean(value: object, options: Iterable[object]) -> str | None:
+    """The option closest to a misspelled ``value`` (difflib's ratio ≥ 0.6), or None."""
+    close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
+    return close[0] if close else None
 
 
 def exception_chain(err: BaseException) -> list[BaseException]:

@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from .errors import DataError
+from pipeline_recipes.core.errors import DataError
+
 from .masking import SpecialIds, bert_example, sample_rng
 from .tokenizer import hub_unreachable, is_hub_id
 

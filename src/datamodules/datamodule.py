@@ -23,7 +23,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from ..recipe.accelerator import cpus_per_rank, loader_settings
+from pipeline_recipes.core.node import cpus_per_rank, loader_settings
+
 from .factory import build_source, make_dataloader
 from .tokenizer import TOKENIZER_FILES_KEY, tokenizer_files
 
@@ -105,7 +106,7 @@ class PipelineDataModule(L.LightningDataModule):
 
     def loader_args(self) -> dict[str, Any]:
         """``num_workers`` and ``pin_memory`` of the loaders: as set, or under ``auto`` for this rank's
-        device (:func:`pipeline_recipes.recipe.accelerator.loader_settings`: workers and pinned memory on CUDA only)."""
+        device (:func:`pipeline_recipes.core.node.loader_settings`: workers and pinned memory on CUDA only)."""
         trainer = getattr(self, "trainer", None)
         cuda = trainer is not None and trainer.strategy.root_device.type == "cuda"
         processes = int(trainer.num_devices) if trainer is not None else 1

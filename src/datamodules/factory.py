@@ -20,7 +20,8 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..recipe.accelerator import cpus_per_rank, loader_settings
+from pipeline_recipes.core.node import cpus_per_rank, loader_settings
+
 from .cache import DEFAULT_TIMEOUT_S, prepared
 from .corpus import (BertPairDataset, LMBlockDataset, TokenizedCorpus, all_files, assemble_corpus, group_blocks,
                      iter_texts, load_text_dataset, make_nsp_instances, normalize_data_files, saved_dataset_key,

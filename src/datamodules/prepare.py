@@ -23,10 +23,9 @@ from typing import Any
 
 import huggingface_hub.constants
 
-from ..recipe.layout import ConfigError, did_you_mean
+from pipeline_recipes.core.errors import ConfigError, DataError, did_you_mean
 from . import factory
 from .corpus import DataUnavailable, all_files, normalize_data_files
-from .errors import DataError
 from .tokenizer import OFFLINE_VARIABLES
 
 TARGETS = ("pipeline_recipes.datamodules.build_datamodule", "pipeline_recipes.datamodules.datamodule.build_datamodule")

@@ -30,7 +30,8 @@ from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.utils import validate_repo_id
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .errors import DataError
+from pipeline_recipes.core.errors import DataError
+
 from .masking import BERT_SPECIAL_TOKENS, GPT2_SPECIAL_TOKENS, SpecialIds
 
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")

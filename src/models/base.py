@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline_recipes.strategies.pipeline_model import PipelineModel, TiedGroup
+from pipeline_recipes.core.pipeline_model import PipelineModel, TiedGroup
 
 from .lm_loss import transient_bytes
 from .materialize import materialize_layers, resolve_seed

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from typing_extensions import override
 
-from pipeline_recipes.strategies.pipeline_model import Batch, TiedGroup
+from pipeline_recipes.core.pipeline_model import Batch, TiedGroup
 
 from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
 from .gpt2 import IGNORE_INDEX, causal_lm_loss, shift_labels

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.masking_utils import create_causal_mask
 
-from pipeline_recipes.strategies.pipeline_model import Batch, TiedGroup
+from pipeline_recipes.core.pipeline_model import Batch, TiedGroup
 
 from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
 from .lm_loss import DEFAULT_CHUNK_TOKENS, ChunkedLMHead, check_chunk_tokens

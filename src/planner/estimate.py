@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from pipeline_recipes.models import build_model
 from pipeline_recipes.models.materialize import allocate_empty
-from pipeline_recipes.strategies.pipeline_model import run_layers
+from pipeline_recipes.core.pipeline_model import run_layers
 
 from .costs import fit_line
 from .model_costs import LayerCosts, ModelCosts

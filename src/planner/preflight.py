@@ -6,7 +6,7 @@ rank's peak for the configured layout (:mod:`pipeline_recipes.planner.memory`: w
 autocast's weight copies, activations in flight under the schedule, recomputation) and compares it
 with the device budget (free host RAM shared by the CPU ranks of a node, or one GPU's memory per
 rank). When it does not fit it raises :class:`PreflightError` with the numbers and the layouts of the
-same devices and global batch that would fit, as fixes (Hydra overrides; :mod:`pipeline_recipes.recipe.fixes`),
+same devices and global batch that would fit, as fixes (Hydra overrides; :mod:`pipeline_recipes.core.fixes`),
 which the launcher checks against every other rule of the command. :func:`predict_layout` gives the prediction alone
 (``preflight=report``), also for GPUs on a machine without any.
 """
@@ -18,7 +18,7 @@ from dataclasses import replace
 from functools import lru_cache, partial
 from typing import Any
 
-from pipeline_recipes.recipe.fixes import ConfigError, Fix, Proposal
+from pipeline_recipes.core.fixes import ConfigError, Fix, Proposal
 from pipeline_recipes.strategies.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.schedules import get_spec
 

@@ -53,7 +53,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from pipeline_recipes.datamodules.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
 from pipeline_recipes.models import build_model, preset
 from pipeline_recipes.strategies.executor import loss_counts, micro_batch_loss
-from pipeline_recipes.strategies.pipeline_model import call_layer, run_layers
+from pipeline_recipes.core.pipeline_model import call_layer, run_layers
 from pipeline_recipes.strategies.recompute import SavedBytes, parameter_storages
 
 from .comm import load_or_measure_comm
@@ -568,7 +568,7 @@ def profile_pipeline(model: nn.Module, batch_of: Callable[[int], dict[str, Tenso
                      device: torch.device = torch.device("cpu"), threads: int | None = 1, memory: bool = True,
                      shares_cores: bool = True, log: Callable[[str], None] | None = None,
                      budget_s: float | None = TIMING_SECONDS) -> ModelCosts:
-    """Profile any :class:`~pipeline_recipes.strategies.pipeline_model.PipelineModel` (already on ``device``) on the
+    """Profile any :class:`~pipeline_recipes.core.pipeline_model.PipelineModel` (already on ``device``) on the
     mini-batches ``batch_of(size)``. Only the layers of :class:`DistinctLayers` run (one per group of
     identical layers, and the pairs of neighbouring groups); every layer gets its group's costs.
 

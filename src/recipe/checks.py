@@ -3,10 +3,10 @@
 :func:`check_command` is what :func:`pipeline_recipes.recipe.launch.run` runs before it launches anything (and
 what the tests run, in-process): the fixed sets of values, the data's files, the accelerator, the layout, the
 model's shapes, the tokenizer, the GPUs of the node, the precision, the logger, the cluster's launcher and the
-memory pre-flight. A refusal (:class:`~pipeline_recipes.recipe.fixes.ConfigError`) comes back with the fixes it
+memory pre-flight. A refusal (:class:`~pipeline_recipes.core.fixes.ConfigError`) comes back with the fixes it
 proposes that pass every one of these checks: each candidate is applied to the command (:class:`Command`: its
 overrides, composed as Hydra composes them) and checked again, so a suggestion never names a value that
-another rule refuses (:func:`~pipeline_recipes.recipe.fixes.vet`). One exception: the fixes of a refusal that
+another rule refuses (:func:`~pipeline_recipes.core.fixes.vet`). One exception: the fixes of a refusal that
 comes before the memory pre-flight are checked without it, which needs torch (a layout error stays a fraction
 of a second and imports neither torch nor the data modules); the pre-flight's own fixes are checked by all.
 """
@@ -33,7 +33,7 @@ from .accelerator import (
     resolve_loader, with_compile,
 )
 from .cluster import Launch, detect_launch
-from .fixes import ConfigError, Fix, values, vet
+from pipeline_recipes.core.fixes import ConfigError, Fix, values, vet
 from .layout import (
     Layout, check_devices, check_drain_timeout, check_fixed_settings, check_model, layers_key, num_layers, refuses,
     resolve_layout,

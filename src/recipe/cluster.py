@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .fixes import ConfigError, Proposal, fixes_of
+from pipeline_recipes.core.fixes import ConfigError, Proposal, fixes_of
 
 SLURM_PORT_BASE = 15000  # Lightning's SLURMEnvironment: port = 15000 + the last 4 digits of the job id
 # SLURM's per-task variables: workers started by train.py drop them, or Lightning would take every

@@ -40,15 +40,17 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline_recipes.core import exits
 from pipeline_recipes.core.disk import no_space, no_space_message
 from pipeline_recipes.core.errors import TrainingDiverged
+from pipeline_recipes.core.failures import describe_exception
 from pipeline_recipes.core.signals import SignalRecord
 
 from .checks import Checked, check_command, hydra_command
 from .cluster import Launch, is_global_zero, rank_env
 from .ending import last_line
-from .fixes import ConfigError, fixes_of
-from .heartbeat import describe_exception
+from pipeline_recipes.core.fixes import ConfigError, fixes_of
 from .job_spec import JobSpec
-from .layout import DataError, Layout, num_layers  # noqa: F401 (num_layers: read from here by callers)
+from pipeline_recipes.core.errors import DataError
+
+from .layout import Layout, num_layers  # noqa: F401 (num_layers: read from here by callers)
 from .results import RunResult, read_results, summary_table, update_results, write_results
 from .resume import resolve_resume
 from .supervise import Outcome, launch_workers

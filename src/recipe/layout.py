@@ -5,7 +5,7 @@ message before any process starts. Settings whose values are a fixed set are lis
 :func:`fixed_settings`, and a near miss gets "did you mean" (:func:`did_you_mean`, also used for
 misspelled keys by ``train.py``).
 
-The fixes are data (:mod:`pipeline_recipes.recipe.fixes`): a refusal proposes candidate overrides and
+The fixes are data (:mod:`pipeline_recipes.core.fixes`): a refusal proposes candidate overrides and
 :func:`resolve_layout` keeps those with which it passes itself; the launcher keeps those that pass every check
 of the command (:func:`pipeline_recipes.recipe.checks.check_command`). So a proposal here is only a candidate:
 every rule is written once, in its check, and decides about the values the others propose.
@@ -23,19 +23,13 @@ from pipeline_recipes.strategies.schedules import (
     AUTO_CONCAT, CONCAT_METHODS, CONFIG, ScheduleError, ScheduleSpec, Settings, build_schedule, get_spec, names,
     resolve_concat,
 )
-from pipeline_recipes.strategies.schedules.rules import Refusal, did_you_mean
+from pipeline_recipes.strategies.schedules.rules import Refusal
 
-from .fixes import ConfigError, Fix, Proposal, fixes_of, override_value, values, vet
+from pipeline_recipes.core.errors import did_you_mean
+from pipeline_recipes.core.fixes import ConfigError, Fix, Proposal, fixes_of, override_value, values, vet
 
 __all__ = ["ConfigError", "DataError", "Layout", "check_devices", "check_drain_timeout", "check_fixed_settings",
            "check_model", "did_you_mean", "fixed_settings", "resolve_layout"]
-
-
-class DataError(ConfigError):
-    """The job's data cannot be had (no such file, offline with an empty cache, no answer from the hub): the
-    message names the setting, the cause and the fixes (last). Defined here, not in
-    :mod:`~pipeline_recipes.datamodules`, so that the launcher tells it apart without importing ``datasets`` or
-    torch."""
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,12 @@ from types import FrameType
 from typing import IO
 
 from pipeline_recipes.core import exits
+from pipeline_recipes.core.failures import HEARTBEAT_ENV, error_path, read_error
 from pipeline_recipes.core.signals import PARENT_PID_ENV, STOP_SIGNALS
 
 from .cluster import Launch, worker_env
 from .ending import JobEnd
-from .heartbeat import HEARTBEAT_ENV, SILENT_S, error_path, heartbeat_age, read_error
+from .heartbeat import SILENT_S, heartbeat_age
 
 GRACE_S = 10.0  # how long the other ranks get to exit on their own after one died
 STOP_CODES = {exits.stopped(s) for s in STOP_SIGNALS}

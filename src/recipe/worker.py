@@ -7,7 +7,7 @@ of re-launching the script, which is what breaks Hydra multiruns (Lightning #157
 The first thing a worker does is record stop signals (:class:`~pipeline_recipes.core.signals.SignalRecord`):
 a SIGTERM or SIGINT that arrives while it still imports Lightning or builds its stages stops it cleanly
 before the first step instead of killing it. A rank that raises records its first exception for the
-launcher (:func:`pipeline_recipes.recipe.heartbeat.record_error`). The exit status says how the job ended
+launcher (:func:`pipeline_recipes.core.failures.record_error`). The exit status says how the job ended
 (:mod:`pipeline_recipes.core.exits`): 0 ok, 1 failed, 3 diverged, 128 + n stopped by signal n.
 """
 
@@ -19,9 +19,10 @@ import traceback
 
 from pipeline_recipes.core import exits
 from pipeline_recipes.core.errors import TrainingDiverged
+from pipeline_recipes.core.failures import HEARTBEAT_ENV, error_path, record_error
 from pipeline_recipes.core.signals import PARENT_PID_ENV, SignalRecord, die_with_parent
 
-from .heartbeat import HEARTBEAT_ENV, error_path, record_error, start_heartbeat
+from .heartbeat import start_heartbeat
 from .job_spec import JobSpec
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .deferred_weights import WeightGradientStore, accumulate
-from .pipeline_model import Batch, PipelineModel
+from pipeline_recipes.core.pipeline_model import Batch, PipelineModel
 
 
 @cache

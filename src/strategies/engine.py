@@ -2,7 +2,7 @@
 
 :func:`build_engine` (what calling :class:`PipelineEngine` runs) assembles this rank's share of the pipeline once
 (:func:`pipeline_recipes.strategies.rank_setup.assemble`: topology, this rank's stages of a
-:class:`~pipeline_recipes.strategies.pipeline_model.PipelineModel`, process groups, gradient synchroniser) and returns
+:class:`~pipeline_recipes.core.pipeline_model.PipelineModel`, process groups, gradient synchroniser) and returns
 the step object for the schedule, each with one job:
 
 * :class:`SynchronousStep` (GPipe, DAPPLE, GEMS, Chimera, interleaved 1F1B, the zero-bubble family): split the
@@ -37,7 +37,7 @@ from .cuda_graphs import StageGraphs
 from .executor import AsyncWindows, StageExecutor, StepRecord, loss_counts
 from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
 from .late_loss import LateLosses
-from .pipeline_model import Batch, split_batch
+from pipeline_recipes.core.pipeline_model import Batch, split_batch
 from .rank_setup import RankSetup, assemble, even_partition
 from .recompute import RECOMPUTE_MODES
 from .schedules import Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .p2p import Incoming, Outgoing, PipeComm
-from .pipeline_model import Batch, PipelineModel, run_layers
+from pipeline_recipes.core.pipeline_model import Batch, PipelineModel, run_layers
 from .recompute import parameter_storages
 from .schedules import Action, Schedule, format_grid, simulate
 from .schedules.asynchronous import steady_step

@@ -34,10 +34,10 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from pipeline_recipes.core.errors import TrainingDiverged
+from pipeline_recipes.core.failures import record_handled_error
 from torch import Tensor, nn
 from typing_extensions import override
 
-from ..recipe.heartbeat import record_handled_error
 from . import checkpoint as ckpt
 from .compile import compile_blocks, repeated_blocks
 from .cuda_graphs import StageGraphs
@@ -45,7 +45,7 @@ from .engine import PipelineConfig, PipelineEngine
 from .executor import loss_counts, micro_batch_loss
 from .fetch_ahead import fetch_during_waits
 from .optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
-from .pipeline_model import Batch, run_layers, sequential_loss
+from pipeline_recipes.core.pipeline_model import Batch, run_layers, sequential_loss
 from .process_group import end_process_group
 from .schedules import specs
 from .stop import StopOnSignal
@@ -279,7 +279,7 @@ class PipelineStrategy(DDPStrategy):
 
 
 class PipelineModule(pl.LightningModule):
-    """A LightningModule around a :class:`~pipeline_recipes.strategies.pipeline_model.PipelineModel`.
+    """A LightningModule around a :class:`~pipeline_recipes.core.pipeline_model.PipelineModel`.
 
     Under a pipeline strategy the step runs the schedule; under any other strategy (single
     device, DDP) it runs the layers in order, so baselines train the very same module.

@@ -3,7 +3,7 @@
 :func:`assemble` builds what every kind of step runs on, a :class:`RankSetup`: the topology of W replicas × D
 workers and the stages each rank holds (:class:`~pipeline_recipes.strategies.topology.Topology`), the layers of
 this rank's stages (materialised from the meta device, the others dropped:
-:func:`~pipeline_recipes.strategies.pipeline_model.materialize_local`), the process groups (the copies of each
+:func:`~pipeline_recipes.core.pipeline_model.materialize_local`), the process groups (the copies of each
 stage, the tied parameters, a worker's replicas, the point-to-point channels), the gradient synchroniser
 (Chimera §3.2, :mod:`pipeline_recipes.strategies.grad_sync`) and the stages recomputed in backward (GPipe §2.3,
 re-materialization: :mod:`pipeline_recipes.strategies.recompute`). Every rank creates the same groups in the same
@@ -24,7 +24,7 @@ from torch import nn
 from .executor import StageExecutor
 from .grad_sync import GradientSynchronizer
 from .p2p import PipeComm, replica_groups
-from .pipeline_model import PipelineModel, TiedGroup, materialize_local
+from pipeline_recipes.core.pipeline_model import PipelineModel, TiedGroup, materialize_local
 from .recompute import recompute_stages
 from .stage import unique_parameters
 from .topology import Topology
@@ -100,7 +100,7 @@ def assemble(
     the layers of each stage (``None``: :func:`even_partition`). Collective: every rank calls it."""
     if not isinstance(model, PipelineModel):
         raise TypeError(f"{type(model).__name__} must implement "
-                        "pipeline_recipes.strategies.pipeline_model.PipelineModel")
+                        "pipeline_recipes.core.pipeline_model.PipelineModel")
     rank, timeout = dist.get_rank(), timedelta(seconds=config.timeout_s)
     smallest = config.build(config.smallest_micro_batches)
     topology = Topology.from_schedule(smallest, replicas)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from .deferred_weights import WeightGradientStore, defer_weight_gradients
-from .pipeline_model import Batch, run_layers
+from pipeline_recipes.core.pipeline_model import Batch, run_layers
 from .schedules.effects import GraphKey
 from .recompute import RngState, SavedBytes
 from .versions import WeightVersions

@@ -44,9 +44,11 @@ from .asynchronous import run as async_run
 from .dualpipe import dualpipev
 from .generators import best_concat, chimera, concat_choices, dapple, gems, gpipe
 from .interleaved import interleaved_1f1b
+from pipeline_recipes.core.errors import did_you_mean
+
 from .rules import (
     API, AUTO_CONCAT, BIDIRECTIONAL, CHIMERA_PIPELINES, COMMON_RULES, OPPOSITE_REPLICAS, TWO_VERSIONS, V_STAGES, Naming,
-    Pipelines, Rule, Settings, did_you_mean, equal_rounds, even_stages, micro_batches_at_least_stages,
+    Pipelines, Rule, Settings, equal_rounds, even_stages, micro_batches_at_least_stages,
     micro_batches_at_least_twice_stages,
 )
 from .validate import validate

@@ -15,10 +15,11 @@ imports nothing of the package: the generators and the registry both import it.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from pipeline_recipes.core.errors import did_you_mean
 
 if TYPE_CHECKING:
     from .registry import ScheduleSpec
@@ -88,7 +89,7 @@ class Refusal(str):
     but the fix), ``fix`` (in the front end's words), ``changes`` (the settings, named as :class:`Naming`'s
     fields, whose values may fix it), ``schedules`` (other schedules it names as a way out) and ``guess`` (a
     near miss of the refused value). A front end that proposes checked values of its own (the launcher,
-    :mod:`pipeline_recipes.recipe.fixes`) shows ``problem`` with them instead of ``fix``."""
+    :mod:`pipeline_recipes.core.fixes`) shows ``problem`` with them instead of ``fix``."""
 
     problem: str
     fix: str
@@ -259,12 +260,6 @@ def pipelines_error(s: Settings, pipelines: Pipelines) -> str | None:
 def pipelines_allowed(spec: ScheduleSpec, s: Settings) -> str | None:
     """A spec's rule: :func:`pipelines_error` for its pipelines."""
     return pipelines_error(s, spec.pipelines)
-
-
-def did_you_mean(value: object, options: Iterable[object]) -> str | None:
-    """The option closest to a misspelled ``value`` (difflib's ratio ≥ 0.6), or None."""
-    close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
-    return close[0] if close else None
 
 
 def _suggest(value: object, options: Iterable[object]) -> str:

@@ -14,12 +14,12 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pipeline_recipes.recipe.accelerator import choose_accelerator
+from pipeline_recipes.planner.estimate import with_run_memory
+from pipeline_recipes.planner.memory import device_budget
+from pipeline_recipes.planner.profile import load_or_profile
+from pipeline_recipes.planner.recommend import best_config
 
-from .estimate import with_run_memory
-from .memory import device_budget
-from .profile import load_or_profile
-from .recommend import best_config
+from .accelerator import choose_accelerator
 
 AUTO = "strategy=auto"
 
