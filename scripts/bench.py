@@ -8,7 +8,7 @@
 Parts (``--parts``, comma-separated; default all):
 
 * ``efficiency``: every schedule of the registry on emulated-compute stages
-  (:mod:`pipeline_recipes.strategies.emulated`: forward ``t_f``, backward ``2 t_f`` of sleep, real p2p tensors and
+  (:mod:`pipeline_recipes.strategies.harness.emulated`: forward ``t_f``, backward ``2 t_f`` of sleep, real p2p tensors and
   all-reduces) at D ∈ {2, 4, 8} (those with several stages per worker or split backwards at D ∈ {2, 4}),
   N ∈ {D, 2D} where its rules allow, and PipeDream at N = 1: median measured step time ÷
   simulated makespan (:func:`pipeline_recipes.strategies.schedules.simulate`; the asynchronous ones: their steady
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from pipeline_recipes.strategies.schedules import specs
-from pipeline_recipes.strategies.spawn import run_world
+from pipeline_recipes.strategies.harness.spawn import run_world
 from torch_stages import TORCH_STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,8 +190,8 @@ def efficiency_schedules(N: int) -> tuple[str, ...]:
 
 def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: int, warmup: int,
                        act: int, params: int) -> list[dict]:
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
     from pipeline_recipes.strategies.schedules import ScheduleError
 
     rows = []
@@ -284,8 +284,8 @@ def _measured_action_times(durations: dict[str, list[float]]) -> tuple[float, fl
 
 def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, steps: int, warmup: int,
                       act: int, params: int) -> list[dict]:
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
     rows = []
     for case in cases:
@@ -312,7 +312,7 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
     from torch import nn
 
     from pipeline_recipes.models.gpt2 import causal_lm_loss
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine, even_partition
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine, even_partition
 
     batch = _gpt2_batch(size, samples)
     runners: dict[str, Callable[[], Any]] = {}
@@ -347,7 +347,7 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
 
 
 def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, steps: int, warmup: int) -> dict:
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
     from pipeline_recipes.core.pipeline_model import sequential_loss
 
     batch = _gpt2_batch(size, samples)
@@ -369,7 +369,7 @@ def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, 
 
 def _recompute_worker(rank: int, world: int, size: dict[str, int], schedule: str, samples: int, mbs: int,
                       steps: int, warmup: int) -> list[dict]:
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
     batch = _gpt2_batch(size, samples)
     engines = {}

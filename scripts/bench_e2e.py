@@ -89,7 +89,7 @@ class _TorchSchedule:
         from torch.distributed import pipelining
 
         from pipeline_recipes.models.gpt2 import causal_lm_loss
-        from pipeline_recipes.strategies.engine import even_partition
+        from pipeline_recipes.strategies.runtime.engine import even_partition
 
         self.rank, world = dist.get_rank(), dist.get_world_size()
         layers = build_gpt2(size).pipeline_layers()
@@ -118,7 +118,7 @@ class _BareEngine:
     ``vs_torch`` part times, here in the job's processes."""
 
     def __init__(self, schedule: str, size: dict[str, int], samples: int, micro_batches: int, optimizer: OptimizerFactory) -> None:
-        from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+        from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
         self.engine = PipelineEngine(build_gpt2(size), PipelineConfig(schedule, dist.get_world_size(),
                                                                       samples // micro_batches),

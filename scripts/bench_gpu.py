@@ -13,9 +13,9 @@ at 16 samples per step split as micro-batch 16 × 1 and 4 × 4, in one process a
   ``loss_chunk_tokens`` (4096) tokens' logits at a time (:mod:`pipeline_recipes.models.lm_loss`: no fp32
   logits of the whole micro-batch, the head's product done twice). ``eager``; ``compiled``: the same
   path with every repeated block compiled by
-  :func:`pipeline_recipes.strategies.compile.compile_blocks`, the function training's ``model.compile``
+  :func:`pipeline_recipes.strategies.compute.compile.compile_blocks`, the function training's ``model.compile``
   calls, with its default backend (inductor). ``eager+cuda_graphs`` and ``compiled+cuda_graphs``: the same
-  two with ``strategy.cuda_graphs`` (:mod:`pipeline_recipes.strategies.cuda_graphs`: each repeated block's
+  two with ``strategy.cuda_graphs`` (:mod:`pipeline_recipes.strategies.compute.cuda_graphs`: each repeated block's
   forward and backward replayed as CUDA graphs), at 4 × 4 only (at 16 × 1 the graph pool would hold a second
   copy of a 16-sample micro-batch's activations: status ``not measured ...``), under autocast
   without its weight cache (``make_graphed_callables`` needs that; Lightning's ``bf16-mixed`` runs so), and
@@ -372,13 +372,13 @@ def _stage_step(engine: Any, batch: dict[str, Tensor], optimizer: torch.optim.Op
 def compile_stage(model: Any, device: torch.device,
                   backend: str) -> tuple[Callable[[], AbstractContextManager] | None, str]:
     """Compile the repeated blocks of ``model``'s layers as training does
-    (:func:`pipeline_recipes.strategies.compile.compile_blocks`), then switch them back to eager: the
+    (:func:`pipeline_recipes.strategies.compute.compile.compile_blocks`), then switch them back to eager: the
     eager stage row and the transformers row run the very same block modules. Returns a context manager
     factory under which the blocks run compiled (None where the compiler cannot run) and the log line.
 
     ``nn.Module.compile`` stores the compiled call in the module's ``_compiled_call_impl`` (torch ≥ 2.2),
     which ``nn.Module.__call__`` uses when set; switching it keeps the compiled code and its caches."""
-    from pipeline_recipes.strategies.compile import compile_blocks, compile_target, repeated_blocks
+    from pipeline_recipes.strategies.compute.compile import compile_blocks, compile_target, repeated_blocks
 
     layers = model.pipeline_layers()
     indices = repeated_blocks(layers)
@@ -408,13 +408,13 @@ def compile_stage(model: Any, device: torch.device,
 def graph_stage(model: Any, batch: dict[str, Tensor], optimizer: torch.optim.Optimizer, micro_batch_size: int,
                 device: torch.device, blocks: Callable[[], AbstractContextManager]) -> tuple[Step | None, str]:
     """The stage row with ``strategy.cuda_graphs``: its own engine whose repeated blocks replay CUDA graphs
-    (:mod:`pipeline_recipes.strategies.cuda_graphs`), switched on during its steps only (inside ``blocks()``:
+    (:mod:`pipeline_recipes.strategies.compute.cuda_graphs`), switched on during its steps only (inside ``blocks()``:
     the compiled blocks for ``compiled+cuda_graphs``), under autocast without its weight cache, as
     ``make_graphed_callables`` requires (Lightning's ``bf16-mixed`` runs so). Its first warm-up step records
     the blocks' calls, the second captures them. None and the reason where it cannot run."""
-    from pipeline_recipes.strategies.compile import repeated_blocks
-    from pipeline_recipes.strategies.cuda_graphs import StageGraphs
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.compute.compile import repeated_blocks
+    from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
     if device.type != "cuda":
         return None, NEEDS_CUDA
@@ -529,7 +529,7 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int,
     from pipeline_recipes.models import build_model
     from pipeline_recipes.models.registry import preset
     from pipeline_recipes.recipe.flops import flops_per_token, matmul_parameters, resolve_utilisation, transformer_shape
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
     model = build_model(name, init_seed=0, device="meta")
     seq_len, vocab = model.seq_len, int(model.config.vocab_size)
@@ -620,7 +620,7 @@ def _init_world(device: torch.device) -> None:
     """A process group of one rank (the engine's collectives): NCCL on a GPU, gloo on a CPU."""
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.spawn import free_port
+    from pipeline_recipes.strategies.harness.spawn import free_port
 
     if dist.is_initialized():
         return

@@ -7,7 +7,7 @@
 Two models (real and emulated compute):
 
 * the tiny GPT-2 (``conf/model/gpt2-tiny.yaml``, real compute), profiled as ``scripts/plan.py`` does;
-* an 8-layer :class:`pipeline_recipes.strategies.emulated.EmulatedPipeline` (each layer holds the core-free time of a
+* an 8-layer :class:`pipeline_recipes.strategies.harness.emulated.EmulatedPipeline` (each layer holds the core-free time of a
   forward/backward and sends real activations), profiled by the same
   :func:`pipeline_recipes.planner.profile.profile_pipeline`, so that D = 4 and 8 run faithfully on a 2-core machine.
 
@@ -17,8 +17,8 @@ whole profile-then-measure sequence runs ``--repeats`` times (3) and each layout
 and median measured time count (:func:`merge_repeats`): a slow spell between a profile and its
 measurements then moves one repeat, not the result. Each layout is then
 predicted (:func:`pipeline_recipes.planner.recommend.plan_one`) and measured by
-running :class:`pipeline_recipes.strategies.engine.PipelineEngine` directly in spawned gloo processes (one CPU thread
-each, :func:`pipeline_recipes.strategies.spawn.run_world`): the wall time of ``train_step`` + ``AdamW.step`` (barrier
+running :class:`pipeline_recipes.strategies.runtime.engine.PipelineEngine` directly in spawned gloo processes (one CPU thread
+each, :func:`pipeline_recipes.strategies.harness.spawn.run_world`): the wall time of ``train_step`` + ``AdamW.step`` (barrier
 before and after) as the best of ``--rounds`` interleaved rounds' medians (on a shared machine other
 users' load only slows a round down; the profile's medians are likewise taken over samples spread
 in time), and each rank's peak memory = parameters + AdamW state + the gradient buckets (live tensors) +
@@ -92,14 +92,14 @@ def build_measured_model(spec: str | dict[str, Any]) -> Any:
         from pipeline_recipes.models import build_model
 
         return build_model(spec)
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
 
     return EmulatedPipeline(**spec)
 
 
 def batch_of(model: Any, size: int, seed: int) -> dict[str, Any]:
     from pipeline_recipes.planner.profile import make_batch
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
 
     return model.batch(size) if isinstance(model, EmulatedPipeline) else make_batch(model, size, seed=seed)
 
@@ -135,7 +135,7 @@ def _measure_worker(rank: int, world: int, spec: str | dict[str, Any], layouts: 
 
     from pipeline_recipes.models.partition import balanced_partition
     from pipeline_recipes.planner.profile import _peak_in_ranges
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
     runs = []
     for name, W, D, B, N, pipes, concat, recompute, sync in layouts:
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench import machine  # scripts/bench.py: CPU, cores, memory, versions, commit
 
-    from pipeline_recipes.strategies.spawn import run_world
+    from pipeline_recipes.strategies.harness.spawn import run_world
 
     began, load_before = time.perf_counter(), list(os.getloadavg())
     meta = {"machine": machine(), "command": " ".join(["python scripts/plan_accuracy.py", *(argv or sys.argv[1:])]),

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from pipeline_recipes.strategies.spawn import WorldError, free_port, run_world
+from pipeline_recipes.strategies.harness.spawn import WorldError, free_port, run_world
 
 __all__ = ["WorldError", "free_port", "run_world"]

@@ -25,7 +25,7 @@ from toy_model import ToyMLP  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 
-from pipeline_recipes.strategies.lightning import PipelineModule, PipelineStrategy  # noqa: E402
+from pipeline_recipes.strategies.lightning.strategy import PipelineModule, PipelineStrategy  # noqa: E402
 
 WIDTH, LAYERS, LR = 8, 8, 0.1
 TRAIN_SAMPLES, VAL_SAMPLES, BATCH = 8, 6, 4  # 2 training steps per epoch; validation batches of 4 and 2

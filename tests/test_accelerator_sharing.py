@@ -126,8 +126,8 @@ def test_place_ranks_puts_local_rank_r_on_gpu_r_mod_g_over_gloo(monkeypatch: pyt
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     from pipeline_recipes.recipe.job import place_ranks
-    from pipeline_recipes.strategies.baselines import DDPBaseline
-    from pipeline_recipes.strategies.lightning import PipelineStrategy
+    from pipeline_recipes.strategies.lightning.baselines import DDPBaseline
+    from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     for strategy in (PipelineStrategy(schedule="chimera", D=2), DDPBaseline()):
@@ -141,7 +141,7 @@ def test_place_ranks_puts_local_rank_r_on_gpu_r_mod_g_over_gloo(monkeypatch: pyt
 
 def test_place_ranks_leaves_one_gpu_per_rank_and_cpu_alone() -> None:
     from pipeline_recipes.recipe.job import place_ranks
-    from pipeline_recipes.strategies.lightning import PipelineStrategy
+    from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 
     strategy = PipelineStrategy(schedule="gpipe", D=2)
     for trainer, gpus in (({"accelerator": "gpu", "devices": 8}, 8), ({"accelerator": "cpu", "devices": 2}, 0)):
@@ -154,8 +154,8 @@ def test_ranks_sharing_a_gpu_start_a_gloo_group_bound_to_no_device(monkeypatch: 
     """As tests/test_gpu.py runs them: no ``device_id`` (Lightning would bind the rank's GPU)."""
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    import pipeline_recipes.strategies.lightning as module
-    from pipeline_recipes.strategies.lightning import PipelineStrategy, share_gpus
+    import pipeline_recipes.strategies.lightning.strategy as module
+    from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy, share_gpus
 
     calls = []
     monkeypatch.setattr(module, "_init_dist_connection", lambda env, backend, **kw: calls.append((backend, kw)))

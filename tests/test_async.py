@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from distributed import run_world
-from pipeline_recipes.strategies.executor import WindowPlans
-from pipeline_recipes.strategies.late_loss import LateLosses
+from pipeline_recipes.strategies.runtime.executor import WindowPlans
+from pipeline_recipes.strategies.runtime.late_loss import LateLosses
 from pipeline_recipes.strategies.schedules import build_schedule, dapple, simulate, validate
 from pipeline_recipes.strategies.schedules.comm import comm_plan, unconsumed_messages
 from pipeline_recipes.strategies.schedules.messages import Message
@@ -142,7 +142,7 @@ def test_bad_settings_raise(call, fragment: str) -> None:
 def test_a_backward_uses_its_forwards_version_after_the_update() -> None:
     """Weight stashing in one process: forward on version 0, update the live weights, backward:
     the gradient is the one at version 0's weights, and the live parameters got none."""
-    from pipeline_recipes.strategies.versions import WeightVersions
+    from pipeline_recipes.strategies.runtime.versions import WeightVersions
 
     layer = torch.nn.Linear(3, 1, bias=False)
     versions = WeightVersions("pipedream_2bw", 1, {0: [layer]})
@@ -165,7 +165,7 @@ def _reference(name: str, model: ToyMLP, D: int, batches: list[dict],
                clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The asynchronous update rule in one process (same optimizer, same data); ``clip``: each
     stage's due gradient scaled to at most that norm on its own (tied parameters as one group)."""
-    from pipeline_recipes.strategies.engine import even_partition
+    from pipeline_recipes.strategies.runtime.engine import even_partition
     from pipeline_recipes.core.pipeline_model import sequential_loss
 
     delay_of: dict[int, int] = {}  # a parameter on several stages (tied) takes the largest delay
@@ -203,7 +203,7 @@ def _reference(name: str, model: ToyMLP, D: int, batches: list[dict],
 def _pipeline_vs_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
     out = []
     for case in cases:

@@ -115,7 +115,7 @@ def test_hop_seconds_recovers_the_transfer_time_the_simulator_was_given() -> Non
     backwards; a step no longer than the simulation without messages reads 0."""
     import bench
 
-    from pipeline_recipes.strategies.engine import PipelineConfig
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
     from pipeline_recipes.strategies.schedules import simulate
 
     for name, D, N, t_w in [("dapple", 2, 4, None), ("gpipe", 3, 5, None), ("interleaved_1f1b", 2, 4, None),

@@ -28,7 +28,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 from pipeline_recipes.datamodules.resumable import ResumableDataLoader
 from pipeline_recipes.strategies import checkpoint as ckpt
-from pipeline_recipes.strategies.lightning import PipelineModule
+from pipeline_recipes.strategies.lightning.strategy import PipelineModule
 from pipeline_recipes.core.pipeline_model import sequential_loss
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,9 +24,9 @@ from pipeline_recipes.models import build_model
 from pipeline_recipes.core.node import NodeDevices
 from pipeline_recipes.recipe.accelerator import resolve_accelerator, resolve_compile, with_compile
 from pipeline_recipes.recipe.layout import ConfigError
-from pipeline_recipes.strategies.compile import compile_blocks, repeated_blocks
-from pipeline_recipes.strategies.deferred_weights import WeightGradientStore, defer_weight_gradients
-from pipeline_recipes.strategies.lightning import PipelineModule
+from pipeline_recipes.strategies.compute.compile import compile_blocks, repeated_blocks
+from pipeline_recipes.strategies.compute.deferred_weights import WeightGradientStore, defer_weight_gradients
+from pipeline_recipes.strategies.lightning.strategy import PipelineModule
 from pipeline_recipes.core.pipeline_model import sequential_loss
 
 TINY = {"gpt2-tiny": {"n_layer": 2}, "llama-tiny": {"num_hidden_layers": 2}, "bert-tiny": {"num_hidden_layers": 2}}
@@ -147,7 +147,7 @@ def _compiled_pipeline_vs_eager(rank: int, world: int, cases: list[dict]) -> lis
     single-process eager model's loss and gradients."""
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
     out = []
     for case in cases:

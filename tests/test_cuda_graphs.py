@@ -26,10 +26,10 @@ from test_models import gpt2_batch
 
 from pipeline_recipes.models import build_model
 from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
-from pipeline_recipes.strategies.compile import compile_target, repeated_blocks
-from pipeline_recipes.strategies.cuda_graphs import ShapeChanged, StageGraphs, slots_needed, thread_local_capture
-from pipeline_recipes.strategies.engine import PipelineConfig
-from pipeline_recipes.strategies.lightning import PipelineStrategy
+from pipeline_recipes.strategies.compute.compile import compile_target, repeated_blocks
+from pipeline_recipes.strategies.compute.cuda_graphs import ShapeChanged, StageGraphs, slots_needed, thread_local_capture
+from pipeline_recipes.strategies.runtime.engine import PipelineConfig
+from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 from pipeline_recipes.core.pipeline_model import run_layers
 from pipeline_recipes.strategies.schedules import build_schedule, get_spec, names
 
@@ -280,7 +280,7 @@ def test_switched_off_blocks_run_as_before(monkeypatch: pytest.MonkeyPatch) -> N
 def test_the_lightning_module_routes_the_blocks_when_fitting_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from pipeline_recipes.strategies.lightning import PipelineModule
+    from pipeline_recipes.strategies.lightning.strategy import PipelineModule
 
     model = build_model("gpt2-tiny", init_seed=0, n_layer=2)
     module = PipelineModule(model)
@@ -303,8 +303,8 @@ def test_the_lightning_module_routes_the_blocks_when_fitting_starts(monkeypatch:
 def _train(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.cuda_graphs import StageGraphs, slots_needed
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs, slots_needed
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
     cuda = torch.cuda.is_available() and cases[0].get("cuda", False)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

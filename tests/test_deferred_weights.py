@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from pipeline_recipes.strategies.deferred_weights import DeferringLinear, WeightGradientStore, defer_weight_gradients
+from pipeline_recipes.strategies.compute.deferred_weights import DeferringLinear, WeightGradientStore, defer_weight_gradients
 
 
 def _model() -> nn.Module:

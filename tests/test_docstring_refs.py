@@ -11,7 +11,7 @@ through :mod:`tokenize`, for two kinds of reference:
 How a name resolves (one rule, :func:`resolve`):
 
 1. a name whose first part is one of the project's packages must be spelled from ``pipeline_recipes.``
-   (``strategies.engine`` names nothing importable; ``pipeline_recipes.strategies.engine`` does);
+   (``strategies.engine`` names nothing importable; ``pipeline_recipes.strategies.runtime.engine`` does);
 2. a name with leading dots is relative to the package of the module that holds it, as in a relative
    import (``.actions.Schedule`` in ``pipeline_recipes.strategies.schedules.registry``; in a package's
    ``__init__`` the anchor is the package itself);

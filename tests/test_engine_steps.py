@@ -1,9 +1,9 @@
 """The engine's set-up picks one step object per kind of schedule, and no step asks which kind runs.
 
-``PipelineEngine(model, config, replicas, device)`` (:func:`pipeline_recipes.strategies.engine.build_engine`)
+``PipelineEngine(model, config, replicas, device)`` (:func:`pipeline_recipes.strategies.runtime.engine.build_engine`)
 assembles a rank's share of the pipeline once and returns a
-:class:`~pipeline_recipes.strategies.engine.SynchronousStep` or an
-:class:`~pipeline_recipes.strategies.engine.AsynchronousStep`; what only an asynchronous schedule needs (stashed
+:class:`~pipeline_recipes.strategies.runtime.engine.SynchronousStep` or an
+:class:`~pipeline_recipes.strategies.runtime.engine.AsynchronousStep`; what only an asynchronous schedule needs (stashed
 weight versions, windows, late losses) lives on the latter alone. Each engine is built on rank 0 of torch's ``fake``
 backend (no peers: the set-up's collectives return at once), for every schedule of the registry.
 """
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from pipeline_recipes.strategies import engine as engine_module
-from pipeline_recipes.strategies.engine import AsynchronousStep, PipelineConfig, PipelineEngine, SynchronousStep
+from pipeline_recipes.strategies.runtime import engine as engine_module
+from pipeline_recipes.strategies.runtime.engine import AsynchronousStep, PipelineConfig, PipelineEngine, SynchronousStep
 from pipeline_recipes.strategies.schedules.registry import ScheduleSpec, specs
 from schedule_grids import valid
 from toy_model import ToyMLP

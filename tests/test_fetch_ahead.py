@@ -16,7 +16,7 @@ from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch.utils.data import DataLoader, Dataset
 
-from pipeline_recipes.strategies.fetch_ahead import FetchAhead, fetch_during_waits
+from pipeline_recipes.strategies.runtime.fetch_ahead import FetchAhead, fetch_during_waits
 
 
 class _CountedItems(Dataset):
@@ -117,7 +117,7 @@ def test_the_transport_says_whether_a_receive_would_block_the_host(monkeypatch) 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from pipeline_recipes.strategies.p2p import Incoming, PipeComm
+    from pipeline_recipes.strategies.runtime.p2p import Incoming, PipeComm
 
     pending: list[list[_Work]] = []
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: pending.pop(0))
@@ -160,7 +160,7 @@ def test_a_1f1b_stage_waits_longest_before_its_first_forward_or_first_backward(D
 
 
 def test_the_executor_reads_ahead_in_the_longest_bubble_of_at_least_one_forward() -> None:
-    from pipeline_recipes.strategies.executor import StageExecutor
+    from pipeline_recipes.strategies.runtime.executor import StageExecutor
     from pipeline_recipes.strategies.schedules import build_schedule
 
     def idle_point(schedule, worker):

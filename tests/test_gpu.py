@@ -69,7 +69,7 @@ def _layout(case: dict, device: str = "meta") -> tuple:
     """The case's model (built on ``device``, ``init_seed=0``) and its ``PipelineConfig``: what every rank
     of the GPU tests builds, and what the CPU check of the case lists builds on the meta device."""
     from pipeline_recipes.models import build_model
-    from pipeline_recipes.strategies.engine import PipelineConfig
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
 
     model = build_model("gpt2-tiny", init_seed=0, device=device, **{**GPT2, **case["model"]})
     config = PipelineConfig(case["schedule"], case["D"], B, None, case["concat"], 60.0, grad_sync=case["grad_sync"],
@@ -130,7 +130,7 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
 
     from pipeline_recipes.datamodules import SyntheticGPT2Dataset
     from pipeline_recipes.recipe.metrics import peak_memory_bytes
-    from pipeline_recipes.strategies.engine import PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineEngine
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -219,7 +219,7 @@ def _case_lists() -> dict[str, tuple[int, list[dict]]]:
 def test_every_case_of_the_gpu_tests_builds_on_the_meta_device(name: str) -> None:
     """Each case's model and layout, built as every rank of the GPU tests builds them but on the meta
     device: a case that cannot run fails here, on a CPU, instead of when a GPU is at hand."""
-    from pipeline_recipes.strategies.topology import Topology
+    from pipeline_recipes.strategies.runtime.topology import Topology
 
     world, cases = _case_lists()[name]
     assert cases
@@ -363,7 +363,7 @@ def _silent_peer(rank: int, world: int, backend: str, timeout_s: float, silent_s
     """Rank 1 stops answering before its second step; rank 0 must name it within the timeout."""
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
     from toy_model import ToyMLP, toy_batches
 
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")

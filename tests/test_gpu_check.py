@@ -81,7 +81,7 @@ def test_compiled_rows_compute_the_eager_loss_and_gradients_and_switch_off(name:
     only inside the row's context (the transformers model shares them), and give the loss and gradients
     of the transformers model; the hand-written model's compiled blocks give its eager loss and gradients."""
     from pipeline_recipes.models import build_model
-    from pipeline_recipes.strategies.compile import BACKEND, compile_target, repeated_blocks
+    from pipeline_recipes.strategies.compute.compile import BACKEND, compile_target, repeated_blocks
     from pipeline_recipes.core.pipeline_model import sequential_loss
 
     assert bench_gpu.COMPILE_BACKEND == BACKEND  # the benchmark compiles as training does

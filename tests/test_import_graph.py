@@ -31,8 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "pipeline_recipes"
 LOCAL_IMPORT_BUDGET = 10
 REASON = "# local:"
-LAYERS: tuple[tuple[str, ...], ...] = (("core",), ("models", "datamodules"), ("strategies",), ("planner",),
-                                       ("recipe",), ("",))  # "": the package root, pipeline_recipes itself
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("core",), ("models", "datamodules"),
+    ("strategies.schedules",), ("strategies.compute",), ("strategies.runtime", "strategies"),  # strategies/*.py:
+    ("strategies.harness", "strategies.lightning"),                                           # checkpoints
+    ("planner",), ("recipe",), ("",))  # "": the package root, pipeline_recipes itself
 
 
 @dataclass(frozen=True)
@@ -226,10 +229,13 @@ def test_function_local_imports_of_project_modules_have_a_reason_and_stay_few() 
         f"{len(local)} function-local imports of project modules, at most {LOCAL_IMPORT_BUDGET}:\n" + "\n".join(where)
 
 
-def package_of(module: str) -> str:
-    """The project package a module belongs to: ``core`` for ``pipeline_recipes.core.fixes``, "" for the root."""
+def package_of(module: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> str:
+    """The package of :data:`LAYERS` a module belongs to, the longest that holds it (``strategies.runtime`` for
+    ``pipeline_recipes.strategies.runtime.engine``, ``strategies`` for ``…strategies.checkpoint``; "" for the
+    package root's own modules)."""
     rest = module.removeprefix(PACKAGE).removeprefix(".")
-    return rest.partition(".")[0] if "." in rest or rest in {p for layer in LAYERS for p in layer} else ""
+    listed = sorted((p for layer in layers for p in layer if p), key=len, reverse=True)
+    return next((p for p in listed if rest == p or rest.startswith(f"{p}.")), "")
 
 
 def layer_violations(imports: list[Import], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
@@ -238,10 +244,10 @@ def layer_violations(imports: list[Import], layers: tuple[tuple[str, ...], ...] 
     rank = {package: i for i, layer in enumerate(layers) for package in layer}
     found = []
     for item in imports:
-        source = package_of(item.importer)
+        source = package_of(item.importer, layers)
         for target in item.targets:
-            other = package_of(target)
-            if other != source and rank.get(other, -1) >= rank.get(source, len(layers)):
+            other = package_of(target, layers)
+            if other != source and rank[other] >= rank[source] and not source.startswith(f"{other}."):
                 found.append(f"{item.path.name}:{item.line} {_short(item.importer)} -> {_short(target)}")
     return found
 

@@ -18,7 +18,7 @@ from pipeline_recipes.models import build_model
 from pipeline_recipes.models.lm_loss import linear_cross_entropy
 from pipeline_recipes.recipe.layout import ConfigError, check_model
 from pipeline_recipes.core.pipeline_model import run_layers, sequential_loss
-from pipeline_recipes.strategies.stage import PipelineStage
+from pipeline_recipes.strategies.runtime.stage import PipelineStage
 
 VOCAB = 1000
 
@@ -339,7 +339,7 @@ def test_the_last_stage_under_split_backward_and_recomputation(mode: str) -> Non
 def test_the_loss_reads_the_stashed_weight_version() -> None:
     """Asynchronous schedules run a step's forwards on a stashed copy of the weights (weight stashing):
     the chunked loss reads the head's weight, so its gradient must reach that copy, not the live weight."""
-    from pipeline_recipes.strategies.versions import WeightVersions
+    from pipeline_recipes.strategies.runtime.versions import WeightVersions
 
     model = build_model("gpt2-tiny", init_seed=0, loss_chunk_tokens=7, tie_word_embeddings=False)
     reference = copy.deepcopy(model)

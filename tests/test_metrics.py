@@ -75,7 +75,7 @@ def test_a_checkpoint_between_reporting_steps_keeps_every_loss(tmp_path: Path) -
 
 
 def test_reporting_steps_are_the_loggers_steps_and_the_last() -> None:
-    from pipeline_recipes.strategies.lightning import reporting_step
+    from pipeline_recipes.strategies.lightning.strategy import reporting_step
 
     trainer = SimpleNamespace(log_every_n_steps=4, max_steps=10)
     assert [s for s in range(1, 11) if reporting_step(trainer, s)] == [4, 8, 10]  # s % 4 == 0, and the last

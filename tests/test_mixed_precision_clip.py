@@ -12,7 +12,7 @@ from torch import nn
 
 from pipeline_recipes.recipe.accelerator import check_precision
 from pipeline_recipes.recipe.layout import ConfigError
-from pipeline_recipes.strategies.precision import ClippingMixedPrecision, with_precision_plugin
+from pipeline_recipes.strategies.lightning.precision import ClippingMixedPrecision, with_precision_plugin
 from train_jobs import run_train_jobs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -129,7 +129,7 @@ def _pipeline_vs_hf(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
     out = []
     for case in cases:

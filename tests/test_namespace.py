@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 
 from pipeline_recipes import cli
 from pipeline_recipes.strategies import checkpoint as ckpt
-from pipeline_recipes.strategies import legacy, optim
+from pipeline_recipes.strategies import legacy
+from pipeline_recipes.strategies.lightning import optim
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

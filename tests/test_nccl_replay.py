@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_recipes.strategies.engine import PipelineConfig
-from pipeline_recipes.strategies.nccl_replay import P2P, HostWait, Post, ReplayError, StreamWait, replay
-from pipeline_recipes.strategies.recording import record_programs
+from pipeline_recipes.strategies.runtime.engine import PipelineConfig
+from pipeline_recipes.strategies.harness.nccl_replay import P2P, HostWait, Post, ReplayError, StreamWait, replay
+from pipeline_recipes.strategies.harness.recording import record_programs
 from schedule_grids import async_replay_cases, replay_cases, replica_cases
 from toy_model import ToyMLP, toy_batches
 
@@ -132,7 +132,7 @@ def test_the_transport_posts_every_message_untagged_in_one_batch_per_round(monke
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from pipeline_recipes.strategies.p2p import Incoming, Outgoing, PipeComm
+    from pipeline_recipes.strategies.runtime.p2p import Incoming, Outgoing, PipeComm
 
     batches: list[list] = []
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())

@@ -17,8 +17,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from pipeline_recipes.strategies.lightning import PipelineModule
-from pipeline_recipes.strategies.optim import WarmupDecayLR, build_scheduler, cosine, linear, lr_factor, param_groups
+from pipeline_recipes.strategies.lightning.strategy import PipelineModule
+from pipeline_recipes.strategies.lightning.optim import WarmupDecayLR, build_scheduler, cosine, linear, lr_factor, param_groups
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -194,7 +194,7 @@ def test_emulated_pipeline_profiles_without_sharing_cores() -> None:
     """The emulated stages (sleeps with real tensors, Chimera §3.4's cost model) are profiled like a
     model; they hold no core, so no stretch."""
     from pipeline_recipes.planner.profile import profile_pipeline
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
 
     model = EmulatedPipeline(4, t_f=0.002, activation_numel=64, param_numel=16)
     costs = profile_pipeline(model, model.batch, "emulated", batch_sizes=(1, 2), reps=2, memory=False,

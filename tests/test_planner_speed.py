@@ -20,7 +20,7 @@ def tiny_gpt2(n_layer: int) -> dict[str, Any]:
 def emulated_timing_runs(monkeypatch: pytest.MonkeyPatch, layers: int) -> tuple[Any, Any, list, list]:
     """An emulated pipeline of ``layers`` layers prepared at batch sizes 1 and 2, with every layer
     forward the timing rounds make recorded as ``(first layer, batch size)``, and no minimum time."""
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
 
     model = EmulatedPipeline(layers, t_f=0.0, activation_numel=4, param_numel=4)
     runner = prof._LayerRunner(model, torch.device("cpu"))
@@ -119,7 +119,7 @@ def test_a_large_model_builds_only_the_layers_that_run(monkeypatch: pytest.Monke
 
 
 def test_progress_lines_estimate_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
 
     monkeypatch.setattr(prof, "PROGRESS_SECONDS", 0.0)
     monkeypatch.setattr(prof, "MIN_SECONDS", 0.0)

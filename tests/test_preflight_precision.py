@@ -220,7 +220,7 @@ def test_a_refusal_with_cuda_graphs_counts_their_pools_and_suggests_what_they_ca
     recomputation, no split backward, synchronous) and is predicted with its pools."""
     from pipeline_recipes.planner.costs import format_bytes
     from pipeline_recipes.planner.preflight import PreflightError, candidate_from_config, predict_layout, preflight
-    from pipeline_recipes.strategies.cuda_graph_rules import cuda_graphs_error
+    from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
     from pipeline_recipes.strategies.schedules import get_spec
 
     overrides = ("trainer=gpu", "trainer.devices=4", "model=gpt2-tiny", "strategy=dapple", "strategy.D=2",

@@ -66,7 +66,7 @@ def test_strategies_instantiate_from_config() -> None:
     from hydra.utils import instantiate
     from lightning.pytorch.strategies import Strategy
 
-    from pipeline_recipes.strategies.lightning import PipelineStrategy
+    from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 
     for option in GROUPS["strategy"]:
         cfg = _compose(overrides=[f"strategy={option}"])
@@ -135,7 +135,7 @@ def test_concat_auto_is_resolved_before_launch() -> None:
     """strategy.concat=auto: the layout (printed, labelled) and every worker's engine pick the same method,
     best_concat's (Chimera §3.5) for this D, N, B and pipelines; a bad method stops before launch."""
     from pipeline_recipes.planner.preflight import candidate_from_config
-    from pipeline_recipes.strategies.engine import PipelineConfig
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
     from pipeline_recipes.strategies.schedules import best_concat
 
     for B, expected in ((1, "forward_doubling"), (2, "backward_halving")):  # N = 8 = 2D: no halving at odd B

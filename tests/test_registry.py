@@ -110,7 +110,7 @@ def test_a_registered_spec_reaches_the_viewer_the_planner_the_layout_and_the_eng
                               "(W·strategy.micro_batch_size)) and D = 4 (strategy.D); raise data.global_batch_size "
                               "or lower strategy.micro_batch_size")
 
-    from pipeline_recipes.strategies.engine import PipelineConfig
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
 
     config = PipelineConfig("toy", 2, 1)
     assert not config.is_async and config.smallest_micro_batches == 2 and config.build(4).name == "toy"
@@ -119,7 +119,7 @@ def test_a_registered_spec_reaches_the_viewer_the_planner_the_layout_and_the_eng
 def test_a_registered_spec_becomes_a_lightning_strategy(toy: ScheduleSpec) -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from pipeline_recipes.strategies.lightning import PipelineStrategy, register_strategies
+    from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy, register_strategies
 
     register_strategies()
     try:
@@ -294,7 +294,7 @@ def test_every_schedule_has_a_strategy_config_on_the_shared_base() -> None:
         for name in names():
             cfg = OmegaConf.to_container(compose("config", overrides=[f"strategy={name}", "strategy.D=4"]).strategy,
                                          resolve=True)
-            assert cfg["_target_"] == "pipeline_recipes.strategies.lightning.PipelineStrategy"
+            assert cfg["_target_"] == "pipeline_recipes.strategies.lightning.strategy.PipelineStrategy"
             assert cfg["schedule"] == cfg["name"] == name and cfg["D"] == 4
             assert {"W", "micro_batch_size", "timeout_s", "grad_sync", "recompute"} <= set(cfg)
         chimera = compose("config", overrides=["strategy=chimera_backward_halving", "strategy.pipelines=4",

@@ -84,7 +84,7 @@ def test_the_copy_runs_as_its_original(added: ScheduleSpec, capsys: pytest.Captu
     from test_nccl_replay import _programs
     from test_schedule_viewer import run_main
 
-    from pipeline_recipes.strategies.nccl_replay import replay
+    from pipeline_recipes.strategies.harness.nccl_replay import replay
 
     assert build_schedule(added.name, 3, 5).workers == build_schedule("dapple", 3, 5).workers
     code, out, _ = run_main([added.name, "--stages", "3", "--micro-batches", "5", "--json"], capsys)

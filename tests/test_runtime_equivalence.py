@@ -24,7 +24,7 @@ def _reference(model: ToyMLP, batches) -> tuple[list[float], dict[str, torch.Ten
 def _pipeline_vs_reference(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 
     out = []
     for case in cases:

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed import WorldError, run_world
-from pipeline_recipes.strategies.engine import PipelineConfig
-from pipeline_recipes.strategies.grad_sync import bubble_after, last_backwards, launch_plan
+from pipeline_recipes.strategies.runtime.engine import PipelineConfig
+from pipeline_recipes.strategies.runtime.grad_sync import bubble_after, last_backwards, launch_plan
 from pipeline_recipes.core.pipeline_model import PipelineModel
-from pipeline_recipes.strategies.recompute import recompute_stages
+from pipeline_recipes.strategies.runtime.recompute import recompute_stages
 from pipeline_recipes.strategies.schedules import build_schedule, get_spec, names
 from schedule_grids import smallest_valid_size
 from toy_model import ToyMLP, toy_batches, train_sgd
@@ -49,9 +49,9 @@ def test_strategy_configs_and_strategy_pass_the_modes(name: str) -> None:
     ones take every gradient-sync and recomputation mode."""
     from hydra import compose, initialize_config_dir
 
-    from pipeline_recipes.strategies.grad_sync import GRAD_SYNC_MODES
-    from pipeline_recipes.strategies.lightning import PipelineStrategy
-    from pipeline_recipes.strategies.recompute import RECOMPUTE_MODES
+    from pipeline_recipes.strategies.runtime.grad_sync import GRAD_SYNC_MODES
+    from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
+    from pipeline_recipes.strategies.runtime.recompute import RECOMPUTE_MODES
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):  # on the shared base's keys
         conf = compose("config", overrides=[f"strategy={name}"]).strategy
@@ -78,7 +78,7 @@ def test_saved_bytes_tracking_frees_a_graph_dropped_without_backward() -> None:
     import gc
     import weakref
 
-    from pipeline_recipes.strategies.recompute import SavedBytes
+    from pipeline_recipes.strategies.runtime.recompute import SavedBytes
 
     layer = nn.Linear(4, 4)
     saved = SavedBytes(frozenset())
@@ -100,8 +100,8 @@ def test_a_stage_counts_saved_bytes_once_per_shape(monkeypatch: pytest.MonkeyPat
     """Saved-tensor hooks run on the first forward of each input shape only; later forwards of that
     shape keep the same count, which equals SavedBytes around a plain forward of the same layers."""
     from pipeline_recipes.core.pipeline_model import run_layers
-    from pipeline_recipes.strategies.recompute import SavedBytes, parameter_storages
-    from pipeline_recipes.strategies.stage import PipelineStage
+    from pipeline_recipes.strategies.runtime.recompute import SavedBytes, parameter_storages
+    from pipeline_recipes.strategies.runtime.stage import PipelineStage
 
     layers = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)]
     weights = parameter_storages([p for layer in layers for p in layer.parameters()])
@@ -203,8 +203,8 @@ def _reference(model, batches):
 def _features(rank: int, world: int, cases: list[dict]) -> dict:
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.emulated import EmulatedPipeline
-    from pipeline_recipes.strategies.engine import PipelineEngine
+    from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
+    from pipeline_recipes.strategies.runtime.engine import PipelineEngine
     from pipeline_recipes.strategies.schedules import simulate
 
     out: dict = {"equivalence": [], "memory": {}, "dropout": {}}
@@ -371,8 +371,8 @@ def test_emulated_stage_charges_a_split_backward_as_the_simulator(monkeypatch: p
     """An emulated stage's forward holds t_f, a whole backward t_b (also on the first stage, whose input
     needs no gradient), the input-gradient pass I only t_b - t_w and the weight-gradient pass W t_w
     (Zero Bubble Pipeline Parallelism §2, as strategies.schedules.simulate charges them)."""
-    import pipeline_recipes.strategies.emulated as emulated
-    from pipeline_recipes.strategies.deferred_weights import WeightGradientStore, defer_weight_gradients
+    import pipeline_recipes.strategies.harness.emulated as emulated
+    from pipeline_recipes.strategies.compute.deferred_weights import WeightGradientStore, defer_weight_gradients
 
     held: list[float] = []
     monkeypatch.setattr(emulated, "hold", held.append)
@@ -423,7 +423,7 @@ def test_run_world_starts_again_on_another_port_when_its_port_was_taken(monkeypa
     (seen once under pytest-xdist). Nothing ran then, so the world starts again on a new port."""
     import socket
 
-    import pipeline_recipes.strategies.spawn as spawn
+    import pipeline_recipes.strategies.harness.spawn as spawn
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

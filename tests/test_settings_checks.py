@@ -46,8 +46,8 @@ def _refused(result: subprocess.CompletedProcess, tmp_path: Path) -> str:
 def _runtime_values() -> dict[str, tuple[str, ...]]:
     """The values the runtime itself accepts (the modules that run them)."""
     from pipeline_recipes.datamodules.synthetic import STRUCTURES
-    from pipeline_recipes.strategies.grad_sync import GRAD_SYNC_MODES
-    from pipeline_recipes.strategies.recompute import RECOMPUTE_MODES
+    from pipeline_recipes.strategies.runtime.grad_sync import GRAD_SYNC_MODES
+    from pipeline_recipes.strategies.runtime.recompute import RECOMPUTE_MODES
 
     return {"strategy.grad_sync": GRAD_SYNC_MODES, "strategy.recompute": RECOMPUTE_MODES, "data.structure": STRUCTURES}
 
@@ -246,8 +246,8 @@ def _expected_holders(schedule: str, D: int) -> list[set[int]]:
 @pytest.mark.parametrize("schedule, D", [("zbv", 2), ("dualpipev", 2), ("zbv", 3), ("gpipe", 2), ("chimera", 4)])
 def test_stage_table_lists_the_stages_that_train_and_their_workers(schedule: str, D: int) -> None:
     from pipeline_recipes.recipe.job import stage_table
-    from pipeline_recipes.strategies.engine import PipelineConfig
-    from pipeline_recipes.strategies.topology import Topology
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
+    from pipeline_recipes.strategies.runtime.topology import Topology
 
     config, W = PipelineConfig(schedule, D), 2
     expected = _expected_holders(schedule, D)

@@ -1,6 +1,6 @@
 """A stop signal to any rank stops every rank after the same step, with the signal and the rank that received
 it agreed, the step reached handed to the checkpoint callbacks, and no collective left in flight
-(:mod:`pipeline_recipes.strategies.stop`). The ranks here are real gloo processes; the trainer is a stand-in
+(:mod:`pipeline_recipes.strategies.lightning.stop`). The ranks here are real gloo processes; the trainer is a stand-in
 holding what the callback reads and sets."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _stop_run(rank: int, signalled_rank: int, signum: int, signalled_at: int | N
     signalled rank signals itself during step ``signalled_at``. Returns the steps done, the agreed request and
     whether the process's handler is back."""
     from pipeline_recipes.core.signals import SignalRecord
-    from pipeline_recipes.strategies.stop import StopOnSignal
+    from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 
     record = SignalRecord()
     record.install()
@@ -56,7 +56,7 @@ def _stop_run(rank: int, signalled_rank: int, signum: int, signalled_at: int | N
 def _set_up_signal(rank: int, world: int) -> tuple[int, tuple[int, int, int] | None]:
     """Rank 1 received SIGTERM while its stages were built: training stops before its first step."""
     from pipeline_recipes.core.signals import SignalRecord
-    from pipeline_recipes.strategies.stop import StopOnSignal
+    from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 
     record = SignalRecord()
     record.install()
@@ -88,7 +88,7 @@ def test_every_rank_stops_after_the_same_step_one_step_after_the_signal() -> Non
 
 def test_one_process_stops_after_the_step_it_was_signalled_in() -> None:
     from pipeline_recipes.core.signals import SignalRecord
-    from pipeline_recipes.strategies.stop import StopOnSignal
+    from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 
     record = SignalRecord()
     record.install()

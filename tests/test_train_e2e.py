@@ -160,7 +160,7 @@ def _ddp_share_vs_whole_batch(rank: int, world: int) -> float:
     from omegaconf import OmegaConf
 
     from pipeline_recipes.datamodules import build_datasets
-    from pipeline_recipes.strategies.lightning import PipelineModule
+    from pipeline_recipes.strategies.lightning.strategy import PipelineModule
     from pipeline_recipes.core.pipeline_model import sequential_loss
 
     cfg = {**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "bert-tiny.yaml")), "num_hidden_layers": 1}

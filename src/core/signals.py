@@ -3,7 +3,7 @@
 SLURM sends SIGTERM before it ends or preempts a job (and the signal of ``--signal=<sig>@<s>`` before its time
 limit, USR1 by convention), a user presses Ctrl-C (SIGINT), ``timeout`` sends SIGTERM. A process that records
 them (:class:`SignalRecord`) can stop at the next step boundary with its work saved
-(:mod:`pipeline_recipes.strategies.stop`). No torch here: a worker installs it before its slow imports.
+(:mod:`pipeline_recipes.strategies.lightning.stop`). No torch here: a worker installs it before its slow imports.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def build_bert(
     """
     if family != "bert":
         raise ValueError(f"build_bert got family={family!r}")
-    config.pop("compile", None)  # model.compile: the trainer compiles the blocks (pipeline_recipes.strategies.compile)
+    config.pop("compile", None)  # model.compile: the trainer compiles the blocks (pipeline_recipes.strategies.compute.compile)
     hf_config = make_hf_config(BertConfig, {**config, "attn_implementation": attn_implementation})
     hf, seed = build_on_meta(BertForPreTraining, hf_config, init_seed)
     model = BertPipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost,

@@ -246,7 +246,7 @@ def build_decoder(
         raise ValueError(f"model.data_family={data_family!r}: decoder-only models train on causal-LM data "
                          "(data_family: gpt2)")
     config_cls, model_cls = family_classes(family)
-    config.pop("compile", None)  # model.compile: the trainer compiles the blocks (pipeline_recipes.strategies.compile)
+    config.pop("compile", None)  # model.compile: the trainer compiles the blocks (pipeline_recipes.strategies.compute.compile)
     config = {k: plain(v) for k, v in config.items()}
     hf_config = make_hf_config(config_cls, {**config, "attn_implementation": attn_implementation})
     if pretrained:

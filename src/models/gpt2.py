@@ -168,7 +168,7 @@ def build_gpt2(
     """
     if family != "gpt2":
         raise ValueError(f"build_gpt2 got family={family!r}")
-    config.pop("compile", None)  # model.compile: the trainer compiles the blocks (pipeline_recipes.strategies.compile)
+    config.pop("compile", None)  # model.compile: the trainer compiles the blocks (pipeline_recipes.strategies.compute.compile)
     vocab = int(config.get("vocab_size", 50257))
     config.setdefault("bos_token_id", vocab - 1)
     config.setdefault("eos_token_id", vocab - 1)

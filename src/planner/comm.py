@@ -4,7 +4,7 @@ using micro benchmarks").
 * p2p: ping-pong of messages of several sizes; one-way time = half the round trip; a least-squares
   line ``t = α + β·L`` gives the p2p constants.
 * all-reduce: two-process gradient all-reduces of the same sizes, run by the runtime's
-  :class:`pipeline_recipes.strategies.grad_sync.GradientSynchronizer` (packing into its flat buffer and unpacking
+  :class:`pipeline_recipes.strategies.runtime.grad_sync.GradientSynchronizer` (packing into its flat buffer and unpacking
   included), each after writing ``EVICT_BYTES`` elsewhere: in a step the all-reduce follows a
   backward pass that left other data in the caches (a 1–2 MB all-reduce took up to 1.8× longer
   then); with ``r = 2`` Rabenseifner's cost is ``2α + β·L``
@@ -14,7 +14,7 @@ using micro benchmarks").
   one (a whole-model 1.3 MB fused all-reduce lasted 2.9–3.6 ms inside Chimera steps; lower
   quartile 1.1 ms, median 1.5–3.2 ms).
 * runtime overhead: D = 2 GPipe, DAPPLE and Chimera steps of
-  :class:`pipeline_recipes.strategies.emulated.EmulatedPipeline` (holding ``t_f``/``2 t_f`` per action, so the two ranks
+  :class:`pipeline_recipes.strategies.harness.emulated.EmulatedPipeline` (holding ``t_f``/``2 t_f`` per action, so the two ranks
   do not compete for cores) at three micro-batch counts, interleaved; what the simulated makespan
   (:func:`pipeline_recipes.strategies.schedules.simulate`) does not explain is the executor's own cost per action, per
   message on the critical path (posting a send, waking the receiver: more than a ping-pong's one-way time) and per step,
@@ -41,11 +41,11 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from pipeline_recipes.strategies.emulated import EmulatedPipeline, hold
-from pipeline_recipes.strategies.engine import PipelineConfig, PipelineEngine
-from pipeline_recipes.strategies.grad_sync import GradientSynchronizer
+from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline, hold
+from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+from pipeline_recipes.strategies.runtime.grad_sync import GradientSynchronizer
 from pipeline_recipes.strategies.schedules import build_schedule, simulate, specs
-from pipeline_recipes.strategies.spawn import run_world
+from pipeline_recipes.strategies.harness.spawn import run_world
 
 from .costs import AlphaBeta, allreduce_from_pair, quantile, robust_line
 from .model_costs import CommCosts

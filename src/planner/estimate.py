@@ -4,7 +4,7 @@ For the pre-flight check (:func:`pipeline_recipes.planner.preflight.preflight`) 
 model is built on the meta device and given fake tensors (``FakeTensorMode``: no memory is allocated
 and nothing is initialised, even for the paper's 1.39 B GPT-2), and every layer runs forward on fake
 tensors at two micro-batch sizes, counting the distinct non-parameter tensors saved for backward
-exactly as :class:`pipeline_recipes.strategies.recompute.SavedBytes` does on a real device: CAPTURE's M_i (a layer
+exactly as :class:`pipeline_recipes.strategies.runtime.recompute.SavedBytes` does on a real device: CAPTURE's M_i (a layer
 alone, output included) and M_a (what it adds after the previous layer), fitted with a line in ``B``
 (CAPTURE §III-A2). The backward transient, which fake tensors cannot show, is estimated as the
 layer's largest parameter (a freshly computed weight gradient before accumulation) plus twice its

@@ -15,13 +15,13 @@ count, :func:`worker_peak` walks the worker's actions in schedule order, as the 
   and frees is :func:`pipeline_recipes.strategies.schedules.effects.graph_effect`, the executor's own rule;
 * under mixed precision autocast's weight copies (``LayerCosts.cast_bytes``) count from the start:
   one per weight and step, whatever the number of micro-batches in flight;
-* on gloo (CPU) a sent tensor stays referenced until the end of the step (:mod:`pipeline_recipes.strategies.p2p`), so
+* on gloo (CPU) a sent tensor stays referenced until the end of the step (:mod:`pipeline_recipes.strategies.runtime.p2p`), so
   sent activations and activation gradients stay counted until the end (``keep_sends``);
 * with ``strategy.cuda_graphs`` every stage adds one graph pool per micro-batch it holds at once
   (:func:`pipeline_recipes.strategies.schedules.slots_needed`) of
   :meth:`~pipeline_recipes.planner.model_costs.ModelCosts.graph_slot_bytes`, on top of the walk's peak;
 * where a stage has copies on other ranks, its gradients are views of its all-reduce bucket's flat
-  buffer (:mod:`pipeline_recipes.strategies.grad_sync`), allocated once and kept across steps, so they count from
+  buffer (:mod:`pipeline_recipes.strategies.runtime.grad_sync`), allocated once and kept across steps, so they count from
   the start and the all-reduce (at the end or eager) needs no buffer of its own; elsewhere they
   appear on the stage's first backward.
 
@@ -66,7 +66,7 @@ class MemoryPrediction:
     @property
     def per_rank(self) -> list[int]:
         """Rank ``r`` is worker ``r % D`` of replica ``r // D``
-        (:class:`pipeline_recipes.strategies.topology.Topology`)."""
+        (:class:`pipeline_recipes.strategies.runtime.topology.Topology`)."""
         return [int(self.workers[r % len(self.workers)].peak) for r in range(self.W * len(self.workers))]
 
     @property

@@ -158,7 +158,7 @@ class ModelCosts:
     def repeated_layers(self) -> frozenset[int]:
         """The layers with parameters whose kind (the name before its index: ``block.3`` → ``block``)
         occurs more than once: the transformer blocks, which ``model.compile`` and ``strategy.cuda_graphs``
-        treat (:func:`pipeline_recipes.strategies.compile.repeated_blocks` finds the same on the modules)."""
+        treat (:func:`pipeline_recipes.strategies.compute.compile.repeated_blocks` finds the same on the modules)."""
         kinds = [layer.name.split(".")[0] for layer in self.layers]
         counts = Counter(k for k, layer in zip(kinds, self.layers) if layer.params)
         return frozenset(i for i, k in enumerate(kinds) if counts[k] > 1 and self.layers[i].params)

@@ -15,7 +15,7 @@ workers will execute through :func:`pipeline_recipes.strategies.schedules.simula
   copies, launched at the end (``grad_sync=end``) or after the copy's last backward (eager modes,
   §3.2); :func:`pipeline_recipes.planner.costs.sync_timeline` gives the part not hidden behind computation. With
   ``end``, buckets copied on the same workers are one fused all-reduce, as the runtime runs them
-  (:class:`pipeline_recipes.strategies.grad_sync.GradientSynchronizer`).
+  (:class:`pipeline_recipes.strategies.runtime.grad_sync.GradientSynchronizer`).
 * Asynchronous schedules (PipeDream-2BW, PipeDream) never flush: one iteration is the steady-state
   window, measured as the makespan added by one more step of the no-flush stream.
 * CPU ranks that outnumber the cores share them: the simulated compute is stretched to at least the
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 
 from pipeline_recipes.models.partition import balanced_partition
-from pipeline_recipes.strategies.grad_sync import launch_plan
-from pipeline_recipes.strategies.recompute import recompute_stages
+from pipeline_recipes.strategies.runtime.grad_sync import launch_plan
+from pipeline_recipes.strategies.runtime.recompute import recompute_stages
 from pipeline_recipes.strategies.schedules import (
     AUTO_CONCAT, Schedule, Settings, best_concat, build_schedule, get_spec, names, resolve_concat, simulate, specs,
 )

@@ -19,7 +19,7 @@ from functools import lru_cache, partial
 from typing import Any
 
 from pipeline_recipes.core.fixes import ConfigError, Fix, Proposal
-from pipeline_recipes.strategies.cuda_graph_rules import cuda_graphs_error
+from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.schedules import get_spec
 
 from .costs import format_bytes

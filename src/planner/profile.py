@@ -4,10 +4,10 @@ Identical layers (same class and parameter shapes, :func:`layer_signature`: the 
 cost the same, so only one layer per group runs (:class:`DistinctLayers`) and every member of the
 group gets its costs: a 64-block model profiles an embedding, a block and a head. For each batch
 size ``B`` in ``batch_sizes`` (two by default, CAPTURE §III-A2), the way
-:class:`pipeline_recipes.strategies.executor.StageExecutor` runs a stage, the profiler measures:
+:class:`pipeline_recipes.strategies.runtime.executor.StageExecutor` runs a stage, the profiler measures:
 
 * in a memory pass, from one forward + backward of each of those layers: the bytes autograd keeps
-  for the backward alone (CAPTURE's M_i, :class:`pipeline_recipes.strategies.recompute.SavedBytes`), the peak
+  for the backward alone (CAPTURE's M_i, :class:`pipeline_recipes.strategies.runtime.recompute.SavedBytes`), the peak
   allocation above them while forward and backward run (the transient: ``torch.cuda.max_memory_allocated``
   on GPUs, the profiler's CPU memory events otherwise) and the size of its output (the activation
   sent to the next stage); and, from one forward per pair of neighbouring groups (embedding → block,
@@ -52,9 +52,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from pipeline_recipes.datamodules.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
 from pipeline_recipes.models import build_model, preset
-from pipeline_recipes.strategies.executor import loss_counts, micro_batch_loss
+from pipeline_recipes.strategies.runtime.executor import loss_counts, micro_batch_loss
 from pipeline_recipes.core.pipeline_model import call_layer, run_layers
-from pipeline_recipes.strategies.recompute import SavedBytes, parameter_storages
+from pipeline_recipes.strategies.runtime.recompute import SavedBytes, parameter_storages
 
 from .comm import load_or_measure_comm
 from .costs import AlphaBeta, fit_line, quantile
@@ -575,7 +575,7 @@ def profile_pipeline(model: nn.Module, batch_of: Callable[[int], dict[str, Tenso
     ``warmup``: untimed rounds before the timed ones (the memory pass has already run every timed
     layer forward and backward at every size); ``reps`` and ``budget_s``: see :func:`_time_layers`.
     ``shares_cores=False`` for stages that use no CPU while they run
-    (:class:`pipeline_recipes.strategies.emulated.EmulatedPipeline`): CPU ranks then never stretch each other.
+    (:class:`pipeline_recipes.strategies.harness.emulated.EmulatedPipeline`): CPU ranks then never stretch each other.
     ``log``: progress lines with the estimated time left."""
     sizes = sorted({int(b) for b in batch_sizes})
     if len(sizes) < 2 or sizes[0] < 1:

@@ -8,7 +8,7 @@ bf16-mixed (auto: 8 CUDA devices found, NVIDIA H100 has bf16)``. Nothing here st
 
 Fewer GPUs than processes under ``trainer=auto`` (one GPU and the default Chimera D = 2): the ranks
 share the GPUs, local rank r on ``cuda:(r mod G)``, over gloo, since NCCL refuses two ranks on one
-device; the pipeline's messages are then staged through the host (:mod:`pipeline_recipes.strategies.p2p`). Fine for
+device; the pipeline's messages are then staged through the host (:mod:`pipeline_recipes.strategies.runtime.p2p`). Fine for
 trying schedules, not for speed. ``trainer=gpu`` with too few GPUs is refused instead
 (:func:`pipeline_recipes.recipe.layout.check_devices`).
 
@@ -199,7 +199,7 @@ def choose_accelerator(trainer: Mapping[str, Any], processes: int | None = None,
     return resolve_accelerator(trainer, probe(cuda) if probe is not None else probe_node(cuda=cuda), processes)
 
 
-COMPILE_SETTINGS = ("auto", "true", "false")  # model.compile (pipeline_recipes.strategies.compile)
+COMPILE_SETTINGS = ("auto", "true", "false")  # model.compile (pipeline_recipes.strategies.compute.compile)
 
 
 def _setting(value: Any) -> str:
@@ -263,7 +263,7 @@ def check_precision(strategy: str, trainer: Mapping[str, Any], optim: Mapping[st
     """fp16 autocast with a GradScaler (``16-mixed``) cannot run under the pipeline schedules (see
     the module docstring); bf16 needs no scaler. Nor can any strategy clip the gradients of a fused
     optimizer under a GradScaler: they carry the loss scale until the fused step unscales them itself.
-    Without a scaler (bf16, fp32) every optimizer is clipped (strategies/precision.py)."""
+    Without a scaler (bf16, fp32) every optimizer is clipped (strategies/lightning/precision.py)."""
     precision = str(trainer.get("precision"))
     if precision in FP16_MIXED and (optim or {}).get("fused") and trainer.get("gradient_clip_val"):
         raise ConfigError(f"trainer.precision = {precision} with optim.fused = true and trainer.gradient_clip_val = "

@@ -22,10 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
 from pipeline_recipes.core.signals import SignalRecord
-from pipeline_recipes.strategies.lightning import PipelineModule, PipelineStrategy, share_gpus
-from pipeline_recipes.strategies.precision import with_precision_plugin
-from pipeline_recipes.strategies.stop import StopOnSignal
-from pipeline_recipes.strategies.topology import Topology
+from pipeline_recipes.strategies.lightning.strategy import PipelineModule, PipelineStrategy, share_gpus
+from pipeline_recipes.strategies.lightning.precision import with_precision_plugin
+from pipeline_recipes.strategies.lightning.stop import StopOnSignal
+from pipeline_recipes.strategies.runtime.topology import Topology
 
 from .accelerator import GPU_NAMES, apply_float32_matmul_precision, resolve_compile, shared_devices
 from .background_logger import BackgroundWandbLogger
@@ -157,7 +157,7 @@ def place_ranks(strategy: Any, trainer_cfg: dict[str, Any], gpus: int | None = N
 def stage_table(model: Any, config: Any, replicas: int) -> str:
     """The partition table of the S stages that train (``model.partition(S)``, as the strategy splits the
     model; S = v·D) and the worker holding each stage, from the topology the engine builds for ``config``
-    (a :class:`~pipeline_recipes.strategies.engine.PipelineConfig`): the data of the strategy's
+    (a :class:`~pipeline_recipes.strategies.runtime.engine.PipelineConfig`): the data of the strategy's
     ``rank r: … stages […]`` line."""
     topology = Topology.from_schedule(config.build(config.smallest_micro_batches), replicas)
     holders = [sorted({row[s] for row in topology.placement}) for s in range(topology.stages)]
@@ -168,7 +168,7 @@ def stage_table(model: Any, config: Any, replicas: int) -> str:
 
 
 def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
-    """Train as configured; how it ended (ok, or stopped by a signal: :mod:`pipeline_recipes.strategies.stop`;
+    """Train as configured; how it ended (ok, or stopped by a signal: :mod:`pipeline_recipes.strategies.lightning.stop`;
     a divergence or failure raises). ``signals``: the process's stop signals, recorded since it started."""
     quiet_library_notices()
     cfg, layout = spec.config, spec.layout
@@ -210,7 +210,7 @@ def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
                               peak_tflops=peak_tflops, ending=lambda _: stop_ending(stop).as_status())
     progress = ProgressLine(metrics, layout.W, min_interval_s=float(metrics_cfg.get("progress_interval_s", 1.0)))
     loggers = build_loggers(spec)
-    # bf16-mixed as a plugin that also clips a fused optimizer (Lightning's refuses: strategies/precision.py)
+    # bf16-mixed as a plugin that also clips a fused optimizer (Lightning's refuses: strategies/lightning/precision.py)
     trainer = pl.Trainer(**with_precision_plugin(trainer_kwargs(trainer_cfg, {
         "strategy": strategy, "logger": loggers or False, "default_root_dir": spec.out_dir,
         "callbacks": [throughput, metrics, progress, stop, *checkpointing],

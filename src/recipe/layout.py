@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache, partial
 from typing import Any
 
-from pipeline_recipes.strategies.cuda_graph_rules import cuda_graphs_error
+from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.schedules import (
     AUTO_CONCAT, CONCAT_METHODS, CONFIG, ScheduleError, ScheduleSpec, Settings, build_schedule, get_spec, names,
     resolve_concat,

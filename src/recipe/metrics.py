@@ -5,7 +5,7 @@
 * Bubble ratios follow Chimera §2's definition, idle time / (workers × iteration time), computed one
   way for both figures (:func:`bubble_ratio`): 1 − Σ busy / (ranks × the longest rank's span from
   its first action's start to its last one's end). *Measured*: busy is the per-action times every
-  rank's executor records (:mod:`pipeline_recipes.strategies.timing`: wall clock on CPU, CUDA events on GPUs; an
+  rank's executor records (:mod:`pipeline_recipes.strategies.compute.timing`: wall clock on CPU, CUDA events on GPUs; an
   action starts once its inputs arrived), so waiting on messages and host-side stalls between
   actions count as idle; the median over the steps after warm-up. *Theory*: the schedule that was
   executed, simulated with the last step's measured per-stage action times and no communication
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from pipeline_recipes.core.errors import TrainingDiverged
-from pipeline_recipes.strategies.lightning import PipelineStrategy, reporting_step
+from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy, reporting_step
 from pipeline_recipes.strategies.schedules import Action, Schedule, simulate
 from pipeline_recipes.strategies.schedules.actions import KINDS
 from pipeline_recipes.strategies.schedules.render import save_png
@@ -276,7 +276,7 @@ class PipelineMetrics(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         """Keep this step's loss and timeline figures; gather them over the ranks only on reporting steps
-        (:func:`pipeline_recipes.strategies.lightning.reporting_step`): a collective every step would line the ranks up
+        (:func:`pipeline_recipes.strategies.lightning.strategy.reporting_step`): a collective every step would line the ranks up
         once more per step."""
         engine = self._engine(trainer)
         record = engine.last_record if engine is not None else None  # its timeline is read when gathered
@@ -365,7 +365,7 @@ class PipelineMetrics(Callback):
 
     def _record_loss(self, value: float, engine: Any, step: int | None = None) -> None:
         """One loss per optimizer step, in step order: an asynchronous schedule reports step t's loss
-        a step or more later (:meth:`pipeline_recipes.strategies.engine.PipelineEngine.train_step`), so it
+        a step or more later (:meth:`pipeline_recipes.strategies.runtime.engine.PipelineEngine.train_step`), so it
         goes where it belongs."""
         if engine is None or not engine.config.is_async:
             self.loss_history.append(value)

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from pipeline_recipes.strategies.lightning import last_step, reporting_step
+from pipeline_recipes.strategies.lightning.strategy import last_step, reporting_step
 
 from .metrics import PipelineMetrics, tokens_in
 

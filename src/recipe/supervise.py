@@ -1,7 +1,7 @@
 """Start a node's worker processes, watch them, and say how they ended: the launcher's side of every stop.
 
 * **A stop signal** (SIGTERM, SIGINT, SIGUSR1) to ``train.py`` is forwarded to every worker: they agree on it
-  and stop after the same step with the step reached saved (:mod:`pipeline_recipes.strategies.stop`). The
+  and stop after the same step with the step reached saved (:mod:`pipeline_recipes.strategies.lightning.stop`). The
   launcher waits at most ``stop_timeout_s`` for that, then kills the rest; a second signal kills them at once.
 * **A rank that dies** (a signal, an exit status, an exception) or **hangs** (its heartbeat older than
   ``hang_s``, :mod:`pipeline_recipes.recipe.heartbeat`) ends the job: the others get ``grace_s`` to end,

@@ -46,7 +46,7 @@ import torch
 from pipeline_recipes.core.disk import no_space, no_space_message
 from torch import Tensor, nn
 
-from .legacy import old_module_names, upgrade_targets
+from pipeline_recipes.strategies.legacy import old_module_names, upgrade_targets
 
 SHARDED_FORMAT = "pipeline-sharded"
 CONSOLIDATED_FORMAT = "pipeline-consolidated"

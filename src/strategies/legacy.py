@@ -1,4 +1,6 @@
-"""Checkpoints written before the packages moved under one import name (``pipeline_recipes``).
+"""Checkpoints written before the packages moved under one import name (``pipeline_recipes``), or before a
+module moved into a folder by its job (:data:`MOVED`: ``"strategies.optim"`` is
+:mod:`pipeline_recipes.strategies.lightning.optim` now).
 
 Until then the folders of ``src/`` were installed as top-level packages (``strategies``, ``models``,
 ``planner``, ``recipe``, ``datamodules``), so a checkpoint's model config names its builder
@@ -32,12 +34,35 @@ from typing_extensions import override
 # "pipeline_recipes" once installed under it; "" while the folders are top-level packages themselves
 PACKAGE = (__package__ or "").rpartition(".")[0]
 OLD_PACKAGES = ("datamodules", "models", "planner", "recipe", "strategies")
+# modules that moved into folders by job (module -> its place now, both under PACKAGE)
+MOVED = {
+    **{f"strategies.{m}": f"strategies.runtime.{m}" for m in (
+        "engine", "rank_setup", "executor", "stage", "p2p", "topology", "grad_sync", "versions", "late_loss",
+        "recompute", "fetch_ahead", "process_group")},
+    **{f"strategies.{m}": f"strategies.compute.{m}" for m in (
+        "compile", "cuda_graphs", "cuda_graph_rules", "deferred_weights", "timing")},
+    **{f"strategies.{m}": f"strategies.harness.{m}" for m in ("spawn", "emulated", "nccl_replay", "recording")},
+    **{f"strategies.{m}": f"strategies.lightning.{m}" for m in ("stop", "precision", "optim", "baselines")},
+    "strategies.pipeline_model": "core.pipeline_model",
+    "recipe.fixes": "core.fixes",
+    "planner.auto": "recipe.auto",
+}
 
 
 def current_name(name: str) -> str:
-    """``name`` (a dotted module or object path) with an old top-level package moved under :data:`PACKAGE`."""
+    """``name`` (a dotted module or object path) under today's names: an old top-level package moved under
+    :data:`PACKAGE`, a module that moved (:data:`MOVED`) at its place now."""
     top = name.partition(".")[0]
-    return f"{PACKAGE}.{name}" if PACKAGE and top in OLD_PACKAGES else name
+    if PACKAGE and top in OLD_PACKAGES:
+        name = f"{PACKAGE}.{name}"
+    prefix = f"{PACKAGE}." if PACKAGE else ""
+    if not name.startswith(prefix):
+        return name
+    rest = name[len(prefix):]
+    for old in sorted(MOVED, key=len, reverse=True):
+        if rest == old or rest.startswith(f"{old}."):
+            return prefix + MOVED[old] + rest[len(old):]
+    return name
 
 
 def upgrade_targets(config: Any) -> Any:
@@ -66,7 +91,8 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class _OldNameFinder(importlib.abc.MetaPathFinder):
-    """``import strategies.optim`` -> the module ``pipeline_recipes.strategies.optim``."""
+    """``import strategies.optim`` (or ``"pipeline_recipes.strategies.optim"``) -> the module
+    :mod:`pipeline_recipes.strategies.lightning.optim`."""
 
     def __init__(self) -> None:
         self.aliased: list[str] = []

@@ -4,16 +4,16 @@
 stages per worker, pipelines, planner variants); everything that lists or checks schedules reads it.
 """
 
-from .actions import Action, Schedule, parse_action
-from .generators import best_concat, chimera, chimera_placement, concat_choices, dapple, gems, gpipe
-from .graph import ActionIndex, dependencies, index_actions
-from .grid import format_grid
-from .registry import (
+from pipeline_recipes.strategies.schedules.actions import Action, Schedule, parse_action
+from pipeline_recipes.strategies.schedules.generators import best_concat, chimera, chimera_placement, concat_choices, dapple, gems, gpipe
+from pipeline_recipes.strategies.schedules.graph import ActionIndex, dependencies, index_actions
+from pipeline_recipes.strategies.schedules.grid import format_grid
+from pipeline_recipes.strategies.schedules.registry import (
     SCHEDULES, ScheduleError, ScheduleSpec, build_schedule, get_spec, names, register, resolve_concat, specs,
 )
-from .rules import AUTO_CONCAT, CLI, CONCAT_METHODS, CONFIG, Naming, Settings
-from .simulate import DeadlockError, Simulation, TimedAction, peak_activations, simulate, slots_needed
-from .validate import validate
+from pipeline_recipes.strategies.schedules.rules import AUTO_CONCAT, CLI, CONCAT_METHODS, CONFIG, Naming, Settings
+from pipeline_recipes.strategies.schedules.simulate import DeadlockError, Simulation, TimedAction, peak_activations, simulate, slots_needed
+from pipeline_recipes.strategies.schedules.validate import validate
 
 __all__ = [
     "AUTO_CONCAT", "ActionIndex", "CLI", "CONCAT_METHODS", "CONFIG", "SCHEDULES", "Action", "DeadlockError", "Naming",

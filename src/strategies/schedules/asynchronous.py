@@ -22,10 +22,10 @@ Weight versions (the rule the runtime executes):
 
 from __future__ import annotations
 
-from .actions import Action, Schedule
-from .one_f_one_b import numbered, one_f_one_b
-from .rules import check_size, check_sizes
-from .simulate import Cost, simulate
+from pipeline_recipes.strategies.schedules.actions import Action, Schedule
+from pipeline_recipes.strategies.schedules.one_f_one_b import numbered, one_f_one_b
+from pipeline_recipes.strategies.schedules.rules import check_size, check_sizes
+from pipeline_recipes.strategies.schedules.simulate import Cost, simulate
 
 
 def _check(name: str, stages: int, micro_batches: int, step: int = 0) -> None:

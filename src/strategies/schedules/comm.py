@@ -21,7 +21,7 @@ receive waits across a step boundary (in front of the step's collectives). The n
 is told which messages are already in (``carried_in``).
 
 Whether a plan is safe under NCCL's rules is checked by replaying what the runtime really posts
-(:mod:`pipeline_recipes.strategies.nccl_replay`), not by this module.
+(:mod:`pipeline_recipes.strategies.harness.nccl_replay`), not by this module.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from .actions import Action, Schedule
-from .graph import dependencies, index_actions
-from .messages import Message, is_local, received_messages, sent_messages
-from .simulate import action_cost
+from pipeline_recipes.strategies.schedules.actions import Action, Schedule
+from pipeline_recipes.strategies.schedules.graph import dependencies, index_actions
+from pipeline_recipes.strategies.schedules.messages import Message, is_local, received_messages, sent_messages
+from pipeline_recipes.strategies.schedules.simulate import action_cost
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from .actions import Action, Schedule
-from .placement import v_placement
-from .rules import GENERATOR, V_STAGES, Settings, at_least_twice_stages, check_size, raise_if
+from pipeline_recipes.strategies.schedules.actions import Action, Schedule
+from pipeline_recipes.strategies.schedules.placement import v_placement
+from pipeline_recipes.strategies.schedules.rules import GENERATOR, V_STAGES, Settings, at_least_twice_stages, check_size, raise_if
 
 __all__ = ["dualpipev"]
 

@@ -5,7 +5,7 @@ A forward keeps one graph per micro-batch it covers (two for a doubled forward, 
 two half graphs when the micro-batch's backward is halved. ``B`` walks a graph and frees it,
 computing input and weight gradients; the split backward of Zero Bubble Pipeline Parallelism (§2)
 divides that work: ``I`` walks the graph for the input gradient and keeps, per linear layer, the
-input and output gradient that its weight gradient needs (:mod:`pipeline_recipes.strategies.deferred_weights`); ``W``
+input and output gradient that its weight gradient needs (:mod:`pipeline_recipes.strategies.compute.deferred_weights`); ``W``
 computes those weight gradients and frees what was kept. Both are counted as one graph until ``W``.
 The first stage sends no input gradient, but its ``I`` still walks the graph for the gradients inside
 the stage, and its ``W`` computes the weight gradients, at the costs the paper's schedules assume
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from .actions import Action
+from pipeline_recipes.strategies.schedules.actions import Action
 
 GraphKey = tuple[int, int, int | None]  # pipe, micro-batch, half
 

@@ -36,15 +36,15 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from .actions import Action, Schedule
-from .graph import dependencies, index_actions
-from .messages import fifo_violations, received_messages, sent_messages
-from .one_f_one_b import one_stage_per_worker
-from .rules import (
+from pipeline_recipes.strategies.schedules.actions import Action, Schedule
+from pipeline_recipes.strategies.schedules.graph import dependencies, index_actions
+from pipeline_recipes.strategies.schedules.messages import fifo_violations, received_messages, sent_messages
+from pipeline_recipes.strategies.schedules.one_f_one_b import one_stage_per_worker
+from pipeline_recipes.strategies.schedules.rules import (
     AUTO_CONCAT, BIDIRECTIONAL, CHIMERA_PIPELINES, CONCAT_METHODS, OPPOSITE_REPLICAS, Settings, check_sizes,
     concat_error, pipelines_error, raise_if, stages_even,
 )
-from .simulate import Cost, simulate
+from pipeline_recipes.strategies.schedules.simulate import Cost, simulate
 
 __all__ = [
     "AUTO_CONCAT", "CONCAT_METHODS", "PRACTICAL_COSTS", "best_concat", "chimera", "chimera_placement", "concat_choices",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .actions import Action
+from pipeline_recipes.strategies.schedules.actions import Action
 
 ForwardKey = tuple[int, int, int]  # pipe, stage, micro-batch
 BackwardKey = tuple[int, int, int, int | None]  # pipe, stage, micro-batch, half

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .actions import Schedule
+from pipeline_recipes.strategies.schedules.actions import Schedule
 
 
 def format_grid(schedule: Schedule, marks: Iterable[tuple[int, int]] = ()) -> str:

@@ -22,10 +22,10 @@ implementation runs every forward first when N = P.
 
 from __future__ import annotations
 
-from .actions import Schedule
-from .one_f_one_b import numbered, one_f_one_b
-from .placement import loop_placement
-from .rules import Settings, check_size, equal_rounds_error, raise_if, rounds
+from pipeline_recipes.strategies.schedules.actions import Schedule
+from pipeline_recipes.strategies.schedules.one_f_one_b import numbered, one_f_one_b
+from pipeline_recipes.strategies.schedules.placement import loop_placement
+from pipeline_recipes.strategies.schedules.rules import Settings, check_size, equal_rounds_error, raise_if, rounds
 
 __all__ = ["interleaved_1f1b", "interleaved_rounds"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import NamedTuple
 
-from .actions import Action, Schedule
+from pipeline_recipes.strategies.schedules.actions import Action, Schedule
 
 
 class Message(NamedTuple):

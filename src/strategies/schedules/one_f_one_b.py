@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from .actions import Action, Kind, Schedule
+from pipeline_recipes.strategies.schedules.actions import Action, Kind, Schedule
 
 
 def numbered(kind: Kind, stage_of: Callable[[int], int], slots: int, pipe: int = 0) -> list[Action]:

@@ -9,8 +9,8 @@ whether it concatenates units of micro-batches (Chimera §3.5), which gives the 
 checks a layout reads this table: :func:`build_schedule`, the Hydra layout check
 (:mod:`pipeline_recipes.recipe.layout`), the planner's candidates (:mod:`pipeline_recipes.planner.predict`),
 the viewer's choices (``scripts/schedule.py``), Lightning's strategy names
-(:func:`pipeline_recipes.strategies.lightning.register_strategies`) and the engine
-(:class:`pipeline_recipes.strategies.engine.PipelineConfig`).
+(:func:`pipeline_recipes.strategies.lightning.strategy.register_strategies`) and the engine
+(:class:`pipeline_recipes.strategies.runtime.engine.PipelineConfig`).
 
 Adding a schedule: add its :class:`ScheduleSpec` to :data:`SCHEDULES` (with any rule of its own) and
 ``conf/strategy/<name>.yaml`` (``schedule: <name>`` on the shared base); the test grids follow the registry.
@@ -39,20 +39,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from .actions import Schedule
-from .asynchronous import run as async_run
-from .dualpipe import dualpipev
-from .generators import best_concat, chimera, concat_choices, dapple, gems, gpipe
-from .interleaved import interleaved_1f1b
+from pipeline_recipes.strategies.schedules.actions import Schedule
+from pipeline_recipes.strategies.schedules.asynchronous import run as async_run
+from pipeline_recipes.strategies.schedules.dualpipe import dualpipev
+from pipeline_recipes.strategies.schedules.generators import best_concat, chimera, concat_choices, dapple, gems, gpipe
+from pipeline_recipes.strategies.schedules.interleaved import interleaved_1f1b
 from pipeline_recipes.core.errors import did_you_mean
 
-from .rules import (
+from pipeline_recipes.strategies.schedules.rules import (
     API, AUTO_CONCAT, BIDIRECTIONAL, CHIMERA_PIPELINES, COMMON_RULES, OPPOSITE_REPLICAS, TWO_VERSIONS, V_STAGES, Naming,
     Pipelines, Rule, Settings, equal_rounds, even_stages, micro_batches_at_least_stages,
     micro_batches_at_least_twice_stages,
 )
-from .validate import validate
-from .zero_bubble import chimera_zb, zb_h1, zb_h2, zbv
+from pipeline_recipes.strategies.schedules.validate import validate
+from pipeline_recipes.strategies.schedules.zero_bubble import chimera_zb, zb_h1, zb_h2, zbv
 
 ASYNC_VIEW_STEPS = 3  # steps of an asynchronous schedule that build_schedule returns (then the drain)
 

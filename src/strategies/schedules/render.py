@@ -24,8 +24,8 @@ from fractions import Fraction
 from functools import reduce
 from typing import Any, NamedTuple, Union
 
-from .actions import Action, Schedule
-from .simulate import Simulation, TimedAction, peak_activations
+from pipeline_recipes.strategies.schedules.actions import Action, Schedule
+from pipeline_recipes.strategies.schedules.simulate import Simulation, TimedAction, peak_activations
 
 
 class Span(NamedTuple):

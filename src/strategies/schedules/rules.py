@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from pipeline_recipes.core.errors import did_you_mean
 
 if TYPE_CHECKING:
-    from .registry import ScheduleSpec
+    from pipeline_recipes.strategies.schedules.registry import ScheduleSpec
 
 CONCAT_METHODS = ("direct", "forward_doubling", "backward_halving")
 AUTO_CONCAT = "auto"  # strategy.concat=auto: best_concat picks one of CONCAT_METHODS per layout

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .actions import Action, Schedule
-from .graph import dependencies, index_actions
-from .grid import format_grid
+from pipeline_recipes.strategies.schedules.actions import Action, Schedule
+from pipeline_recipes.strategies.schedules.graph import dependencies, index_actions
+from pipeline_recipes.strategies.schedules.grid import format_grid
 
 Cost = float | Sequence[float]
 

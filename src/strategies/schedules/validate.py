@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from .actions import Action, Schedule
-from .graph import dependencies, index_actions
-from .grid import format_grid
-from .simulate import simulate
+from pipeline_recipes.strategies.schedules.actions import Action, Schedule
+from pipeline_recipes.strategies.schedules.graph import dependencies, index_actions
+from pipeline_recipes.strategies.schedules.grid import format_grid
+from pipeline_recipes.strategies.schedules.simulate import simulate
 
 
 def _fail(schedule: Schedule, problem: str, marks: list[tuple[int, int]]) -> ValueError:

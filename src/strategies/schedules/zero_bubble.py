@@ -37,13 +37,13 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .actions import Action, Schedule
-from .generators import chimera
-from .graph import dependencies, index_actions
-from .one_f_one_b import one_stage_per_worker
-from .placement import v_placement
-from .rules import check_size
-from .simulate import peak_activations
+from pipeline_recipes.strategies.schedules.actions import Action, Schedule
+from pipeline_recipes.strategies.schedules.generators import chimera
+from pipeline_recipes.strategies.schedules.graph import dependencies, index_actions
+from pipeline_recipes.strategies.schedules.one_f_one_b import one_stage_per_worker
+from pipeline_recipes.strategies.schedules.placement import v_placement
+from pipeline_recipes.strategies.schedules.rules import check_size
+from pipeline_recipes.strategies.schedules.simulate import peak_activations
 
 __all__ = ["chimera_zb", "defer_weight_gradients", "split_backwards", "zb_h1", "zb_h2", "zbv"]
 

@@ -25,7 +25,7 @@ the host.
 
 Idle host time: where a host wait would block (gloo, the receive not complete yet), the rank has
 nothing to compute until the peer delivers, a pipeline bubble (GPipe §2): :meth:`PipeComm.would_block`
-tells the executor, which runs host work there (the next step's batch, :mod:`pipeline_recipes.strategies.fetch_ahead`).
+tells the executor, which runs host work there (the next step's batch, :mod:`pipeline_recipes.strategies.runtime.fetch_ahead`).
 """
 
 from __future__ import annotations

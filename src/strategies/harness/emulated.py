@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .deferred_weights import WeightGradientStore, accumulate
+from pipeline_recipes.strategies.compute.deferred_weights import WeightGradientStore, accumulate
 from pipeline_recipes.core.pipeline_model import Batch, PipelineModel
 
 
@@ -109,7 +109,7 @@ class EmulatedStage(nn.Module):
     path plus a weight path, two nodes, so that a split backward costs what the simulator charges:
     the input gradient (``I``) holds ``t_b - t_w`` and defers the weight path's ``t_w`` to the weight
     gradient (``W``) through ``weight_store``, which the pipeline stage sets
-    (:mod:`pipeline_recipes.strategies.deferred_weights`; Zero Bubble Pipeline Parallelism §2; ``t_w`` defaults to
+    (:mod:`pipeline_recipes.strategies.compute.deferred_weights`; Zero Bubble Pipeline Parallelism §2; ``t_w`` defaults to
     ``t_b / 2`` as in :func:`pipeline_recipes.strategies.schedules.simulate`); a whole backward (``B``) runs both.
     Schedules without split backwards keep the one node (one wake-up per backward, not two)."""
 

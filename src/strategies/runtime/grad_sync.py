@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .schedules import Action, Schedule, simulate
+from pipeline_recipes.strategies.schedules import Action, Schedule, simulate
 
 GRAD_SYNC_MODES = ("end", "eager", "eager_opt")
 

@@ -15,7 +15,7 @@ builds the attention mask once per stage forward and the rotary embeddings, stay
 embedding and the head, which run once per stage.
 
 Split backwards (Zero Bubble Pipeline Parallelism, Qi et al. 2024, §2): a traced deferring linear layer
-(:mod:`pipeline_recipes.strategies.deferred_weights`) would compute its weight gradient inside the
+(:mod:`pipeline_recipes.strategies.compute.deferred_weights`) would compute its weight gradient inside the
 compiled backward, during ``I``, and leave nothing for ``W``; these layers run eagerly between the
 compiled parts of their block (norms, attention, activation, residuals). Recomputation (GPipe §2.3)
 compiles the no-grad forward and its replay as two graphs; each autocast dtype, parameter dtype,
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .deferred_weights import is_deferring
+from pipeline_recipes.strategies.compute.deferred_weights import is_deferring
 
 BACKEND = "inductor"
 # torch.compile's recompile limit per code object is 8; the blocks of a rank share one code object and a run

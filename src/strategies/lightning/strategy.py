@@ -3,13 +3,13 @@ registry (:mod:`pipeline_recipes.strategies.schedules.registry`: GPipe, DAPPLE a
 PipeDream-2BW, PipeDream, interleaved 1F1B and the zero-bubble family: ZB-H1, ZB-H2, ZBV, DualPipeV and Chimera
 with zero bubble), ``PipelineStrategy(schedule="chimera", D=4)`` or ``Trainer(strategy="chimera")``.
 
-The strategy only maps Lightning's hooks onto :class:`~pipeline_recipes.strategies.engine.PipelineEngine`:
+The strategy only maps Lightning's hooks onto :class:`~pipeline_recipes.strategies.runtime.engine.PipelineEngine`:
 process groups come up in ``setup_environment`` (inherited from DDP: launcher, cluster
 environments, torchrun and SLURM), the model is split in ``setup`` before the optimizers see
 its parameters, and :class:`PipelineModule.training_step` runs the whole schedule. Lightning's
 own backward becomes a no-op (the schedule already ran every backward), the sampler is sharded
 by replica (W), not by rank, a stop signal (SIGTERM, SIGINT, SIGUSR1) stops every rank after the same step
-with the step reached saved (:mod:`pipeline_recipes.strategies.stop`, added unless the trainer has one), and
+with the step reached saved (:mod:`pipeline_recipes.strategies.lightning.stop`, added unless the trainer has one), and
 teardown ends the process group cleanly (gloo aborts some plain exits otherwise).
 
 Checkpoints are sharded (:mod:`pipeline_recipes.strategies.checkpoint`): ``Trainer.save_checkpoint`` and
@@ -38,17 +38,17 @@ from pipeline_recipes.core.failures import record_handled_error
 from torch import Tensor, nn
 from typing_extensions import override
 
-from . import checkpoint as ckpt
-from .compile import compile_blocks, repeated_blocks
-from .cuda_graphs import StageGraphs
-from .engine import PipelineConfig, PipelineEngine
-from .executor import loss_counts, micro_batch_loss
-from .fetch_ahead import fetch_during_waits
-from .optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
+from pipeline_recipes.strategies import checkpoint as ckpt
+from pipeline_recipes.strategies.compute.compile import compile_blocks, repeated_blocks
+from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
+from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+from pipeline_recipes.strategies.runtime.executor import loss_counts, micro_batch_loss
+from pipeline_recipes.strategies.runtime.fetch_ahead import fetch_during_waits
+from pipeline_recipes.strategies.lightning.optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
 from pipeline_recipes.core.pipeline_model import Batch, run_layers, sequential_loss
-from .process_group import end_process_group
-from .schedules import specs
-from .stop import StopOnSignal
+from pipeline_recipes.strategies.runtime.process_group import end_process_group
+from pipeline_recipes.strategies.schedules import specs
+from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 
 
 class PipelineStrategy(DDPStrategy):
@@ -134,7 +134,7 @@ class PipelineStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if not isinstance(module, PipelineModule):
-            raise TypeError(f"{type(module).__name__} must subclass pipeline_recipes.strategies.lightning.PipelineModule")
+            raise TypeError(f"{type(module).__name__} must subclass pipeline_recipes.strategies.lightning.strategy.PipelineModule")
         self.precision_plugin.convert_module(module)
         self.model_index = ckpt.ModelIndex.of(module, module.model.pipeline_layers())  # before remote layers go
         self.engine = PipelineEngine(
@@ -303,8 +303,8 @@ class PipelineModule(pl.LightningModule):
         ``scheduler``: ``optimizer -> LRScheduler`` stepped after every optimizer step (``conf/scheduler``;
         a ``total_steps`` it leaves open becomes the trainer's number of steps); without it the
         learning rate stays constant. Weight decay skips biases and norms
-        (:func:`pipeline_recipes.strategies.optim.param_groups`). ``compile_blocks`` (``model.compile``): compile
-        each repeated block this rank holds when fitting starts (:mod:`pipeline_recipes.strategies.compile`).
+        (:func:`pipeline_recipes.strategies.lightning.optim.param_groups`). ``compile_blocks`` (``model.compile``): compile
+        each repeated block this rank holds when fitting starts (:mod:`pipeline_recipes.strategies.compute.compile`).
         ``nonfinite_loss``: a NaN/inf loss ends the run (``stop``) or, under a pipeline, skips that step's
         update (``skip``) at most ``nonfinite_patience`` steps in a row; either way the run ends as diverged."""
         super().__init__()
@@ -328,7 +328,7 @@ class PipelineModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         """Compile the repeated blocks this rank holds (``compile_blocks``), once the strategy has built its
         stages on their device; one line says so, or why they stay eager. Then, under ``strategy.cuda_graphs``,
-        route them through their CUDA graphs (:mod:`pipeline_recipes.strategies.cuda_graphs`)."""
+        route them through their CUDA graphs (:mod:`pipeline_recipes.strategies.compute.cuda_graphs`)."""
         self._compile_blocks()
         engine = self.pipeline
         if engine is not None and engine.config.cuda_graphs and engine.stage_graphs is None:
@@ -486,7 +486,7 @@ def share_gpus(strategy: DDPStrategy, gpu_of_rank: list[int]) -> None:
     """Run a node's ranks on shared GPUs (more processes than GPUs,
     :func:`pipeline_recipes.recipe.accelerator.shared_devices`): local rank r on ``cuda:gpu_of_rank[r]``,
     over gloo, since NCCL refuses two ranks on one GPU; the pipeline stages its messages through the host
-    then (:mod:`pipeline_recipes.strategies.p2p`). Call it before the ``Trainer`` is built: Lightning keeps
+    then (:mod:`pipeline_recipes.strategies.runtime.p2p`). Call it before the ``Trainer`` is built: Lightning keeps
     a strategy's own ``parallel_devices``."""
     if not isinstance(strategy, DDPStrategy):
         raise TypeError(f"{type(strategy).__name__} runs one process; only DDP-style strategies share GPUs")

@@ -1,15 +1,15 @@
 """What ``strategy.cuda_graphs`` cannot capture, as one rule with a message (the setting, the value, the rule and
 the fix): the launcher refuses it before any process starts (:mod:`pipeline_recipes.recipe.layout`, which must not
-import torch) and the engine's config for direct users (:class:`pipeline_recipes.strategies.engine.PipelineConfig`).
-Why each case cannot be captured: :mod:`pipeline_recipes.strategies.cuda_graphs`.
+import torch) and the engine's config for direct users (:class:`pipeline_recipes.strategies.runtime.engine.PipelineConfig`).
+Why each case cannot be captured: :mod:`pipeline_recipes.strategies.compute.cuda_graphs`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .schedules import Schedule, ScheduleSpec, specs
-from .schedules.rules import Refusal
+from pipeline_recipes.strategies.schedules import Schedule, ScheduleSpec, specs
+from pipeline_recipes.strategies.schedules.rules import Refusal
 
 
 def cuda_graphs_error(value: Any, spec: ScheduleSpec, recompute: str, schedule: Schedule) -> Refusal | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedules import Schedule
+from pipeline_recipes.strategies.schedules import Schedule
 
 
 @dataclass(frozen=True)

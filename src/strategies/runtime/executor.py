@@ -2,11 +2,11 @@
 
 Three layers, one job each: the schedule decides the order (:mod:`pipeline_recipes.strategies.schedules`);
 this module runs it — for each action, one round of point-to-point messages
-(:mod:`pipeline_recipes.strategies.schedules.comm`, :class:`~pipeline_recipes.strategies.p2p.PipeComm`), then the
+(:mod:`pipeline_recipes.strategies.schedules.comm`, :class:`~pipeline_recipes.strategies.runtime.p2p.PipeComm`), then the
 action on its stage copy; a
-:class:`~pipeline_recipes.strategies.stage.PipelineStage` computes forwards, backwards (``B``) and split backwards
+:class:`~pipeline_recipes.strategies.runtime.stage.PipelineStage` computes forwards, backwards (``B``) and split backwards
 (``I`` then ``W``, Zero Bubble Pipeline Parallelism §2) and keeps the graphs between them; the
-Lightning strategy maps Lightning's hooks onto the engine (:mod:`pipeline_recipes.strategies.engine`).
+Lightning strategy maps Lightning's hooks onto the engine (:mod:`pipeline_recipes.strategies.runtime.engine`).
 
 Losses are normalised globally (see :func:`micro_batch_loss`), so summing every micro-batch's
 loss over all ranks gives exactly the unsplit model's mini-batch loss, and summing gradients
@@ -33,18 +33,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .p2p import Incoming, Outgoing, PipeComm
+from pipeline_recipes.strategies.runtime.p2p import Incoming, Outgoing, PipeComm
 from pipeline_recipes.core.pipeline_model import Batch, PipelineModel, run_layers
-from .recompute import parameter_storages
-from .schedules import Action, Schedule, format_grid, simulate
-from .schedules.asynchronous import steady_step
-from .schedules.comm import CommPlan, Round, comm_plan, shifted_message
-from .schedules.effects import graph_effect
-from .schedules.messages import Message, is_local
-from .stage import PipelineStage, StoredBytes, forget_autocast_casts, unique_parameters
-from .timing import ActionClock
-from .topology import Topology
-from .versions import WeightVersions
+from pipeline_recipes.strategies.runtime.recompute import parameter_storages
+from pipeline_recipes.strategies.schedules import Action, Schedule, format_grid, simulate
+from pipeline_recipes.strategies.schedules.asynchronous import steady_step
+from pipeline_recipes.strategies.schedules.comm import CommPlan, Round, comm_plan, shifted_message
+from pipeline_recipes.strategies.schedules.effects import graph_effect
+from pipeline_recipes.strategies.schedules.messages import Message, is_local
+from pipeline_recipes.strategies.runtime.stage import PipelineStage, StoredBytes, forget_autocast_casts, unique_parameters
+from pipeline_recipes.strategies.compute.timing import ActionClock
+from pipeline_recipes.strategies.runtime.topology import Topology
+from pipeline_recipes.strategies.runtime.versions import WeightVersions
 
 
 def batch_signature(batch: Batch) -> tuple:
@@ -84,9 +84,9 @@ class StepRecord:
     """What one step on this rank measured.
 
     ``loss_sum``: this rank's share of the mini-batch loss (a device tensor, no host sync);
-    ``timeline``: (action, start, end) wall times (:mod:`pipeline_recipes.strategies.timing`);
+    ``timeline``: (action, start, end) wall times (:mod:`pipeline_recipes.strategies.compute.timing`);
     ``peak_stored_bytes``: the most activation bytes held at once between forwards and their backwards
-    (:class:`~pipeline_recipes.strategies.recompute.SavedBytes`).
+    (:class:`~pipeline_recipes.strategies.runtime.recompute.SavedBytes`).
     """
 
     loss_sum: Tensor

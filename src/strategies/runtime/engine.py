@@ -1,22 +1,22 @@
 """One pipeline-parallel training step, independent of Lightning: one set-up, then a synchronous or asynchronous step.
 
 :func:`build_engine` (what calling :class:`PipelineEngine` runs) assembles this rank's share of the pipeline once
-(:func:`pipeline_recipes.strategies.rank_setup.assemble`: topology, this rank's stages of a
+(:func:`pipeline_recipes.strategies.runtime.rank_setup.assemble`: topology, this rank's stages of a
 :class:`~pipeline_recipes.core.pipeline_model.PipelineModel`, process groups, gradient synchroniser) and returns
 the step object for the schedule, each with one job:
 
 * :class:`SynchronousStep` (GPipe, DAPPLE, GEMS, Chimera, interleaved 1F1B, the zero-bubble family): split the
   replica's mini-batch into N micro-batches, execute this rank's actions of the schedule, all-reduce stage gradients
-  (at the end, or eagerly as stage copies finish: Chimera §3.2, :mod:`pipeline_recipes.strategies.grad_sync`) and
+  (at the end, or eagerly as stage copies finish: Chimera §3.2, :mod:`pipeline_recipes.strategies.runtime.grad_sync`) and
   return the mini-batch loss on every rank; every step flushes.
 * :class:`AsynchronousStep` (PipeDream, PipeDream-2BW): one window of a schedule that never flushes per step,
-  forwards on stashed weight versions and delayed updates (:mod:`pipeline_recipes.strategies.versions`), the loss
-  reported late (:mod:`pipeline_recipes.strategies.late_loss`).
+  forwards on stashed weight versions and delayed updates (:mod:`pipeline_recipes.strategies.runtime.versions`), the loss
+  reported late (:mod:`pipeline_recipes.strategies.runtime.late_loss`).
 
-Both are a :class:`PipelineEngine`: what the Lightning strategy calls (:mod:`pipeline_recipes.strategies.lightning`)
+Both are a :class:`PipelineEngine`: what the Lightning strategy calls (:mod:`pipeline_recipes.strategies.lightning.strategy`)
 and what every step does alike (the batch split, the loss normalisers, evaluation, gradient norms). Stage forwards
 may be recomputed in backward to save activation memory (GPipe §2.3, re-materialization:
-:mod:`pipeline_recipes.strategies.recompute`).
+:mod:`pipeline_recipes.strategies.runtime.recompute`).
 """
 
 from __future__ import annotations
@@ -32,19 +32,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .cuda_graph_rules import cuda_graphs_error
-from .cuda_graphs import StageGraphs
-from .executor import AsyncWindows, StageExecutor, StepRecord, loss_counts
-from .grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
-from .late_loss import LateLosses
+from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
+from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
+from pipeline_recipes.strategies.runtime.executor import AsyncWindows, StageExecutor, StepRecord, loss_counts
+from pipeline_recipes.strategies.runtime.grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
+from pipeline_recipes.strategies.runtime.late_loss import LateLosses
 from pipeline_recipes.core.pipeline_model import Batch, split_batch
-from .rank_setup import RankSetup, assemble, even_partition
-from .recompute import RECOMPUTE_MODES
-from .schedules import Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat
-from .schedules.asynchronous import weight_delay, window
-from .stage import unique_parameters
-from .topology import Topology
-from .versions import WeightVersions
+from pipeline_recipes.strategies.runtime.rank_setup import RankSetup, assemble, even_partition
+from pipeline_recipes.strategies.runtime.recompute import RECOMPUTE_MODES
+from pipeline_recipes.strategies.schedules import Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat
+from pipeline_recipes.strategies.schedules.asynchronous import weight_delay, window
+from pipeline_recipes.strategies.runtime.stage import unique_parameters
+from pipeline_recipes.strategies.runtime.topology import Topology
+from pipeline_recipes.strategies.runtime.versions import WeightVersions
 
 __all__ = ["AsynchronousStep", "PipelineConfig", "PipelineEngine", "SynchronousStep", "build_engine", "even_partition"]
 
@@ -125,7 +125,7 @@ def build_engine(
 
 class _BuiltBySetUp(ABCMeta):
     """Calling :class:`PipelineEngine` itself runs the set-up (:func:`build_engine`), which picks the step class;
-    a step class is constructed as any class, from a :class:`~pipeline_recipes.strategies.rank_setup.RankSetup`."""
+    a step class is constructed as any class, from a :class:`~pipeline_recipes.strategies.runtime.rank_setup.RankSetup`."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is PipelineEngine:
@@ -139,9 +139,9 @@ class PipelineEngine(metaclass=_BuiltBySetUp):
 
     ``steps_taken``: the optimizer steps run; ``loss_step``: the step whose loss :meth:`train_step` returned
     last; ``last_record``: what the last step measured; ``idle_work``: host work for a step's longest bubble
-    (the next batch, :mod:`pipeline_recipes.strategies.fetch_ahead`), which only a synchronous step has;
+    (the next batch, :mod:`pipeline_recipes.strategies.runtime.fetch_ahead`), which only a synchronous step has;
     ``stage_graphs``: the repeated blocks' CUDA graphs under ``cuda_graphs``
-    (:class:`~pipeline_recipes.strategies.cuda_graphs.StageGraphs`, set by whoever knows the blocks: the Lightning
+    (:class:`~pipeline_recipes.strategies.compute.cuda_graphs.StageGraphs`, set by whoever knows the blocks: the Lightning
     module when fitting starts), captured at the start of a synchronous step."""
 
     def __init__(self, setup: RankSetup, executor: StageExecutor) -> None:
@@ -367,7 +367,7 @@ class AsynchronousStep(PipelineEngine):
         gradient of the version due (if any) is all-reduced into ``.grad`` for the optimizer; otherwise
         ``.grad`` stays unset (no update). Returns an earlier step's loss (one step late, or ceil((D - 1) / N)
         when the pipeline is deeper than a step: its all-reduce overlaps the following steps, so the stages
-        never line up; :mod:`pipeline_recipes.strategies.late_loss`), the first step its own; :attr:`loss_step`
+        never line up; :mod:`pipeline_recipes.strategies.runtime.late_loss`), the first step its own; :attr:`loss_step`
         says which step, :meth:`flush_losses` gives those not reported yet."""
         micro_batches = self.split(batch)
         for p in self.local_parameters():

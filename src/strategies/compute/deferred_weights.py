@@ -7,10 +7,10 @@ except that every linear layer (``nn.Linear``, GPT-2's ``Conv1D``) only keeps it
 output gradient for the micro-batch instead of multiplying them; ``W`` multiplies what was kept
 into the weight gradients, accumulated in ``.grad``. Biases, norms and embeddings get their small
 gradients during ``I``; a module may take part by exposing a ``weight_store`` attribute and deferring
-its own work (:class:`pipeline_recipes.strategies.emulated.EmulatedStage` does). A deferred weight gradient is added to
+its own work (:class:`pipeline_recipes.strategies.harness.emulated.EmulatedStage` does). A deferred weight gradient is added to
 ``.grad`` directly: hooks registered on such a weight (``register_post_accumulate_grad_hook``) fire
 during ``I``, before it has its gradient (this repository's gradient synchronisation follows the
-schedule's actions instead, :mod:`pipeline_recipes.strategies.grad_sync`).
+schedule's actions instead, :mod:`pipeline_recipes.strategies.runtime.grad_sync`).
 
 This is one backward pass and then a list of matrix products. torch.distributed.pipelining splits
 any graph instead (``stage_backward_input``/``stage_backward_weight``): it walks the autograd graph
@@ -144,7 +144,7 @@ def _deferring_forward(module: nn.Module, x: Tensor, transposed: bool,
                        plain: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
     """The layer's output through :class:`_Linear` where a gradient may be deferred, else ``plain``'s;
     the input cast as autocast would hand it to a matrix product (float64 and non-floats left alone).
-    Eager inside a compiled block (:mod:`pipeline_recipes.strategies.compile`): traced, the deferral
+    Eager inside a compiled block (:mod:`pipeline_recipes.strategies.compute.compile`): traced, the deferral
     would be decided once, when the backward is compiled, and ``W`` would find nothing to do."""
     if torch.compiler.is_compiling():
         return _eager_deferring_forward(module, x, transposed, plain)

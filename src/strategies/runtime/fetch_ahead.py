@@ -10,7 +10,7 @@ batch included, every other rank waits for. Inside a step the same rank waits fo
 :class:`FetchAhead` is Lightning's fetcher plus :meth:`FetchAhead.fetch_ahead`, which reads the next
 batch early. The engine calls it in a synchronous step's longest bubble: before the action that the
 schedule's simulation shows waiting longest for a peer (at least one forward's time), and only if the
-host does wait there (gloo; :meth:`pipeline_recipes.strategies.executor.StageExecutor.run`). A step without such a
+host does wait there (gloo; :meth:`pipeline_recipes.strategies.runtime.executor.StageExecutor.run`). A step without such a
 wait (Chimera at N = D has no bubble inside the step; the asynchronous schedules have none; on NCCL
 the host never waits for a receive) reads its batch at its start, as Lightning does. The loader
 yields the same batches in the same order either way; the fetcher only reads one before it is

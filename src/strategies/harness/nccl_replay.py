@@ -1,7 +1,7 @@
 """Replay of what each rank posts, under NCCL's rules: does a step complete, and does every
 receive get the message it was meant for? Pure Python; no GPU, no process group.
 
-The runtime is run against a recording transport (:mod:`pipeline_recipes.strategies.recording`) that writes each
+The runtime is run against a recording transport (:mod:`pipeline_recipes.strategies.harness.recording`) that writes each
 rank's program as a list of events; :func:`replay` then runs all programs together:
 
 * every NCCL operation (a batch of sends and receives, or a collective) goes into one FIFO per

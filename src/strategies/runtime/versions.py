@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from .schedules.asynchronous import weight_delay
+from pipeline_recipes.strategies.schedules.asynchronous import weight_delay
 
 Slot = tuple[nn.Module, str]  # a module and the name of one of its parameters
 

@@ -1,13 +1,13 @@
 """The engine's set-up: this rank's share of the pipeline, assembled once before the first step.
 
 :func:`assemble` builds what every kind of step runs on, a :class:`RankSetup`: the topology of W replicas × D
-workers and the stages each rank holds (:class:`~pipeline_recipes.strategies.topology.Topology`), the layers of
+workers and the stages each rank holds (:class:`~pipeline_recipes.strategies.runtime.topology.Topology`), the layers of
 this rank's stages (materialised from the meta device, the others dropped:
 :func:`~pipeline_recipes.core.pipeline_model.materialize_local`), the process groups (the copies of each
 stage, the tied parameters, a worker's replicas, the point-to-point channels), the gradient synchroniser
-(Chimera §3.2, :mod:`pipeline_recipes.strategies.grad_sync`) and the stages recomputed in backward (GPipe §2.3,
-re-materialization: :mod:`pipeline_recipes.strategies.recompute`). Every rank creates the same groups in the same
-order. :func:`pipeline_recipes.strategies.engine.build_engine` hands the result to a step object.
+(Chimera §3.2, :mod:`pipeline_recipes.strategies.runtime.grad_sync`) and the stages recomputed in backward (GPipe §2.3,
+re-materialization: :mod:`pipeline_recipes.strategies.runtime.recompute`). Every rank creates the same groups in the same
+order. :func:`pipeline_recipes.strategies.runtime.engine.build_engine` hands the result to a step object.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .executor import StageExecutor
-from .grad_sync import GradientSynchronizer
-from .p2p import PipeComm, replica_groups
+from pipeline_recipes.strategies.runtime.executor import StageExecutor
+from pipeline_recipes.strategies.runtime.grad_sync import GradientSynchronizer
+from pipeline_recipes.strategies.runtime.p2p import PipeComm, replica_groups
 from pipeline_recipes.core.pipeline_model import PipelineModel, TiedGroup, materialize_local
-from .recompute import recompute_stages
-from .stage import unique_parameters
-from .topology import Topology
-from .versions import WeightVersions
+from pipeline_recipes.strategies.runtime.recompute import recompute_stages
+from pipeline_recipes.strategies.runtime.stage import unique_parameters
+from pipeline_recipes.strategies.runtime.topology import Topology
+from pipeline_recipes.strategies.runtime.versions import WeightVersions
 
 if TYPE_CHECKING:
-    from .engine import PipelineConfig
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
 
 
 def even_partition(num_layers: int, stages: int) -> list[range]:
@@ -179,7 +179,7 @@ def _create_peer_group(topology: Topology, rank: int, timeout: timedelta) -> dis
 def _create_shared_groups(topology: Topology, rank: int, timeout: timedelta, tied: bool
                           ) -> dict[int | str, dist.ProcessGroup]:
     """One group per set of ranks that all-reduces two or more buckets (stages, tied embeddings),
-    so that :class:`~pipeline_recipes.strategies.grad_sync.GradientSynchronizer` can fuse them."""
+    so that :class:`~pipeline_recipes.strategies.runtime.grad_sync.GradientSynchronizer` can fuse them."""
     users: dict[tuple[int, ...], list[int | str]] = {}
     for stage in range(topology.stages):
         users.setdefault(topology.stage_group(stage), []).append(stage)

@@ -1,10 +1,10 @@
 """Record what every rank of a pipeline really posts, without processes or GPUs, for the NCCL replay.
 
-:func:`record_programs` builds the real :class:`~pipeline_recipes.strategies.engine.PipelineEngine` once per rank
+:func:`record_programs` builds the real :class:`~pipeline_recipes.strategies.runtime.engine.PipelineEngine` once per rank
 under torch's ``fake`` process-group backend (every collective a no-op), swaps its transport for
 a :class:`RecordingComm` and runs real steps: the executor's own rounds, waits and shape headers,
 and the engine's collectives (loss normalisers, gradient all-reduces, the loss), become events
-(:mod:`pipeline_recipes.strategies.nccl_replay`) exactly in the order the rank issues them. Receives return zeros
+(:mod:`pipeline_recipes.strategies.harness.nccl_replay`) exactly in the order the rank issues them. Receives return zeros
 of the announced shape: the order of operations does not depend on the values.
 """
 
@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from .engine import PipelineEngine
-from .nccl_replay import P2P, Event, HostRecv, HostSend, HostWait, Post, StreamWait
-from .p2p import Incoming, Outgoing
+from pipeline_recipes.strategies.runtime.engine import PipelineEngine
+from pipeline_recipes.strategies.harness.nccl_replay import P2P, Event, HostRecv, HostSend, HostWait, Post, StreamWait
+from pipeline_recipes.strategies.runtime.p2p import Incoming, Outgoing
 
 
 class _Recorder:
@@ -53,7 +53,7 @@ class _RecordedRound:
 
 
 class RecordingComm:
-    """Stands in for :class:`~pipeline_recipes.strategies.p2p.PipeComm`: records rounds, waits and headers as NCCL
+    """Stands in for :class:`~pipeline_recipes.strategies.runtime.p2p.PipeComm`: records rounds, waits and headers as NCCL
     would see them (batches on the rank's p2p stream, stream-ordered waits)."""
 
     def __init__(self, recorder: _Recorder, device: torch.device, timeout: timedelta,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .schedules import Action
+from pipeline_recipes.strategies.schedules import Action
 
 
 REFERENCE_MAX_AGE_S = 60.0  # float32 milliseconds resolve about 4 µs at a minute

@@ -1,13 +1,13 @@
 """One stage copy on one rank: its layers, the graphs its forwards keep, its weight versions.
 
-The executor (:mod:`pipeline_recipes.strategies.executor`) decides which stage runs what, in the schedule's order,
+The executor (:mod:`pipeline_recipes.strategies.runtime.executor`) decides which stage runs what, in the schedule's order,
 and moves messages; a :class:`PipelineStage` only computes. Each forward keeps what its backward
 needs under a :data:`GraphKey`: the graph, or with recomputation (GPipe §2.3, re-materialization)
 only the input and the RNG state. Backwards come whole (``B``) or split as in Zero Bubble
 Pipeline Parallelism (Qi et al. 2024, §2): ``I`` runs the backward with the linear layers' weight
-gradients deferred (:mod:`pipeline_recipes.strategies.deferred_weights`) and returns the input gradient; ``W`` later
+gradients deferred (:mod:`pipeline_recipes.strategies.compute.deferred_weights`) and returns the input gradient; ``W`` later
 computes the deferred weight gradients, accumulated in ``.grad``. Asynchronous schedules run
-forwards on the step's stashed weight version (:class:`~pipeline_recipes.strategies.versions.WeightVersions`,
+forwards on the step's stashed weight version (:class:`~pipeline_recipes.strategies.runtime.versions.WeightVersions`,
 PipeDream's weight stashing).
 
 The activation bytes a forward keeps (the executor's stored-bytes figures) are counted by
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .deferred_weights import WeightGradientStore, defer_weight_gradients
+from pipeline_recipes.strategies.compute.deferred_weights import WeightGradientStore, defer_weight_gradients
 from pipeline_recipes.core.pipeline_model import Batch, run_layers
-from .schedules.effects import GraphKey
-from .recompute import RngState, SavedBytes
-from .versions import WeightVersions
+from pipeline_recipes.strategies.schedules.effects import GraphKey
+from pipeline_recipes.strategies.runtime.recompute import RngState, SavedBytes
+from pipeline_recipes.strategies.runtime.versions import WeightVersions
 
 LossFn = Callable[[Tensor, Batch], Tensor]  # the last stage's output → this micro-batch's loss share
 

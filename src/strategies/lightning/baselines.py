@@ -1,6 +1,6 @@
 """Baselines to compare the pipeline schedules against: plain DDP and one process.
 
-They train the very same :class:`~pipeline_recipes.strategies.lightning.PipelineModule` (which runs its layers in
+They train the very same :class:`~pipeline_recipes.strategies.lightning.strategy.PipelineModule` (which runs its layers in
 order when no pipeline strategy is active) on the replica's whole mini-batch at once, and accept
 the pipeline settings of ``conf/strategy/*.yaml`` so that one sweep can mix every strategy.
 """
@@ -13,7 +13,7 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
-from .process_group import end_process_group
+from pipeline_recipes.strategies.runtime.process_group import end_process_group
 
 
 class DDPBaseline(DDPStrategy):

@@ -5,7 +5,7 @@ instead of a few hundred kernel launches.
 CUDA graphs (Gray, "Getting Started with CUDA Graphs", NVIDIA Technical Blog, 2019; in PyTorch
 ``torch.cuda.CUDAGraph``) replay a recorded sequence of kernels on the addresses they were recorded on. What
 is captured is each repeated block this rank holds
-(:func:`~pipeline_recipes.strategies.compile.compile_target`: the transformer layer, compiled or not,
+(:func:`~pipeline_recipes.strategies.compute.compile.compile_target`: the transformer layer, compiled or not,
 ``model.compile``), with :func:`torch.cuda.make_graphed_callables`: one autograd node whose
 forward replays the block's forward graph and whose backward replays its backward graph (input and weight
 gradients). The embedding, the head with the loss, the masks and every message stay eager, so nothing
@@ -24,7 +24,7 @@ pool, and a slot is reused only after the backward of the micro-batch that held 
 are the most micro-batches it holds at once, read off the schedule's action list (:func:`slots_needed`).
 
 What cannot be captured is refused before launch
-(:func:`~pipeline_recipes.strategies.cuda_graph_rules.cuda_graphs_error`, and CUDA devices by
+(:func:`~pipeline_recipes.strategies.compute.cuda_graph_rules.cuda_graphs_error`, and CUDA devices by
 :func:`pipeline_recipes.recipe.layout.cuda_graphs_device_error`):
 CPU runs, asynchronous schedules (their weight versions swap parameter storage), recomputation (a no-grad
 forward replayed later under the saved RNG state), split backwards (``W`` would find its weight gradients
@@ -48,10 +48,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .compile import compile_target
-from .deferred_weights import is_deferring
-from .schedules import Schedule
-from .schedules.simulate import slots_needed
+from pipeline_recipes.strategies.compute.compile import compile_target
+from pipeline_recipes.strategies.compute.deferred_weights import is_deferring
+from pipeline_recipes.strategies.schedules import Schedule
+from pipeline_recipes.strategies.schedules.simulate import slots_needed
 
 WARMUP_ITERS = 3  # make_graphed_callables' warm-up passes before capture (its default)
 SHAPE_FIX = ("keep every micro-batch of one shape: pad to a fixed model.seq_len and set data.drop_last=true, "
@@ -236,7 +236,7 @@ class StageGraphs:
     def __init__(self, stage_layers: Mapping[int, Sequence[nn.Module]], layers: Sequence[nn.Module],
                  blocks: Iterable[int], worker: int, report: Callable[[str], None] | None = None) -> None:
         """``layers``: the model's pipeline layers; ``blocks``: the indices of its repeated blocks (listed before
-        a pipeline drops the other ranks' layers, :func:`~pipeline_recipes.strategies.compile.repeated_blocks`);
+        a pipeline drops the other ranks' layers, :func:`~pipeline_recipes.strategies.compute.compile.repeated_blocks`);
         ``report``: where the line saying what was captured goes."""
         wanted = {id(layers[i]) for i in blocks}
         self.worker, self.report = worker, report

@@ -11,7 +11,7 @@
   so a resumed run continues the schedule exactly from the restored step.
 
 The Hydra configs instantiate these with ``_partial_: true``;
-:class:`~pipeline_recipes.strategies.lightning.PipelineModule` completes them with the parameter groups, the optimizer
+:class:`~pipeline_recipes.strategies.lightning.strategy.PipelineModule` completes them with the parameter groups, the optimizer
 and the run's number of steps.
 """
 
