@@ -527,7 +527,7 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int,
     """Every row of one model (see the module docstring), measured together, and the model's sizes;
     ``backend``: ``torch.compile``'s for the compiled rows."""
     from pipeline_recipes.models import build_model
-    from pipeline_recipes.models.registry import preset
+    from pipeline_recipes.models.presets import preset
     from pipeline_recipes.recipe.flops import flops_per_token, matmul_parameters, resolve_utilisation, transformer_shape
     from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
 

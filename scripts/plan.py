@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline_recipes.planner.costs import format_bytes, parse_bytes
     from pipeline_recipes.planner.estimate import with_run_memory
     from pipeline_recipes.planner.memory import device_budget
-    from pipeline_recipes.planner.partition import partition_overrides, recommend_partition
+    from pipeline_recipes.planner.partition_search import partition_overrides, recommend_partition
     from pipeline_recipes.planner.profile import load_or_profile
     from pipeline_recipes.planner.recommend import format_table, plan_all, plan_rows
     from pipeline_recipes.recipe.accelerator import choose_accelerator
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _peaks(costs, cand, part) -> list[float]:
-    from pipeline_recipes.planner.partition import rank_peaks
+    from pipeline_recipes.planner.partition_search import rank_peaks
 
     return rank_peaks(costs, cand, part, keep_sends=not costs.device.startswith("cuda"))
 

@@ -106,7 +106,7 @@ def batch_of(model: Any, size: int, seed: int) -> dict[str, Any]:
 
 def profile(spec: str | dict[str, Any], args: argparse.Namespace, log: Any) -> Any:
     """The profile the planner predicts with: measured now (default) or the planner's cache."""
-    from pipeline_recipes.planner.comm import load_or_measure_comm
+    from pipeline_recipes.planner.comm_profile import load_or_measure_comm
     from pipeline_recipes.planner.profile import DEFAULT_CACHE, load_or_profile, profile_pipeline
 
     cache = Path(args.cache) if args.cache else DEFAULT_CACHE

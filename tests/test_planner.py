@@ -17,7 +17,7 @@ import pytest
 from pipeline_recipes.planner.costs import AlphaBeta, LinearFit, fit_line, parse_bytes, rabenseifner, robust_line
 from pipeline_recipes.planner.memory import Budget, predict_memory, worker_peak
 from pipeline_recipes.planner.model_costs import CommCosts, LayerCosts, ModelCosts, uniform_costs
-from pipeline_recipes.planner.partition import minmax_partition, recommend_partition
+from pipeline_recipes.planner.partition_search import minmax_partition, recommend_partition
 from pipeline_recipes.planner.predict import Candidate, candidates, predict_time
 from pipeline_recipes.planner.recommend import JSON_KEYS, best_config, plan_all
 from pipeline_recipes.strategies.schedules import get_spec, peak_activations, specs
@@ -584,7 +584,7 @@ def test_plan_accuracy_compares_the_pick_with_the_best_measured_per_global_batch
 @pytest.mark.slow
 def test_comm_micro_benchmarks_run_the_runtime_synchronizer() -> None:
     """Two gloo processes: p2p ping-pong, GradientSynchronizer all-reduces, the emulated calibration step."""
-    from pipeline_recipes.planner.comm import measure_comm
+    from pipeline_recipes.planner.comm_profile import measure_comm
 
     comm = measure_comm(sizes=(4096, 65536, 262144), reps=3, steps=3)
     assert comm.measured and comm.process_bytes > 0
@@ -594,7 +594,7 @@ def test_comm_micro_benchmarks_run_the_runtime_synchronizer() -> None:
 
 def test_runtime_calibration_separates_action_cost_from_message_latency() -> None:
     """Steps synthesised with a known per-action cost, per-message latency and per-step cost come back."""
-    from pipeline_recipes.planner.comm import calibrate_runtime
+    from pipeline_recipes.planner.comm_profile import calibrate_runtime
     from pipeline_recipes.strategies.schedules import build_schedule, simulate
 
     t_f, t_comm, o, hop, step = 0.002, 1e-4, 3e-4, 7e-4, 5e-4
@@ -611,7 +611,7 @@ def test_runtime_calibration_separates_action_cost_from_message_latency() -> Non
 def test_nonnegative_least_squares() -> None:
     import numpy as np
 
-    from pipeline_recipes.planner.comm import nonnegative_lstsq
+    from pipeline_recipes.planner.comm_profile import nonnegative_lstsq
 
     a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     assert nonnegative_lstsq(a, a @ np.array([2.0, 3.0])) == pytest.approx([2.0, 3.0])
@@ -620,7 +620,7 @@ def test_nonnegative_least_squares() -> None:
 
 
 def test_comm_samples_combine_as_the_slowest_rank_per_repetition() -> None:
-    from pipeline_recipes.planner.comm import combine_ranks
+    from pipeline_recipes.planner.comm_profile import combine_ranks
 
     def rank(p2p: list[float], allreduce: list[float], steps: list[float], rss: int) -> dict:
         return {"p2p": {4096: p2p}, "allreduce": {4096: allreduce}, "steps": {"gpipe": {2: steps}},

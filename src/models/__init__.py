@@ -26,8 +26,8 @@ _EXPORTS = {
     "DecoderPipelineModel": "decoder", "build_decoder": "decoder",
     "GPT2PipelineModel": "gpt2", "build_gpt2": "gpt2",
     "balanced_partition": "partition", "format_partition_table": "partition", "stage_costs": "partition",
-    "PAPER_PARAMS": "registry", "PRESETS": "registry", "build_model": "registry", "hydra_config": "registry",
-    "model_names": "registry", "preset": "registry",
+    "PAPER_PARAMS": "presets", "PRESETS": "presets", "build_model": "presets", "hydra_config": "presets",
+    "model_names": "presets", "preset": "presets",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -3,15 +3,15 @@
 Chimera §3.4's performance model with measured costs, and CAPTURE's profiling-based memory
 prediction and partition recommendation, for this repository's schedules and runtime::
 
-    costs = load_or_profile(cfg.model)                       # planner.profile (+ planner.comm), cached
+    costs = load_or_profile(cfg.model)                       # planner.profile (+ planner.comm_profile), cached
     plans = plan_all(costs, devices=8, global_batch_size=64, budget=device_budget("cpu"))
     best_config(costs, 8, 64, budget)                        # -> Hydra overrides for train.py
     recommend_partition(costs, plans[0].candidate, "memory") # -> layers per stage
     preflight(cfg_dict, layout)                              # raises PreflightError if it cannot fit
 
-Modules: :mod:`.costs` (formulas), :mod:`.model_costs` (the data), :mod:`.profile` / :mod:`.comm`
+Modules: :mod:`.costs` (formulas), :mod:`.model_costs` (the data), :mod:`.profile` / :mod:`.comm_profile`
 (measurements), :mod:`.estimate` (fake-tensor estimate), :mod:`.predict` (time), :mod:`.memory`
-(memory, budgets), :mod:`.partition`, :mod:`.recommend`, :mod:`.preflight`.
+(memory, budgets), :mod:`.partition_search`, :mod:`.recommend`, :mod:`.preflight`.
 Names are imported lazily, so ``pipeline_recipes.planner.costs`` stays pure Python.
 """
 
@@ -23,11 +23,11 @@ from typing import Any
 _EXPORTS = {
     "AlphaBeta": "costs", "LinearFit": "costs", "fit_line": "costs", "rabenseifner": "costs",
     "CommCosts": "model_costs", "LayerCosts": "model_costs", "ModelCosts": "model_costs",
-    "load_or_profile": "profile", "profile_model": "profile", "measure_comm": "comm",
+    "load_or_profile": "profile", "profile_model": "profile", "measure_comm": "comm_profile",
     "estimate_costs": "estimate",
     "Candidate": "predict", "candidates": "predict", "predict_time": "predict",
     "Budget": "memory", "device_budget": "memory", "predict_memory": "memory",
-    "recommend_partition": "partition",
+    "recommend_partition": "partition_search",
     "Plan": "recommend", "best_config": "recommend", "plan_all": "recommend", "plan_rows": "recommend",
     "PreflightError": "preflight", "preflight": "preflight",
 }

@@ -71,7 +71,7 @@ class LayerCosts:
 
 @dataclass(frozen=True)
 class CommCosts:
-    """Measured with two gloo processes (:mod:`pipeline_recipes.planner.comm`), or defaults.
+    """Measured with two gloo processes (:mod:`pipeline_recipes.planner.comm_profile`), or defaults.
 
     ``p2p``/``allreduce``: α–β constants (Chimera §3.4). ``action_s``: the runtime's own cost per
     scheduled action (executor bookkeeping, message posting) beyond the layers' compute; ``step_s``:

@@ -26,7 +26,7 @@ model whose training state is large (:func:`layers_mode`), only the layers that 
 never needs the whole model in one process.
 
 Every quantity is fitted with a line in ``B`` (:func:`pipeline_recipes.planner.costs.fit_line`). Communication
-constants come from :mod:`pipeline_recipes.planner.comm`; :func:`load_or_profile` caches both as JSON keyed by the
+constants come from :mod:`pipeline_recipes.planner.comm_profile`; :func:`load_or_profile` caches both as JSON keyed by the
 model config and the device (Chimera §3.4: "measured using micro benchmarks").
 """
 
@@ -56,7 +56,7 @@ from pipeline_recipes.strategies.runtime.executor import loss_counts, micro_batc
 from pipeline_recipes.core.pipeline_model import call_layer, run_layers
 from pipeline_recipes.strategies.runtime.recompute import SavedBytes, parameter_storages
 
-from .comm import load_or_measure_comm
+from .comm_profile import load_or_measure_comm
 from .costs import AlphaBeta, fit_line, quantile
 from .model_costs import CommCosts, LayerCosts, ModelCosts
 from .parallel import available_cores

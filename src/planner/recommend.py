@@ -17,7 +17,7 @@ from typing import Any
 from .costs import format_bytes
 from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
-from .partition import recommend_partition
+from .partition_search import recommend_partition
 from .parallel import map_grouped, workers_for
 from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, predict_time, runtime_partition
 
@@ -80,7 +80,7 @@ def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Bu
 
     ``partition``: ``runtime`` (what ``train.py`` runs: ``model.partition(D)``), ``time`` or ``memory``:
     the ``refine`` best candidates (and every one that does not fit) are re-predicted with
-    :func:`pipeline_recipes.planner.partition.recommend_partition`'s split, then all are ranked again.
+    :func:`pipeline_recipes.planner.partition_search.recommend_partition`'s split, then all are ranked again.
     """
     if grad_sync not in GRAD_SYNC:
         raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNC)}, got {grad_sync!r}")

@@ -79,7 +79,7 @@ class ScheduleSpec:
     ``chunks`` when chunks are choosable, ``steps`` when asynchronous. ``rules`` are its own layout
     rules (checked before :data:`~pipeline_recipes.strategies.schedules.rules.COMMON_RULES`). ``fixed_micro_batches``:
     N per update when the schedule fixes it (PipeDream: 1). ``calibrates``: the planner's runtime calibration
-    (:mod:`pipeline_recipes.planner.comm`) runs it: GPipe's critical path has few messages, DAPPLE's one per
+    (:mod:`pipeline_recipes.planner.comm_profile`) runs it: GPipe's critical path has few messages, DAPPLE's one per
     micro-batch and Chimera's one before nearly every action, which together separate the executor's cost
     per action from its latency per message.
     """
