@@ -34,7 +34,7 @@ at 16 samples per step split as micro-batch 16 × 1 and 4 × 4, in one process a
   ``eager+whole_logits`` (4 × 4 only): eager with the loss over the whole micro-batch's logits
   (``loss_chunk_tokens=null``), so ``eager`` ÷ it is the chunked loss's price in time (its head product
   done twice) and its memory what the chunks save.
-  ``tests/test_gpu_check.py`` checks on the CPU that it computes the transformers model's loss and gradients.
+  ``tests/e2e/test_gpu_check.py`` checks on the CPU that it computes the transformers model's loss and gradients.
 
 Compiling happens in a compiled row's warm-up steps (at least ``COMPILE_WARMUP``, also under ``--tiny``),
 never in a timed round: ``models[name]["graphs_compiled_in_timed_rounds"]`` counts TorchDynamo's graphs

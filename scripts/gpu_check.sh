@@ -2,7 +2,7 @@
 # Every GPU check of the project in one command, within 10 minutes on one H100/H200 (6.5 on an H200 at 2026-11):
 #   1. the environment: torch with CUDA, lightning, transformers, hydra-core, omegaconf, pytest-timeout and
 #      this project importable; what is missing is named, and the script exits 2 before anything runs;
-#   2. python -m pytest -m gpu tests/test_cuda_graphs.py tests/test_gpu.py (the first: strategy.cuda_graphs against
+#   2. python -m pytest -m gpu tests/strategies/runtime/test_cuda_graphs.py tests/strategies/runtime/test_gpu.py (the first: strategy.cuda_graphs against
 #      eager steps, well under a minute; all of them about 200 s on an H200): no test starts after
 #      GPU_CHECK_TEST_TIMEOUT_S - 120 seconds (330 by default), none runs longer than 120 s, the whole stops at
 #      GPU_CHECK_TEST_TIMEOUT_S;
@@ -89,10 +89,10 @@ if [ "$env_rc" -ne 0 ]; then
   exit 2
 fi
 
-say "tests: python -m pytest -m gpu tests/test_cuda_graphs.py tests/test_gpu.py (at most ${test_timeout}s)"
+say "tests: python -m pytest -m gpu tests/strategies/runtime/test_cuda_graphs.py tests/strategies/runtime/test_gpu.py (at most ${test_timeout}s)"
 # -o addopts: one process (the GPU tests share one card; the GPU machine has no pytest-xdist)
 timeout -k 10 "$test_timeout" "$PYTHON" -m pytest -p no:cacheprovider -o addopts="-ra --strict-markers" -v -m gpu \
-  tests/test_cuda_graphs.py tests/test_gpu.py \
+  tests/strategies/runtime/test_cuda_graphs.py tests/strategies/runtime/test_gpu.py \
   --timeout=120 --session-timeout=$session_timeout --durations=20 --junitxml="$out/pytest.xml" 2>&1 \
   | tee -a "$log"
 test_rc=${PIPESTATUS[0]}

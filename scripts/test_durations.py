@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def file_seconds(report: Path) -> dict[str, float]:
-    """Per test file (``tests/test_x.py``), the sum of its test cases' times, longest first."""
+    """Per test file (``tests/<package>/test_x.py``), the sum of its test cases' times, longest first."""
     seconds: dict[str, float] = defaultdict(float)
     for case in ET.parse(report).getroot().iter("testcase"):
         module = (case.get("classname") or "").split(".")

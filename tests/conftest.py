@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["slurm"]  # tests/slurm.py: private SLURM cluster fixtures (slurm_one_node, slurm_two_nodes, ...)
+pytest_plugins = ["slurm"]  # tests/support/slurm.py: private SLURM cluster fixtures (slurm_one_node, slurm_two_nodes, ...)
 
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")

@@ -85,7 +85,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                            rope={"rope_type": "default", "rope_theta": 1000000.0}),
 }
 
-# Paper parameter counts (checked by tests/test_models.py on the meta device).
+# Paper parameter counts (checked by tests/models/test_models.py on the meta device).
 PAPER_PARAMS = {"gpt2": 1_389_327_360, "bert48": 669_790_012, "gpt2-small": 124_439_808,
                 "llama3-1b": 1_235_814_400}
 

@@ -110,7 +110,7 @@ class PipelineStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         """Lightning's, except for ranks sharing a GPU over gloo (:func:`share_gpus`): their group is bound
-        to no device, as ``tests/test_gpu.py`` runs them. Bound (Lightning passes the rank's GPU as
+        to no device, as ``tests/strategies/runtime/test_gpu.py`` runs them. Bound (Lightning passes the rank's GPU as
         ``device_id``), every ``new_group`` of the pipeline would be split from the default gloo group."""
         if self._get_process_group_backend() != "gloo" or self.root_device.type == "cpu":
             super().setup_distributed()

@@ -1,0 +1,126 @@
+"""The benchmark scripts' pure parts: the end-to-end table, the comparison systems' optimizer, the planner timer."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_e2e  # noqa: E402
+import bench_planner  # noqa: E402
+import bench_tables  # noqa: E402
+import torch_stages  # noqa: E402
+
+
+def _row(ours: str, theirs: str, ratio: float, same: bool = False) -> dict:
+    return {"ours": ours, "theirs": theirs, "same_schedule": same, "ours_median_s": 0.07,
+            "theirs_median_s": 0.07 * ratio, "throughput_ratio": ratio, "rounds": 60}
+
+
+def test_e2e_table_names_the_same_schedule_torch_best_and_the_engine() -> None:
+    job = "train.py strategy=dapple"
+    data = {"e2e_vs_torch": [_row(job, "ScheduleGPipe", 1.07), _row(job, "Schedule1F1B", 0.93, same=True),
+                             {**_row(job, "torch best", 0.93), "best_class": "Schedule1F1B"},
+                             _row(job, "engine:dapple", 0.94)]}
+    summary, matrix = bench_tables.e2e(data).split("\n\n")
+    assert f"| {job} | 0.07 | Schedule1F1B 0.930 | Schedule1F1B 0.930 | 0.94 | 60 |" in summary
+    assert "| ours \\ theirs | ScheduleGPipe | Schedule1F1B |" in matrix  # engine and best are not classes
+    assert f"| {job} | 1.07 | 0.93 |" in matrix
+
+
+def test_torch_best_is_the_class_with_the_lowest_median() -> None:
+    times = {"job": [1.0, 1.0, 1.0], "A": [0.9, 1.2, 1.1], "B": [1.1, 0.8, 0.95], "engine:dapple": [1.0, 1.0, 1.0]}
+    assert bench_e2e.fastest(times, ("A", "B")) == "B"  # medians 1.1 and 0.95
+    rows = {r["theirs"]: r for r in bench_e2e.e2e_rows("train.py strategy=dapple", "dapple", times, ("A", "B"))}
+    assert rows["torch best"]["best_class"] == "B"
+    assert rows["torch best"]["throughput_ratio"] == rows["B"]["throughput_ratio"] == 0.95  # paired, per round
+    assert rows["engine:dapple"]["throughput_ratio"] == 1.0 and not rows["A"]["same_schedule"]
+
+
+def test_comparison_systems_step_the_jobs_optimizer() -> None:
+    weight = torch.nn.Parameter(torch.ones(3))
+    job = torch.optim.AdamW([weight], lr=3e-4, betas=(0.8, 0.9), weight_decay=0.05, fused=True)
+    other = bench_e2e.same_optimizer(job)([torch.nn.Parameter(torch.ones(2))])
+    assert type(other) is torch.optim.AdamW
+    assert other.defaults == job.defaults and other.defaults["fused"] is True
+    assert {k: other.defaults[k] for k in ("lr", "betas", "weight_decay")} == {"lr": 3e-4, "betas": (0.8, 0.9),
+                                                                             "weight_decay": 0.05}
+
+
+def test_every_torch_class_has_the_placement_of_ours() -> None:
+    from pipeline_recipes.strategies.schedules import build_schedule
+
+    for name, cls in bench_e2e.SAME_SCHEDULE.items():
+        schedule = build_schedule(name, 2, 4, chunks=2 if len(torch_stages.TORCH_STAGES[cls](0, 2)) == 2 else None)
+        for rank in range(2):
+            held = tuple(s for s in range(len(schedule.placement[0])) if schedule.placement[0][s] == rank)
+            assert sorted(held) == sorted(torch_stages.TORCH_STAGES[cls](rank, 2)), (name, rank)
+
+
+def test_the_committed_record_re_derives_from_its_per_round_times() -> None:
+    """``benchmarks/bench.json`` can be checked: every paired ratio of §0, §1 (Chimera vs DAPPLE) and
+    §2 (against torch, and Chimera + zero bubble against ours) equals the median of per-round ratios
+    recomputed from the times stored beside it."""
+    data = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "bench.json").read_text())
+    details = data["details"]
+
+    def paired(theirs: list[float], ours: list[float]) -> float:  # their time ÷ ours, per round
+        return statistics.median(t / o for t, o in zip(theirs, ours, strict=True))
+
+    times = {r["system"]: r["times_s"] for r in details["vs_torch_times"]}
+    for row in data["vs_torch"]:
+        assert row["throughput_ratio"] == paired(times[f"theirs:{row['theirs']}"], times[f"ours:{row['ours']}"])
+    for row in data["bidirectional"]:
+        assert row["throughput_ratio"] == paired(times[f"ours:{row['versus']}"], times[f"ours:{row['schedule']}"])
+    rounds = {(r["schedule"], r["D"], r["N"]): r["times_s"] for r in details["efficiency_times"]}
+    for row in data["chimera_vs_dapple"]:
+        key = (row["D"], row["N"])
+        assert row["measured_ratio"] == paired(rounds[("chimera", *key)], rounds[("dapple", *key)])
+    for row in data["e2e_vs_torch"]:
+        job = details["e2e_times"][row["ours"]]
+        theirs = row["best_class"] if row["theirs"] == "torch best" else row["theirs"]
+        assert row["throughput_ratio"] == paired(job[theirs], job["job"]), (row["ours"], row["theirs"])
+
+
+def test_planner_timer_reports_a_childs_own_cpu_memory_and_cache() -> None:
+    """A child that burns CPU and holds 200 MB: its CPU seconds and peak RSS (``wait4``), its exit status,
+    and the empty cache directory it was given (the planner must measure, not read a cache). The timer
+    runs in a fresh process, as ``bench_planner.py`` does: Linux carries the caller's own peak into the
+    child's across ``exec``, and this test's process may hold more than a GiB."""
+    import subprocess
+
+    code = ("import os, time\nx = bytearray(200 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\n"
+            "t = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+            "print(sorted(os.listdir(os.environ['PIPELINE_RECIPES_CACHE'])))\nraise SystemExit(3)")
+    timer = (f"import json, sys; sys.path.insert(0, {str(SCRIPTS)!r}); import bench_planner; "
+             f"print(json.dumps(bench_planner.time_command('probe', [sys.executable, '-c', {code!r}])))")
+    result = subprocess.run([sys.executable, "-c", timer], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["returncode"] == 3 and row["cpu_s"] >= 0.3 and row["wall_s"] >= row["cpu_s"] - 0.1
+    assert 200 * 2**20 <= row["peak_rss_bytes"] < 2**30
+    assert row["last_lines"][-1] == "['output.txt']"  # only the timer's own log: an empty cache
+
+
+def test_hop_seconds_recovers_the_transfer_time_the_simulator_was_given() -> None:
+    """``bench.hop_seconds`` inverts ``simulate(..., t_comm=c)``: a step as long as the simulation with
+    3 ms per message between workers reads 3 ms, for one-chunk and two-chunk schedules and split
+    backwards; a step no longer than the simulation without messages reads 0."""
+    import bench
+
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
+    from pipeline_recipes.strategies.schedules import simulate
+
+    for name, D, N, t_w in [("dapple", 2, 4, None), ("gpipe", 3, 5, None), ("interleaved_1f1b", 2, 4, None),
+                            ("zbv", 2, 4, 0.01), ("chimera", 4, 4, None)]:
+        schedule = PipelineConfig(name, D, 1).build(N)
+        step = simulate(schedule, 0.02, 0.04, t_w=t_w, t_comm=0.003).makespan
+        assert bench.hop_seconds(schedule, step, 0.02, 0.04, t_w) == pytest.approx(0.003, rel=1e-6), name
+        assert bench.hop_seconds(schedule, simulate(schedule, 0.02, 0.04, t_w=t_w).makespan, 0.02, 0.04, t_w) == 0.0

@@ -1,0 +1,266 @@
+"""Every setting checked before launch, and the stage table of workers holding several stages.
+
+* A value outside a setting's fixed set (``strategy.grad_sync=eagr``) and a global batch that W·B does
+  not divide stop ``train.py`` with exit status 2 and one message before any process starts.
+* A misspelled key of any config group (``model.n_layr=4``) gets the key it resembles, not Hydra's
+  advice to append it.
+* The printed partition table lists the S = v·D stages that train and the worker holding each, as the
+  strategy's ``rank r: … stages […]`` line does.
+
+The ``train.py`` runs are refused before any worker starts (a second or two each).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path}"]
+    return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+
+
+def _refused(result: subprocess.CompletedProcess, tmp_path: Path) -> str:
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "logs").exists()  # no worker was started
+    return result.stderr
+
+
+# -- fixed sets of values --------------------------------------------------------------------------------------
+
+
+def _runtime_values() -> dict[str, tuple[str, ...]]:
+    """The values the runtime itself accepts (the modules that run them)."""
+    from pipeline_recipes.datamodules.synthetic import STRUCTURES
+    from pipeline_recipes.strategies.runtime.grad_sync import GRAD_SYNC_MODES
+    from pipeline_recipes.strategies.runtime.recompute import RECOMPUTE_MODES
+
+    return {"strategy.grad_sync": GRAD_SYNC_MODES, "strategy.recompute": RECOMPUTE_MODES, "data.structure": STRUCTURES}
+
+
+def test_the_launch_check_allows_what_the_runtime_runs() -> None:
+    from pipeline_recipes.recipe.layout import fixed_settings
+
+    table = {s.key: s.values for s in fixed_settings()}
+    for key, values in _runtime_values().items():
+        assert table[key] == tuple(values), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, key, value, close",
+    [
+        (["strategy.grad_sync=eagr"], "strategy.grad_sync", "eagr", "eager"),
+        (["strategy=gpipe", "strategy.recompute=alway"], "strategy.recompute", "alway", "always"),
+        (["checkpoint.keep=last"], "checkpoint.keep", "last", "latest"),
+        (["nonfinite_loss=skipp"], "nonfinite_loss", "skipp", "skip"),
+    ],
+)
+def test_a_value_outside_its_set_stops_before_launch(tmp_path: Path, overrides: list[str], key: str, value: str,
+                                                      close: str) -> None:
+    err = _refused(_train(tmp_path, *overrides, "trainer=cpu"), tmp_path)
+    allowed = {**_runtime_values(), "checkpoint.keep": ("latest", "all"), "nonfinite_loss": ("stop", "skip")}[key]
+    assert f"{key} = {value!r} is not one of" in err
+    assert all(v in err for v in allowed)
+    assert f"did you mean {close!r}? set {key}={close}" in err
+    assert err.count("error:") == 1
+
+
+@pytest.mark.slow
+def test_an_unknown_concat_method_stops_before_launch(tmp_path: Path) -> None:
+    """strategy.concat is the schedule registry's rule (Chimera §3.5's methods, or auto)."""
+    from pipeline_recipes.strategies.schedules import AUTO_CONCAT, CONCAT_METHODS
+
+    err = _refused(_train(tmp_path, "strategy=chimera", "strategy.concat=forward_dubling", "trainer=cpu"), tmp_path)
+    assert "strategy.concat = 'forward_dubling'" in err
+    assert all(v in err for v in (*CONCAT_METHODS, AUTO_CONCAT))
+    assert "did you mean 'forward_doubling'?" in err
+
+
+# -- the global batch ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch, devices, D, B, explicit_w", [(10, 4, 2, 3, False), (9, 4, 2, 3, False),
+                                                               (14, 8, 2, 2, True)])
+def test_batch_message_names_both_settings_and_fixes_that_work(batch: int, devices: int, D: int, B: int,
+                                                               explicit_w: bool) -> None:
+    W = devices // D
+    strategy = {"name": "gpipe", "D": D, "micro_batch_size": B, **({"W": W} if explicit_w else {})}
+    with pytest.raises(ConfigError) as info:
+        resolve_layout(strategy, {"devices": devices}, batch, 8)
+    message = str(info.value)
+    assert f"data.global_batch_size = {batch} is not divisible by W·B = {W}·{B} = {W * B}" in message
+    assert f"strategy.micro_batch_size = {B}" in message
+    assert (f"strategy.W = {W}" if explicit_w else f"trainer.devices × trainer.num_nodes = {devices} processes / "
+            f"strategy.D = {D}") in message
+    fixes = info.value.fixes
+    batches = [int(f["data.global_batch_size"]) for f in fixes if set(f) == {"data.global_batch_size"}]
+    sizes = [int(f["strategy.micro_batch_size"]) for f in fixes if set(f) == {"strategy.micro_batch_size"}]
+    # the nearest multiples of W·B each way, and every micro-batch size that divides B̂ / W; each one is accepted
+    assert batches == [v for v in ((batch // (W * B)) * W * B, (batch // (W * B) + 1) * W * B) if v > 0]
+    for fixed in batches:
+        resolve_layout(strategy, {"devices": devices}, fixed, 8)
+    if batch % W:
+        assert sizes == [] and f"not a multiple of W = {W}" in message
+    else:
+        assert sizes == [b for b in range(1, batch + 1) if (batch // W) % b == 0 and batch % (W * b) == 0]
+        for b in sizes:
+            resolve_layout({**strategy, "micro_batch_size": b}, {"devices": devices}, batch, 8)
+    for fix in fixes[len(batches) + len(sizes):]:  # then other depths: W changes with D
+        assert set(fix) == {"strategy.D"}
+        resolve_layout({**strategy, "D": int(fix["strategy.D"])}, {"devices": devices}, batch, 8)
+
+
+@pytest.mark.slow
+def test_batch_refusal_from_train_py(tmp_path: Path) -> None:
+    err = _refused(_train(tmp_path, "strategy=gpipe", "trainer=cpu", "trainer.devices=4", "strategy.D=2",
+                          "strategy.micro_batch_size=3", "data.global_batch_size=10"), tmp_path)
+    assert "data.global_batch_size = 10" in err and "strategy.micro_batch_size = 3" in err
+    assert "a multiple of 6" in err and "strategy.micro_batch_size=1 or strategy.micro_batch_size=5" in err
+
+
+# -- misspelled keys -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.n_layr=4"], "model.n_layr is not a setting of model=gpt2-tiny; did you mean 'n_layer'? "
+                             "(to add a new key on purpose, write +model.n_layr=4)"),
+        (["strategy=gpipe", "strategy.grad_sink=end"], "strategy.grad_sink is not a setting of strategy=gpipe; "
+                                                       "did you mean 'grad_sync'?"),
+        (["data.global_bach_size=8"], "data.global_bach_size is not a setting of data=synthetic; "
+                                      "did you mean 'global_batch_size'?"),
+        (["trainer.max_step=3"], "trainer.max_step is not a setting of trainer=auto; did you mean 'max_steps'?"),
+        (["optim=sgd", "optim.momentun=0.5"], "optim.momentun is not a setting of optim=sgd; did you mean 'momentum'?"),
+        (["scheduler.warmup_step=2"], "scheduler.warmup_step is not a setting of scheduler=cosine; "
+                                      "did you mean 'warmup_steps'?"),
+        (["logger.projct=x"], "logger.projct is not a setting of logger=wandb; did you mean 'project'?"),
+        (["seeed=1"], "seeed is not a top-level setting of config.yaml; did you mean 'seed'? "
+                      "(to add a new key on purpose, write +seeed=1)"),
+        (["checkpoint.kep=all"], "checkpoint.kep is not a setting of checkpoint; did you mean 'keep'?"),
+        # a sweep: the key exists under gpipe, not under ddp
+        (["-m", "strategy=gpipe,ddp", "strategy.chunks=2"], "strategy.chunks is not a setting of strategy=ddp"),
+    ],
+)
+def test_a_misspelled_key_gets_the_key_it_resembles(tmp_path: Path, overrides: list[str], message: str) -> None:
+    result = _train(tmp_path, *overrides)
+    err = _refused(result, tmp_path)
+    assert f"error: {message}" in err
+    assert "To append to your config" not in err
+
+
+def _train_module():
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["model=llama-tiny", "model.family=mistral", "+model.sliding_window=512"],
+        ["model=llama-tiny", "model.num_key_value_heads=1"],
+        ["-m", "strategy=gpipe,dapple,chimera", "strategy.D=2,4", "trainer.devices=4"],
+        ["--config-dir", str(ROOT / "recipes"), "--config-name", "schedules-cpu", "trainer.max_steps=2"],
+        ["--cfg", "job", "strategy.micro_batch_size=2"],
+        ["--help"],
+    ],
+)
+def test_valid_command_lines_pass_the_key_check(argv: list[str]) -> None:
+    train = _train_module()
+    train.check_setting_keys(argv)  # returns (no exit)
+    assert train._unknown_key(argv)[0] is None
+
+
+def test_the_key_check_leaves_other_errors_to_hydra() -> None:
+    train = _train_module()
+    train.check_setting_keys(["+seed=3"])  # already there: Hydra says to drop the + or use ++
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["strategy=dappel"], "strategy=dappel: config group 'strategy' has no option 'dappel'; choose one of "),
+    (["-m", "strategy=gpipe,chimra"], "strategy=chimra: config group 'strategy' has no option 'chimra'"),
+    (["model=gpt3"], "model=gpt3: config group 'model' has no option 'gpt3'"),
+])
+def test_a_misspelled_group_option_gets_the_options_and_the_closest(argv: list[str], message: str) -> None:
+    """The options come from the conf/ folder itself; the closest is difflib's (an independent spelling rule)."""
+    import difflib
+
+    train = _train_module()
+    got, _ = train._unknown_key(argv)
+    group, value = message.split(":")[0].split("=")
+    options = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+    assert got.startswith(message) and got.split("choose one of ")[1].startswith(", ".join(options))
+    close = difflib.get_close_matches(value, options, n=1)
+    assert got.endswith(f"; did you mean {group}={close[0]}?" if close else ", ".join(options))
+
+
+def test_a_misspelled_schedule_or_concat_method_gets_the_closest() -> None:
+    from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
+    from pipeline_recipes.strategies.schedules import ScheduleError, get_spec
+
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'chimra'.*; did you mean 'chimera'\?$"):
+        get_spec("chimra")
+    with pytest.raises(ConfigError, match=r"strategy 'interleaved' .*; did you mean 'interleaved_1f1b'\? set "
+                                          r"strategy.name=interleaved_1f1b$"):
+        resolve_layout({"name": "interleaved", "D": 2, "micro_batch_size": 1}, {"devices": 2}, 8, 4)
+
+
+# -- the stage table -------------------------------------------------------------------------------------------
+
+
+def _tiny_model():
+    from hydra.utils import instantiate
+
+    return instantiate(OmegaConf.load(ROOT / "conf" / "model" / "gpt2-tiny.yaml"), device="meta")
+
+
+def _expected_holders(schedule: str, D: int) -> list[set[int]]:
+    """Worker(s) of each stage from the papers' placements: one stage per worker (GPipe), the V of ZB-V and
+    DualPipeV (worker w: stages w and 2D − 1 − w), Chimera's down and up pipelines (stage s on workers s and
+    D − 1 − s)."""
+    if schedule in ("zbv", "dualpipev"):
+        return [{s if s < D else 2 * D - 1 - s} for s in range(2 * D)]
+    if schedule == "chimera":
+        return [{s, D - 1 - s} for s in range(D)]
+    return [{s} for s in range(D)]
+
+
+@pytest.mark.parametrize("schedule, D", [("zbv", 2), ("dualpipev", 2), ("zbv", 3), ("gpipe", 2), ("chimera", 4)])
+def test_stage_table_lists_the_stages_that_train_and_their_workers(schedule: str, D: int) -> None:
+    from pipeline_recipes.recipe.job import stage_table
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
+    from pipeline_recipes.strategies.runtime.topology import Topology
+
+    config, W = PipelineConfig(schedule, D), 2
+    expected = _expected_holders(schedule, D)
+    S = len(expected)
+    text = stage_table(_tiny_model(), config, W)
+    rows = [line for line in text.splitlines() if re.match(r"\s*\d+ \|", line)]
+    assert [int(r.split("|")[0]) for r in rows] == list(range(S))
+    placement = dict(re.findall(r"stage (\d+) → workers? ([\d and]+)", text))
+    holders = [{int(w) for w in placement[str(s)].split(" and ")} for s in range(S)]
+    assert holders == expected
+    # the strategy's per-rank line names the same stages for every rank
+    topology = Topology.from_schedule(config.build(config.smallest_micro_batches), W)
+    for rank in range(W * D):
+        stages = re.search(r"stages \[([\d, ]+)\]", topology.describe(rank)).group(1)
+        held = [s for s in range(S) if rank % D in holders[s]]
+        assert [int(s) for s in stages.split(", ")] == held
