@@ -230,6 +230,6 @@ def test_the_submitit_sweep_runs_on_a_cpu_partition_with_the_preset_as_shipped(s
 
 def test_the_cluster_tests_pass_inside_a_slurm_allocation(cluster: Cluster) -> None:
     inside = subprocess.run(["srun", "--nodes=1", "--ntasks=1", sys.executable, "-m", "pytest", "-q", "-n", "0",
-                             "-p", "no:cacheprovider", "-m", "not slow", str(ROOT / "tests" / "test_cluster.py")],
+                             "-p", "no:cacheprovider", "-m", "not slow", str(ROOT / "tests" / "recipe" / "test_cluster.py")],
                             env=cluster.environ(_env()), cwd=ROOT, text=True, capture_output=True, timeout=300)
     assert inside.returncode == 0, inside.stdout[-3000:] + inside.stderr[-2000:]
