@@ -311,7 +311,7 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
     import torch.distributed.pipelining as pipelining
     from torch import nn
 
-    from pipeline_recipes.models.gpt2 import causal_lm_loss
+    from pipeline_recipes.models.causal_lm import causal_lm_loss
     from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine, even_partition
 
     batch = _gpt2_batch(size, samples)

@@ -88,7 +88,7 @@ class _TorchSchedule:
         from torch import nn
         from torch.distributed import pipelining
 
-        from pipeline_recipes.models.gpt2 import causal_lm_loss
+        from pipeline_recipes.models.causal_lm import causal_lm_loss
         from pipeline_recipes.strategies.runtime.engine import even_partition
 
         self.rank, world = dist.get_rank(), dist.get_world_size()
