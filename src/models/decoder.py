@@ -145,8 +145,8 @@ class DecoderPipelineModel(CausalLMPipelineModel):
 
     @override
     def materialize(self, layers: Iterable[int] | None, device: str | torch.device) -> None:
-        """As :meth:`HFPipelineModel.materialize`; with ``pretrained`` the layers' tensors are then read
-        from the checkpoint (only those of ``layers``)."""
+        """As :meth:`~pipeline_recipes.models.base.HFPipelineModel.materialize`; with ``pretrained`` the layers'
+        tensors are then read from the checkpoint (only those of ``layers``)."""
         indices = range(len(self.layers)) if layers is None else sorted(set(layers))
         super().materialize(indices, device)
         if self.pretrained:
