@@ -136,7 +136,7 @@ def build_model(name_or_cfg: str | Mapping[str, Any], **overrides: Any) -> HFPip
         kwargs.pop("_target_", None)
         if "family" not in kwargs:
             if kwargs.get("name") not in PRESETS:
-                raise ValueError(f"a model config needs 'family' ({', '.join(sorted(TARGETS))}) or a preset 'name'")
+                raise ValueError(f"a model config needs 'family' ({', '.join(sorted(FAMILIES))}) or a preset 'name'")
             kwargs = {**preset(kwargs["name"]), **kwargs}
     kwargs.update(overrides)
     return _builder(kwargs["family"])(**kwargs)
