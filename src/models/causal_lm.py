@@ -50,10 +50,6 @@ class CausalLMPipelineModel(HFPipelineModel):
         """The last pipeline layer."""
         return self.layers[-1]
 
-    @override
-    def pipeline_input(self, batch: Batch) -> Tensor:
-        return batch["input_ids"]
-
     @staticmethod
     def _labels(batch: Batch) -> Tensor:
         return batch["labels"] if "labels" in batch else batch["input_ids"]
