@@ -54,7 +54,7 @@ import torch
 
 from pipeline_recipes.strategies.schedules import specs
 from pipeline_recipes.strategies.harness.spawn import run_world
-from torch_stages import TORCH_STAGES
+from torch_stages import same_schedule, stages_held
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -311,7 +311,7 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
     import torch.distributed.pipelining as pipelining
     from torch import nn
 
-    from pipeline_recipes.models.gpt2 import causal_lm_loss
+    from pipeline_recipes.models.causal_lm import causal_lm_loss
     from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine, even_partition
 
     batch = _gpt2_batch(size, samples)
@@ -323,7 +323,7 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
     for label in theirs:
         model = _gpt2(size)
         layers = model.pipeline_layers()
-        held = TORCH_STAGES[label](rank, world)  # this rank's stage indices, the same placement as ours
+        held = stages_held(label, rank, world)  # this rank's stage indices, the same placement as ours
         S = 2 * world if len(held) == 2 else world
         part = even_partition(len(layers), S)
         modules = {s: nn.Sequential(*[layers[i] for i in part[s]]) for s in held}
@@ -417,13 +417,13 @@ GPT2_QUICK = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 1000, "seq": 32}
 
 def part_vs_torch(quick: bool) -> dict[str, list[dict]]:
     size, samples, mbs, steps, warmup = (GPT2_QUICK, 4, 2, 2, 1) if quick else (GPT2_BENCH, 16, 4, 11, 2)
-    pairs = [("gpipe", "ScheduleGPipe"), ("dapple", "Schedule1F1B"), ("chimera", "Schedule1F1B"),
-             ("chimera", "ScheduleGPipe"), ("interleaved_1f1b", "ScheduleInterleaved1F1B"),
-             ("zb_h1", "ScheduleInterleavedZeroBubble"), ("zbv", "ScheduleZBVZeroBubble"),
-             ("dualpipev", "ScheduleDualPipeV"), ("chimera_zb", "ScheduleZBVZeroBubble"),
-             ("chimera_zb", "ScheduleDualPipeV")]
+    torch_class = same_schedule()
+    # each schedule against torch's class of the same schedule, then Chimera (+ zero bubble) against the
+    # classes of the schedules it is measured with
+    pairs = [*torch_class.items(), ("chimera", torch_class["dapple"]), ("chimera", torch_class["gpipe"]),
+             ("chimera_zb", torch_class["zbv"]), ("chimera_zb", torch_class["dualpipev"])]
     if quick:
-        pairs = [pairs[1], pairs[6]]
+        pairs = [(ours, theirs) for ours, theirs in pairs if ours in ("dapple", "zbv")]
     ours = tuple(dict.fromkeys(p[0] for p in pairs))
     theirs = tuple(dict.fromkeys(p[1] for p in pairs))
     rows = run_world(2, _vs_torch_worker, size, samples, mbs, steps, warmup, ours, theirs)[0]
@@ -469,7 +469,7 @@ def part_e2e(quick: bool) -> dict[str, Any]:
     from bench_e2e import part_e2e as run_e2e
 
     if quick:
-        return run_e2e(quick, ours=("dapple",), theirs=("ScheduleGPipe", "Schedule1F1B"))
+        return run_e2e(quick, ours=("dapple",), theirs=tuple(same_schedule()[name] for name in ("gpipe", "dapple")))
     return run_e2e(quick, ours=e2e_schedules(), without_logger=("dapple",))
 
 

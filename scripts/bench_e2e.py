@@ -11,9 +11,8 @@ within a fraction of a second (paired ratios, as the rest of ``bench.py``).
 * The job's iteration time is measured from the end of this hook to its next call: everything
   Lightning does for one step (fetching the batch, the hooks, the training step, the optimizer,
   logging, the other callbacks). The largest time over the ranks counts.
-* ``torch``: each of torch's classes in ``scripts/torch_stages.py`` (``ScheduleGPipe``, ``Schedule1F1B``,
-  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
-  ``ScheduleDualPipeV``) on the same model, stage split (the engine's ``even_partition`` over the
+* ``torch``: each of torch's classes the schedule registry names (``ScheduleSpec.torch_class``, read by
+  ``scripts/torch_stages.py``) on the same model, stage split (the engine's ``even_partition`` over the
   class's number of stages, each rank holding the stages ours would), micro-batches and gloo
   processes; each step starts after a barrier and lasts until the slowest rank returns.
 * ``engine:<schedule>``: this repository's engine stepped directly (no Lightning), the same schedule
@@ -44,7 +43,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch_stages import TORCH_STAGES
+from torch_stages import same_schedule, stages_held, torch_classes
 
 SIZE = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1000, "seq": 64}  # the benchmark model of BENCHMARKS.md §0
 SIZE_QUICK = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 1000, "seq": 32}
@@ -88,12 +87,12 @@ class _TorchSchedule:
         from torch import nn
         from torch.distributed import pipelining
 
-        from pipeline_recipes.models.gpt2 import causal_lm_loss
+        from pipeline_recipes.models.causal_lm import causal_lm_loss
         from pipeline_recipes.strategies.runtime.engine import even_partition
 
         self.rank, world = dist.get_rank(), dist.get_world_size()
         layers = build_gpt2(size).pipeline_layers()
-        held = TORCH_STAGES[label](self.rank, world)
+        held = stages_held(label, self.rank, world)
         S = world * len(held)
         part = even_partition(len(layers), S)
         modules = [nn.Sequential(*[layers[i] for i in part[s]]) for s in held]
@@ -211,7 +210,8 @@ class InterleavedRounds(Callback):
         self.out, self.kind, self.warmup = Path(out), kind, warmup
         self.size = SIZE_QUICK if quick else SIZE
         self.micro_batches, self.samples = micro_batches, samples
-        self.labels = list(systems or (["ScheduleGPipe", "Schedule1F1B"] if kind == "torch" else ["plain_lightning"]))
+        default = [SAME_SCHEDULE[name] for name in ("gpipe", "dapple")] if kind == "torch" else ["plain_lightning"]
+        self.labels = list(systems or default)
         self.systems: dict[str, Any] = {}
         self.times: dict[str, list[float]] = {"job": [], **{label: [] for label in self.labels}}
         self._resumed: float | None = None
@@ -303,8 +303,7 @@ def common_overrides(quick: bool, steps: int) -> list[str]:
             f"trainer.max_steps={steps}", "trainer.gradient_clip_val=null", "preflight=false", "checkpoint.every_n_steps=null"]
 
 
-SAME_SCHEDULE = {"gpipe": "ScheduleGPipe", "dapple": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-                 "zb_h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+SAME_SCHEDULE = same_schedule()  # our schedule -> torch's class of the same schedule (ScheduleSpec.torch_class)
 TORCH_BEST = "torch best"  # the class with the lowest median step in the job's rounds
 
 
@@ -332,7 +331,7 @@ def e2e_rows(label_ours: str, name: str, times: dict[str, list[float]], theirs: 
 
 def part_e2e(quick: bool, rounds: int | None = None, ours: tuple[str, ...] = ("gpipe", "dapple"),
              extra: list[str] | None = None, without_logger: tuple[str, ...] = (),
-             theirs: tuple[str, ...] = tuple(TORCH_STAGES)) -> dict[str, Any]:
+             theirs: tuple[str, ...] = torch_classes()) -> dict[str, Any]:
     """``e2e_vs_torch``: each of ``ours`` through ``train.py`` (D = 2, 4 micro-batches) against each of
     ``theirs`` (torch's classes), against the fastest of them in each round (``torch best``) and against
     the bare engine (``engine:<name>``); ``e2e_overhead_d1``: ``train.py strategy=single`` against a plain

@@ -244,7 +244,8 @@ def handwritten_loss(hand: HandGPT2 | HandLlama, input_ids: Tensor, chunk: int |
     """The next-token loss of ``hand`` on ``input_ids`` (the mean over the predicted tokens), its head
     projected ``chunk`` tokens at a time as the project's models do (``model.loss_chunk_tokens``:
     :func:`pipeline_recipes.models.lm_loss.linear_cross_entropy`; ``None``: the whole logits)."""
-    from pipeline_recipes.models.gpt2 import IGNORE_INDEX, shift_labels
+    from pipeline_recipes.core.pipeline_model import IGNORE_INDEX
+    from pipeline_recipes.models.causal_lm import shift_labels
     from pipeline_recipes.models.lm_loss import linear_cross_entropy
 
     targets = shift_labels(input_ids)

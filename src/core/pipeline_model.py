@@ -43,6 +43,8 @@ import torch
 from torch import Tensor, nn
 
 Batch = Mapping[str, Any]
+# The label of a position no loss is computed for (PyTorch's ``cross_entropy`` default, HF's convention).
+IGNORE_INDEX = -100
 TiedGroup = tuple[tuple[int, str], ...]
 
 

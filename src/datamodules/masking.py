@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from pipeline_recipes.core.pipeline_model import IGNORE_INDEX
+
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)
 GPT2_SPECIAL_TOKENS = ("<|endoftext|>",)

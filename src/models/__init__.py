@@ -28,6 +28,7 @@ _EXPORTS = {
     "balanced_partition": "partition", "format_partition_table": "partition", "stage_costs": "partition",
     "PAPER_PARAMS": "presets", "PRESETS": "presets", "build_model": "presets", "hydra_config": "presets",
     "model_names": "presets", "preset": "presets",
+    "FAMILIES": "families", "ModelFamily": "families", "decoder_families": "families", "model_family": "families",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -29,14 +29,11 @@ from torch import Tensor, nn
 from transformers import BertConfig, BertForPreTraining
 from transformers.masking_utils import create_bidirectional_mask
 
-from pipeline_recipes.core.pipeline_model import Batch, TiedGroup
+from pipeline_recipes.core.pipeline_model import IGNORE_INDEX, Batch, TiedGroup
 
 from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
 from .lm_loss import DEFAULT_CHUNK_TOKENS, check_chunk_tokens, linear_cross_entropy
 from .masks import MaskCache
-
-IGNORE_INDEX = -100
-
 
 class BertEmbeddingLayer(nn.Module):
     """``input_ids -> BertEmbeddings(input_ids, token_type_ids)`` (word + position + type, LayerNorm, dropout)."""

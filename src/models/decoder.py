@@ -1,4 +1,4 @@
-"""Decoder-only language models from ``transformers`` (Llama, Mistral, Qwen2, Qwen3) as pipelines.
+"""Decoder-only language models from ``transformers`` (Llama and the families of the same layout) as pipelines.
 
 Llama (Touvron et al., "LLaMA: Open and Efficient Foundation Language Models", 2023, §2.2) and its
 descendants share one layout in ``transformers``: ``<Family>ForCausalLM.model`` holds ``embed_tokens``,
@@ -21,14 +21,15 @@ activation tensor travels between stages:
   Each kind's mask, and the rotary pair, is built once per stage forward and shared by the stage's
   layers (:class:`~pipeline_recipes.models.masks.MaskCache`), as ``<Family>Model.forward`` builds one per kind.
 
-The loss is the causal-LM cross entropy of GPT-2's pipeline (:func:`~pipeline_recipes.models.gpt2.causal_lm_loss`,
+The loss is the causal-LM cross entropy shared with GPT-2's pipeline (:mod:`~pipeline_recipes.models.causal_lm`,
 ``transformers.loss.loss_utils.ForCausalLMLoss``); as there, with ``loss_chunk_tokens`` set (the default)
 the head layer returns the normalised hidden states and the loss projects them onto the vocabulary a
 chunk of tokens at a time (:func:`.lm_loss.linear_cross_entropy`). Tied word embeddings (the small Llama 3.2 and
 Qwen2 models) make the embedding layer and the head share one ``Parameter``, listed by
 ``tied_parameters`` so the runtime sums the two stages' gradients.
 
-Only the families whose ``<Family>Model.forward`` is exactly the above are accepted (``FAMILIES``);
+Only the families whose ``<Family>Model.forward`` is exactly the above are accepted (the decoder entries of
+:data:`~pipeline_recipes.models.families.FAMILIES`);
 others (Gemma scales its embeddings, Gemma 2 soft-caps logits, ...) would train a different model.
 
 ``pretrained=<hub name or local directory>`` takes the architecture from the checkpoint's
@@ -47,21 +48,15 @@ from torch import Tensor, nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from typing_extensions import override
 
-from pipeline_recipes.core.pipeline_model import Batch, TiedGroup
+from pipeline_recipes.core.pipeline_model import Batch
 
-from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
-from .gpt2 import IGNORE_INDEX, causal_lm_loss, shift_labels
+from .base import build_on_meta, finish_build, make_hf_config
+from .causal_lm import CausalLMPipelineModel
+from .families import FAMILIES, decoder_families
 from .lm_loss import DEFAULT_CHUNK_TOKENS, ChunkedLMHead, check_chunk_tokens
 from .masks import MaskCache
 from .pretrained import checkpoint_config, load_layers
 
-# model_type -> (config class, causal-LM class), names in ``transformers``
-FAMILIES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-}
 MASK_KINDS = ("full_attention", "sliding_attention")
 
 
@@ -129,7 +124,7 @@ class DecoderHead(ChunkedLMHead):
         super().__init__("norm", norm, lm_head, chunk_tokens)
 
 
-class DecoderPipelineModel(HFPipelineModel):
+class DecoderPipelineModel(CausalLMPipelineModel):
     """A Llama-style causal LM split into ``num_hidden_layers + 2`` layers sharing parameters with
     ``reference()`` (see the module docstring)."""
 
@@ -150,46 +145,12 @@ class DecoderPipelineModel(HFPipelineModel):
 
     @override
     def materialize(self, layers: Iterable[int] | None, device: str | torch.device) -> None:
-        """As :meth:`HFPipelineModel.materialize`; with ``pretrained`` the layers' tensors are then read
-        from the checkpoint (only those of ``layers``)."""
+        """As :meth:`~pipeline_recipes.models.base.HFPipelineModel.materialize`; with ``pretrained`` the layers'
+        tensors are then read from the checkpoint (only those of ``layers``)."""
         indices = range(len(self.layers)) if layers is None else sorted(set(layers))
         super().materialize(indices, device)
         if self.pretrained:
             load_layers(self, indices, self.pretrained)
-
-    @override
-    def pipeline_input(self, batch: Batch) -> Tensor:
-        return batch["input_ids"]
-
-    @staticmethod
-    def _labels(batch: Batch) -> Tensor:
-        return batch["labels"] if "labels" in batch else batch["input_ids"]
-
-    def logits(self, output: Tensor) -> Tensor:
-        """The logits over the vocabulary of the head layer's ``output``."""
-        return self.layers[-1].logits(output)
-
-    @override
-    def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
-        if self.loss_chunk_tokens is None:
-            return causal_lm_loss(output, self._labels(batch))
-        targets = shift_labels(self._labels(batch))
-        return self.layers[-1].token_losses(output, targets).sum() / (targets != IGNORE_INDEX).sum()
-
-    # Per-term sums and counts, as GPT-2's: micro-batches add up to the token mean of the mini-batch.
-    def loss_counts(self, batch: Batch) -> dict[str, Tensor]:
-        return {"tokens": (shift_labels(self._labels(batch)) != IGNORE_INDEX).sum()}
-
-    def loss_terms(self, output: Tensor, batch: Batch) -> dict[str, Tensor]:
-        if self.loss_chunk_tokens is None:
-            return {"tokens": causal_lm_loss(output, self._labels(batch), reduction="sum")}
-        return {"tokens": self.layers[-1].token_losses(output, shift_labels(self._labels(batch))).sum()}
-
-    @override
-    def tied_parameters(self) -> list[TiedGroup]:
-        if self.layers[0].embed_tokens.weight is self.layers[-1].lm_head.weight:
-            return [((0, "embed_tokens.weight"), (len(self.layers) - 1, "lm_head.weight"))]
-        return []
 
 
 def plain(value: Any) -> Any:
@@ -204,14 +165,14 @@ def plain(value: Any) -> Any:
 
 def family_classes(family: str) -> tuple[type, type]:
     """The ``transformers`` config and causal-LM classes of a supported family."""
-    if family not in FAMILIES:
+    if family not in decoder_families():
         raise ValueError(f"model family {family!r} is not supported by the decoder adapter; supported: "
-                         f"{', '.join(sorted(FAMILIES))} (their HF forward is embeddings -> decoder layers with "
+                         f"{', '.join(decoder_families())} (their HF forward is embeddings -> decoder layers with "
                          "rotary embeddings -> RMSNorm -> lm_head, which the pipeline layers reproduce)")
     import transformers
 
-    config_name, model_name = FAMILIES[family]
-    return getattr(transformers, config_name), getattr(transformers, model_name)
+    spec = FAMILIES[family]
+    return getattr(transformers, spec.config_class), getattr(transformers, spec.model_class)
 
 
 def build_decoder(
@@ -232,7 +193,7 @@ def build_decoder(
     """Hydra target of ``conf/model/{llama,qwen2}*.yaml``: ``<Family>Config(**config)`` ->
     ``DecoderPipelineModel``.
 
-    ``family``: ``llama``, ``mistral``, ``qwen2`` or ``qwen3`` (the HF ``model_type``); ``config`` holds
+    ``family``: a decoder family of :data:`~pipeline_recipes.models.families.FAMILIES` (the HF ``model_type``); ``config`` holds
     fields of its config class (``num_hidden_layers``, ``num_key_value_heads``, ``rope_parameters``, ...).
     ``pretrained``: a hub name or local directory whose ``config.json`` gives the architecture (the
     fields given here must agree with it, see :func:`~pipeline_recipes.models.pretrained.checkpoint_config`) and whose

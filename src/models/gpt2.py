@@ -27,18 +27,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.masking_utils import create_causal_mask
 
-from pipeline_recipes.core.pipeline_model import Batch, TiedGroup
-
-from .base import HFPipelineModel, build_on_meta, finish_build, make_hf_config
+from .base import build_on_meta, finish_build, make_hf_config
+from .causal_lm import CausalLMPipelineModel
 from .lm_loss import DEFAULT_CHUNK_TOKENS, ChunkedLMHead, check_chunk_tokens
 from .masks import MaskCache
-
-IGNORE_INDEX = -100
 
 
 def _positions(x: Tensor) -> Tensor:
@@ -79,23 +75,12 @@ class GPT2Head(ChunkedLMHead):
         super().__init__("ln_f", ln_f, lm_head, chunk_tokens)
 
 
-def shift_labels(labels: Tensor) -> Tensor:
-    """Position t predicts token t+1; the last position predicts nothing (-100)."""
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-
-
-def causal_lm_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
-    """Next-token cross entropy ignoring ``-100`` (``ForCausalLMLoss`` without ``num_items``): the mean
-    over predicted tokens, or their sum with ``reduction="sum"``."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                           shift_labels(labels).reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX,
-                           reduction=reduction)
-
-
-class GPT2PipelineModel(HFPipelineModel):
-    """GPT-2 LM split into ``n_layer + 2`` pipeline layers sharing parameters with ``reference()``."""
+class GPT2PipelineModel(CausalLMPipelineModel):
+    """GPT-2 LM split into ``n_layer + 2`` pipeline layers sharing parameters with ``reference()``; the
+    loss is :class:`~.causal_lm.CausalLMPipelineModel`'s."""
 
     family = "gpt2"
+    embedding_name = "wte"
 
     def __init__(self, hf: GPT2LMHeadModel, *, loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
                  **kwargs: Any) -> None:
@@ -108,38 +93,6 @@ class GPT2PipelineModel(HFPipelineModel):
         self.layers.append(GPT2Head(t.ln_f, hf.lm_head, self.loss_chunk_tokens))
         self.layer_names_ = ["embeddings", *(f"block.{i}" for i in range(len(t.h))), "head"]
         self.check_seq_len(self.seq_len)
-
-    def pipeline_input(self, batch: Batch) -> Tensor:
-        return batch["input_ids"]
-
-    @staticmethod
-    def _labels(batch: Batch) -> Tensor:
-        return batch["labels"] if "labels" in batch else batch["input_ids"]
-
-    def logits(self, output: Tensor) -> Tensor:
-        """The logits over the vocabulary of the head layer's ``output``."""
-        return self.layers[-1].logits(output)
-
-    def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
-        if self.loss_chunk_tokens is None:
-            return causal_lm_loss(output, self._labels(batch))
-        targets = shift_labels(self._labels(batch))
-        return self.layers[-1].token_losses(output, targets).sum() / (targets != IGNORE_INDEX).sum()
-
-    # Optional runtime hooks: per-term sums and counts, so that micro-batches of any size add up to the
-    # token mean over the whole mini-batch (what HF computes on the unsplit batch).
-    def loss_counts(self, batch: Batch) -> dict[str, Tensor]:
-        return {"tokens": (shift_labels(self._labels(batch)) != IGNORE_INDEX).sum()}
-
-    def loss_terms(self, output: Tensor, batch: Batch) -> dict[str, Tensor]:
-        if self.loss_chunk_tokens is None:
-            return {"tokens": causal_lm_loss(output, self._labels(batch), reduction="sum")}
-        return {"tokens": self.layers[-1].token_losses(output, shift_labels(self._labels(batch))).sum()}
-
-    def tied_parameters(self) -> list[TiedGroup]:
-        if self.layers[0].wte.weight is self.layers[-1].lm_head.weight:
-            return [((0, "wte.weight"), (len(self.layers) - 1, "lm_head.weight"))]
-        return []
 
 
 def build_gpt2(

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-IGNORE_INDEX = -100
+from pipeline_recipes.core.pipeline_model import IGNORE_INDEX
+
 DEFAULT_CHUNK_TOKENS = 4096
 
 

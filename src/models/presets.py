@@ -13,14 +13,15 @@ Qwen2 models) are CPU-sized.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+from .families import FAMILIES, model_family
 
 if TYPE_CHECKING:
     from .base import HFPipelineModel
 
-TARGETS = {"gpt2": "pipeline_recipes.models.build_gpt2", "bert": "pipeline_recipes.models.build_bert", **{
-    family: "pipeline_recipes.models.build_decoder" for family in ("llama", "mistral", "qwen2", "qwen3")}}
 
 
 def _gpt2(name: str, seq_len: int, n_layer: int, n_embd: int, n_head: int, *, tied: bool,
@@ -104,20 +105,14 @@ def preset(name: str) -> dict[str, Any]:
 def hydra_config(name: str) -> dict[str, Any]:
     """What ``conf/model/<name>.yaml`` holds: ``_target_`` plus the preset."""
     p = preset(name)
-    return {"_target_": TARGETS[p["family"]], **p}
+    return {"_target_": model_family(p["family"]).builder, **p}
 
 
-def _builder(family: str) -> Callable[..., HFPipelineModel]:
-    if family == "gpt2":
-        from .gpt2 import build_gpt2  # local: each family's transformers classes load when built
-        return build_gpt2
-    if family == "bert":
-        from .bert import build_bert  # local: each family's transformers classes load when built
-        return build_bert
-    if family in TARGETS:
-        from .decoder import build_decoder  # local: each family's transformers classes load when built
-        return build_decoder
-    raise ValueError(f"unknown model family {family!r}; expected one of {sorted(TARGETS)}")
+def _builder(name: str) -> Callable[..., HFPipelineModel]:
+    """The registered family's builder, imported when asked for: each family's ``transformers`` classes
+    load when it is built."""
+    module, _, attr = model_family(name).builder.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
 
 
 def build_model(name_or_cfg: str | Mapping[str, Any], **overrides: Any) -> HFPipelineModel:
@@ -141,7 +136,7 @@ def build_model(name_or_cfg: str | Mapping[str, Any], **overrides: Any) -> HFPip
         kwargs.pop("_target_", None)
         if "family" not in kwargs:
             if kwargs.get("name") not in PRESETS:
-                raise ValueError(f"a model config needs 'family' ({', '.join(sorted(TARGETS))}) or a preset 'name'")
+                raise ValueError(f"a model config needs 'family' ({', '.join(sorted(FAMILIES))}) or a preset 'name'")
             kwargs = {**preset(kwargs["name"]), **kwargs}
     kwargs.update(overrides)
     return _builder(kwargs["family"])(**kwargs)

@@ -34,8 +34,9 @@ from .accelerator import (
 )
 from .cluster import Launch, detect_launch
 from pipeline_recipes.core.fixes import ConfigError, Fix, values, vet
+from .loggers import check_logger
 from .layout import (
-    Layout, check_devices, check_drain_timeout, check_fixed_settings, check_model, layers_key, num_layers, refuses,
+    Layout, check_devices, check_fixed_settings, check_model, layers_key, num_layers, refuses,
     resolve_layout,
 )
 
@@ -309,8 +310,7 @@ def _checks(cfg: DictConfig, options: _Options) -> Layout:
         check_devices(trainer_cfg, node_gpus(choice), inputs[0])
     check_precision(layout.strategy, trainer_cfg, OmegaConf.to_container(cfg.optim, resolve=True)
                     if cfg.get("optim") is not None else None)
-    if cfg.get("logger") is not None and cfg.logger.get("drain_timeout_s") is not None:
-        check_drain_timeout(cfg.logger.drain_timeout_s)
+    check_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") is not None else None)
     found.launch = detect_launch(options.env, int(trainer_cfg["devices"]), int(trainer_cfg.get("num_nodes", 1)))
     if real_data and mode != "report" and options.prepare:  # once on the node, before the ranks
         prepare_data(OmegaConf.to_container(cfg.data, resolve=True))

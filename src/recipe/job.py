@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
@@ -33,6 +33,7 @@ from .cluster import is_global_zero
 from .ending import JobEnd
 from .flops import model_flops_per_token
 from .job_spec import JobSpec
+from .loggers import instantiate_loggers
 from .metrics import PipelineMetrics, ReplicaThroughputMonitor
 from .progress import ProgressLine
 from .resume import CHECKPOINT_DIR
@@ -56,50 +57,6 @@ def quiet_library_notices() -> None:
 def is_rank_zero() -> bool:
     """Global rank 0 of the job (``RANK``, or ``SLURM_PROCID`` under SLURM: torchrun sets no ``NODE_RANK``)."""
     return is_global_zero()
-
-
-def run_tags(spec: JobSpec) -> list[str]:
-    """W&B tags that filter a sweep: ``strategy=…``, ``model=…``, ``W=…``, ``D=…``, ``B=…``."""
-    layout = spec.layout
-    return [f"strategy={layout.label}", f"model={model_name(spec)}", f"W={layout.W}", f"D={layout.D}",
-            f"B={layout.B}"]
-
-
-def model_name(spec: JobSpec) -> str:
-    return str((spec.config.get("model") or {}).get("name") or "model")
-
-
-def build_loggers(spec: JobSpec) -> list[Any]:
-    """The ``logger`` group: ``wandb`` (offline unless told otherwise), ``csv`` or ``none``. The W&B
-    run is named ``{strategy}-W{W}-D{D}-B{B}-{model}`` and tagged by :func:`run_tags`; keys set in
-    the logger config (``logger.name=…``, ``logger.tags=[…]``) take precedence (tags are added)."""
-    cfg = dict(spec.config.get("logger") or {})
-    kind = cfg.pop("kind", "none")
-    if kind == "none":
-        return []
-    layout = spec.layout
-    if kind == "csv":
-        logger = instantiate({"save_dir": spec.out_dir, "name": "", "version": "", **cfg})
-    else:
-        tags = run_tags(spec) + list(cfg.pop("tags", None) or [])
-        cfg = without_writer_keys(cfg)
-        logger = instantiate({"name": f"{layout.run_name}-{model_name(spec)}", "group": spec.group,
-                              "job_type": layout.label, "save_dir": spec.out_dir, **cfg, "tags": tags})
-    logger.log_hyperparams({**spec.config, "derived": layout.as_dict()})
-    return [logger]
-
-
-def without_writer_keys(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The W&B logger config without ``drain_timeout_s`` when its ``_target_`` is not the background
-    writer (:class:`pipeline_recipes.recipe.background_logger.BackgroundWandbLogger`): Lightning's own ``WandbLogger``
-    would hand the key on to ``wandb.init``, which rejects it."""
-    target = cfg.get("_target_")
-    if "drain_timeout_s" not in cfg or target is None:
-        return cfg
-    cls = get_class(target)
-    if isinstance(cls, type) and issubclass(cls, BackgroundWandbLogger):
-        return cfg
-    return {k: v for k, v in cfg.items() if k != "drain_timeout_s"}
 
 
 def checkpoint_callbacks(spec: JobSpec) -> list[Any]:
@@ -209,7 +166,7 @@ def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
                               flops_per_token=model_flops_per_token(cfg["model"], seq_len, model),
                               peak_tflops=peak_tflops, ending=lambda _: stop_ending(stop).as_status())
     progress = ProgressLine(metrics, layout.W, min_interval_s=float(metrics_cfg.get("progress_interval_s", 1.0)))
-    loggers = build_loggers(spec)
+    loggers = instantiate_loggers(spec)
     # bf16-mixed as a plugin that also clips a fused optimizer (Lightning's refuses: strategies/lightning/precision.py)
     trainer = pl.Trainer(**with_precision_plugin(trainer_kwargs(trainer_cfg, {
         "strategy": strategy, "logger": loggers or False, "default_root_dir": spec.out_dir,

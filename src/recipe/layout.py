@@ -82,7 +82,6 @@ GRAD_SYNC = ("end", "eager", "eager_opt")  # strategies.grad_sync.GRAD_SYNC_MODE
 RECOMPUTE = ("none", "except_last", "always")  # strategies.recompute.RECOMPUTE_MODES
 NONFINITE_LOSS = ("stop", "skip")  # strategies.lightning.PipelineModule
 CHECKPOINT_KEEP = ("latest", "all")  # recipe.job.checkpoint_callbacks
-LOGGER_KINDS = ("wandb", "csv", "none")  # recipe.job.build_loggers
 SYNTHETIC_STRUCTURES = ("bigram", "uniform")  # datamodules.synthetic.STRUCTURES
 
 
@@ -122,7 +121,6 @@ def fixed_settings() -> tuple[FixedSetting, ...]:
         FixedSetting("strategy.recompute", RECOMPUTE, "which stage forwards the backward recomputes, GPipe §2.3"),
         FixedSetting("nonfinite_loss", NONFINITE_LOSS, "what a NaN/inf training loss does"),
         FixedSetting("checkpoint.keep", CHECKPOINT_KEEP, "which checkpoints stay on disk"),
-        FixedSetting("logger.kind", LOGGER_KINDS, "the logger; or choose one with logger=wandb|csv|none"),
         FixedSetting("data.structure", SYNTHETIC_STRUCTURES, "how synthetic tokens are drawn"),
     )
 

@@ -54,14 +54,32 @@ def test_comparison_systems_step_the_jobs_optimizer() -> None:
                                                                              "weight_decay": 0.05}
 
 
-def test_every_torch_class_has_the_placement_of_ours() -> None:
-    from pipeline_recipes.strategies.schedules import build_schedule
+# The stages rank r of P holds under each of torch.distributed.pipelining's classes (torch's documented
+# placements: one stage per rank; a loop for the interleaved class, v = 2; a V for ZBV and DualPipeV).
+TORCH_PLACEMENT = {
+    "ScheduleGPipe": lambda r, P: (r,),
+    "Schedule1F1B": lambda r, P: (r,),
+    "ScheduleInterleaved1F1B": lambda r, P: (r, r + P),
+    "ScheduleInterleavedZeroBubble": lambda r, P: (r,),
+    "ScheduleZBVZeroBubble": lambda r, P: (r, 2 * P - 1 - r),
+    "ScheduleDualPipeV": lambda r, P: (r, 2 * P - 1 - r),
+}
 
-    for name, cls in bench_e2e.SAME_SCHEDULE.items():
-        schedule = build_schedule(name, 2, 4, chunks=2 if len(torch_stages.TORCH_STAGES[cls](0, 2)) == 2 else None)
-        for rank in range(2):
-            held = tuple(s for s in range(len(schedule.placement[0])) if schedule.placement[0][s] == rank)
-            assert sorted(held) == sorted(torch_stages.TORCH_STAGES[cls](rank, 2)), (name, rank)
+
+def test_every_torch_class_has_the_placement_of_ours() -> None:
+    assert sorted(torch_stages.torch_classes()) == sorted(TORCH_PLACEMENT)
+    assert bench_e2e.SAME_SCHEDULE["dapple"] == "Schedule1F1B"
+    assert bench_e2e.SAME_SCHEDULE["zbv"] == "ScheduleZBVZeroBubble"
+    for cls, placement in TORCH_PLACEMENT.items():
+        for world in (2, 3):
+            for rank in range(world):
+                assert sorted(torch_stages.stages_held(cls, rank, world)) == sorted(placement(rank, world)), cls
+
+
+def test_every_torch_class_exists_in_torch() -> None:
+    from torch.distributed import pipelining
+
+    assert all(hasattr(pipelining, cls) for cls in torch_stages.torch_classes())
 
 
 def test_the_committed_record_re_derives_from_its_per_round_times() -> None:

@@ -39,7 +39,7 @@ def test_handwritten_model_computes_the_transformers_loss_and_gradients(name: st
     hand-written model equal those of the ``transformers`` model (its fused QKV gradient: the q, k and v
     projections' gradients stacked)."""
     from pipeline_recipes.models import build_model
-    from pipeline_recipes.models.gpt2 import causal_lm_loss
+    from pipeline_recipes.models.causal_lm import causal_lm_loss
 
     hf = build_model(name, init_seed=0, **overrides).reference()
     hand = bench_gpu.handwritten(hf)

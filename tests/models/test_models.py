@@ -269,3 +269,14 @@ def test_train_eval_reaches_reference() -> None:
     assert not model.reference().training and not model.pipeline_layers()[1].layer.training
     model.train()
     assert model.reference().training
+
+
+def test_each_registered_family_names_its_transformers_classes() -> None:
+    """A family's key is the ``model_type`` of the ``transformers`` config class it names."""
+    import transformers
+
+    from pipeline_recipes.models import FAMILIES
+
+    for name, spec in FAMILIES.items():
+        assert getattr(transformers, spec.config_class).model_type == name
+        assert getattr(transformers, spec.model_class).config_class is getattr(transformers, spec.config_class)

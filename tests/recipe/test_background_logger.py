@@ -89,7 +89,7 @@ def test_lightnings_own_wandb_logger_is_a_drop_in_target() -> None:
     background writer's ``drain_timeout_s`` (which ``wandb.init`` would reject)."""
     from lightning.pytorch.loggers import WandbLogger
 
-    from pipeline_recipes.recipe.job import without_writer_keys
+    from pipeline_recipes.recipe.loggers import without_writer_keys
 
     ours = {"_target_": "pipeline_recipes.recipe.background_logger.BackgroundWandbLogger", "drain_timeout_s": 9}
     assert without_writer_keys(ours) == ours

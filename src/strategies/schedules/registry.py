@@ -81,7 +81,9 @@ class ScheduleSpec:
     N per update when the schedule fixes it (PipeDream: 1). ``calibrates``: the planner's runtime calibration
     (:mod:`pipeline_recipes.planner.comm_profile`) runs it: GPipe's critical path has few messages, DAPPLE's one per
     micro-batch and Chimera's one before nearly every action, which together separate the executor's cost
-    per action from its latency per message.
+    per action from its latency per message. ``torch_class``: the class of ``torch.distributed.pipelining``
+    that runs the same schedule on the same stage placement (``ScheduleGPipe``, ...), which the benchmarks
+    (``scripts/bench.py``, ``scripts/bench_e2e.py``) compare it with; ``None`` where torch has none.
     """
 
     name: str
@@ -95,6 +97,7 @@ class ScheduleSpec:
     fixed_micro_batches: int | None = None
     aliases: tuple[str, ...] = ()
     calibrates: bool = False
+    torch_class: str | None = None
 
     def errors(self, settings: Settings) -> list[str]:
         """Every rule's message for ``settings`` (empty: the layout is valid)."""
@@ -226,8 +229,10 @@ def resolve_concat(
                        micro_batch_size, generator=spec.generator)
 
 
-register(ScheduleSpec("gpipe", gpipe, "GPipe: all forwards, then all backwards, a flush per step", calibrates=True))
-register(ScheduleSpec("dapple", dapple, "DAPPLE: 1F1B with a flush per step", aliases=("1f1b",), calibrates=True))
+register(ScheduleSpec("gpipe", gpipe, "GPipe: all forwards, then all backwards, a flush per step", calibrates=True,
+                      torch_class="ScheduleGPipe"))
+register(ScheduleSpec("dapple", dapple, "DAPPLE: 1F1B with a flush per step", aliases=("1f1b",), calibrates=True,
+                      torch_class="Schedule1F1B"))
 register(ScheduleSpec(
     "gems", gems, "GEMS: two opposite replicas, one micro-batch at a time per worker (Chimera §2)",
     rules=(even_stages(OPPOSITE_REPLICAS),),
@@ -250,11 +255,11 @@ register(ScheduleSpec(
 register(ScheduleSpec(
     "interleaved_1f1b", lambda stages, micro_batches, chunks: interleaved_1f1b(stages, chunks, micro_batches),
     "Interleaved 1F1B: v chunks per worker in a loop, 1/v of 1F1B's bubble (Megatron-LM, Narayanan et al. 2021)",
-    rules=(equal_rounds,), chunks=Chunks(2, choosable=True, minimum=2),
+    rules=(equal_rounds,), chunks=Chunks(2, choosable=True, minimum=2), torch_class="ScheduleInterleaved1F1B",
 ))
 register(ScheduleSpec(
     "zb_h1", zb_h1, "ZB-H1: 1F1B with backwards split into input and weight gradients, 1F1B's memory "
-    "(Zero Bubble Pipeline Parallelism, Qi et al. 2024)",
+    "(Zero Bubble Pipeline Parallelism, Qi et al. 2024)", torch_class="ScheduleInterleavedZeroBubble",
 ))
 register(ScheduleSpec(
     "zb_h2", zb_h2, "ZB-H2: zero bubble in the steady state at twice 1F1B's activations (Zero Bubble Pipeline "
@@ -262,12 +267,12 @@ register(ScheduleSpec(
 ))
 register(ScheduleSpec(
     "zbv", zbv, "ZBV: two chunks per worker in a V, split backwards, near-zero bubble at 1F1B's memory "
-    "(Zero Bubble Pipeline Parallelism)", chunks=Chunks(2),
+    "(Zero Bubble Pipeline Parallelism)", chunks=Chunks(2), torch_class="ScheduleZBVZeroBubble",
 ))
 register(ScheduleSpec(
     "dualpipev", dualpipev, "DualPipeV: two chunks per worker in a V, overlapped forward/backward pairs "
     "(DeepSeek-V3 technical report)", rules=(micro_batches_at_least_twice_stages(V_STAGES),),
-    chunks=Chunks(2),
+    chunks=Chunks(2), torch_class="ScheduleDualPipeV",
 ))
 register(ScheduleSpec(
     "chimera_zb", chimera_zb, "Chimera + zero bubble: Chimera's bidirectional pipelines, bubbles filled by "

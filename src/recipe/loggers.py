@@ -1,0 +1,119 @@
+"""The ``logger`` group, instantiated from ``_target_`` configs, as lightning-hydra-template's
+``instantiate_loggers`` does: ``conf/logger/<name>.yaml`` names a Lightning logger class (``_target_``) and its
+arguments, so a new logger is one yaml. ``_target_: null`` (``logger=none``) is no logger.
+
+What depends on the run is not written in the yaml but mapped in from the run by the yaml's ``from_run``
+(``{argument: run value}``), one rule for every logger: the run's values are :data:`RUN_VALUES` (its
+directory, its name ``{strategy}-W{W}-D{D}-B{B}-{model}``, its group, its strategy and its tags, those of
+:func:`run_tags`). An argument also set in the yaml or on the command line keeps that value; a list (the
+tags) is extended by it. :func:`check_logger` refuses a bad logger config before any process is launched;
+it imports neither Lightning nor torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from pipeline_recipes.core.errors import did_you_mean
+from pipeline_recipes.core.fixes import ConfigError, values
+
+from .job_spec import JobSpec
+from .layout import check_drain_timeout
+
+if TYPE_CHECKING:
+    from lightning.pytorch.loggers import Logger
+
+FROM_RUN = "from_run"  # the yaml's key mapping logger arguments to run values
+RUN_VALUES = ("dir", "name", "group", "strategy", "tags")
+DRAIN_TIMEOUT = "drain_timeout_s"  # BackgroundWandbLogger's own argument
+
+
+def check_logger(cfg: Mapping[str, Any] | None) -> None:
+    """Refuse a ``logger`` config whose ``_target_`` is not a dotted class path, whose ``from_run`` maps an
+    argument to something that is not a run value, or whose ``drain_timeout_s`` is not a positive number."""
+    cfg = cfg or {}
+    target = cfg.get("_target_")
+    if target is not None and (not isinstance(target, str) or "." not in target.strip(".")):
+        raise ConfigError(f"logger._target_ = {target!r}: a logger is the dotted path of a Lightning logger class "
+                          "(e.g. lightning.pytorch.loggers.CSVLogger), or null for none",
+                          [values("logger._target_", [None], lead="no logger:")])
+    mapping = cfg.get(FROM_RUN) or {}
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"logger.{FROM_RUN} = {mapping!r}: it maps logger arguments to run values "
+                          f"({{argument: value}}, values among {', '.join(RUN_VALUES)})",
+                          [values("logger._target_", [None], lead="no logger:")])
+    for argument, value in mapping.items():
+        if value not in RUN_VALUES:
+            key = f"logger.{FROM_RUN}.{argument}"
+            close = did_you_mean(value, RUN_VALUES)
+            raise ConfigError(f"{key} = {value!r} is not a value of the run: the run gives a logger argument one of "
+                              f"{', '.join(RUN_VALUES)}",
+                              [values(key, [close] if close else RUN_VALUES, keep=1,
+                                      lead=f"did you mean {close!r}?" if close else "")])
+    if cfg.get(DRAIN_TIMEOUT) is not None:
+        check_drain_timeout(cfg[DRAIN_TIMEOUT])
+
+
+def run_tags(spec: JobSpec) -> list[str]:
+    """W&B tags that filter a sweep: ``strategy=…``, ``model=…``, ``W=…``, ``D=…``, ``B=…``."""
+    layout = spec.layout
+    return [f"strategy={layout.label}", f"model={model_name(spec)}", f"W={layout.W}", f"D={layout.D}",
+            f"B={layout.B}"]
+
+
+def model_name(spec: JobSpec) -> str:
+    return str((spec.config.get("model") or {}).get("name") or "model")
+
+
+def run_values(spec: JobSpec) -> dict[str, Any]:
+    """The run's values a logger argument may take (:data:`RUN_VALUES`)."""
+    return {"dir": spec.out_dir, "name": f"{spec.layout.run_name}-{model_name(spec)}", "group": spec.group,
+            "strategy": spec.layout.label, "tags": run_tags(spec)}
+
+
+def logger_arguments(cfg: Mapping[str, Any], run: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``instantiate`` config of the logger ``cfg`` for a run of ``run`` values (see the module
+    docstring), without the keys its class does not take; None for no logger."""
+    cfg = dict(cfg)
+    mapping = dict(cfg.pop(FROM_RUN, None) or {})
+    if cfg.get("_target_") is None:
+        return None
+    for argument, value in mapping.items():
+        given = cfg.get(argument)
+        if isinstance(run[value], list):
+            cfg[argument] = [*run[value], *(given or [])]
+        elif given is None:
+            cfg[argument] = run[value]
+    return without_writer_keys(cfg)
+
+
+def without_writer_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The logger config without ``drain_timeout_s`` when its ``_target_`` is not the background W&B writer
+    (:class:`pipeline_recipes.recipe.background_logger.BackgroundWandbLogger`): Lightning's own ``WandbLogger``
+    would hand the key on to ``wandb.init``, which rejects it."""
+    if DRAIN_TIMEOUT not in cfg:
+        return cfg
+    from hydra.utils import get_class
+
+    from .background_logger import BackgroundWandbLogger  # local: Lightning loads in the workers only
+
+    cls = get_class(cfg["_target_"])
+    if isinstance(cls, type) and issubclass(cls, BackgroundWandbLogger):
+        return cfg
+    return {k: v for k, v in cfg.items() if k != DRAIN_TIMEOUT}
+
+
+def instantiate_loggers(spec: JobSpec) -> list[Logger]:
+    """The run's loggers (none or one), each given the resolved config and the derived layout as
+    hyperparameters."""
+    cfg = spec.config.get("logger") or {}
+    check_logger(cfg)
+    arguments = logger_arguments(cfg, run_values(spec))
+    if arguments is None:
+        return []
+    from hydra.utils import instantiate
+
+    logger = instantiate(arguments)
+    logger.log_hyperparams({**spec.config, "derived": spec.layout.as_dict()})
+    return [logger]
