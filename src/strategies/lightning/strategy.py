@@ -41,7 +41,7 @@ from typing_extensions import override
 from pipeline_recipes.strategies import checkpoint as ckpt
 from pipeline_recipes.strategies.compute.compile import compile_blocks, repeated_blocks
 from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
-from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine, build_engine
 from pipeline_recipes.strategies.runtime.executor import loss_counts, micro_batch_loss
 from pipeline_recipes.strategies.runtime.fetch_ahead import fetch_during_waits
 from pipeline_recipes.strategies.lightning.optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
@@ -137,7 +137,7 @@ class PipelineStrategy(DDPStrategy):
             raise TypeError(f"{type(module).__name__} must subclass pipeline_recipes.strategies.lightning.strategy.PipelineModule")
         self.precision_plugin.convert_module(module)
         self.model_index = ckpt.ModelIndex.of(module, module.model.pipeline_layers())  # before remote layers go
-        self.engine = PipelineEngine(
+        self.engine = build_engine(
             module.model, self.pipeline_config, self.W, self.root_device, partition=module.partition(self.S)
         )
         module.to(self.root_device)

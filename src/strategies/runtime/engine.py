@@ -1,6 +1,6 @@
 """One pipeline-parallel training step, independent of Lightning: one set-up, then a synchronous or asynchronous step.
 
-:func:`build_engine` (what calling :class:`PipelineEngine` runs) assembles this rank's share of the pipeline once
+:func:`build_engine` assembles this rank's share of the pipeline once
 (:func:`pipeline_recipes.strategies.runtime.rank_setup.assemble`: topology, this rank's stages of a
 :class:`~pipeline_recipes.core.pipeline_model.PipelineModel`, process groups, gradient synchroniser) and returns
 the step object for the schedule, each with one job:
@@ -21,12 +21,11 @@ may be recomputed in backward to save activation memory (GPipe §2.3, re-materia
 
 from __future__ import annotations
 
-from abc import ABCMeta, abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -123,19 +122,10 @@ def build_engine(
     return AsynchronousStep(setup) if config.is_async else SynchronousStep(setup)
 
 
-class _BuiltBySetUp(ABCMeta):
-    """Calling :class:`PipelineEngine` itself runs the set-up (:func:`build_engine`), which picks the step class;
-    a step class is constructed as any class, from a :class:`~pipeline_recipes.strategies.runtime.rank_setup.RankSetup`."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is PipelineEngine:
-            return build_engine(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
-
-
-class PipelineEngine(metaclass=_BuiltBySetUp):
-    """One rank's pipeline-parallel steps: ``PipelineEngine(model, config, replicas, device, partition=None)``
-    returns a :class:`SynchronousStep` or an :class:`AsynchronousStep` for ``config``'s schedule.
+class PipelineEngine(ABC):
+    """One rank's pipeline-parallel steps: a :class:`SynchronousStep` or an :class:`AsynchronousStep`, which
+    :func:`build_engine` picks for the config's schedule (a step class is constructed from a
+    :class:`~pipeline_recipes.strategies.runtime.rank_setup.RankSetup`).
 
     ``steps_taken``: the optimizer steps run; ``loss_step``: the step whose loss :meth:`train_step` returned
     last; ``last_record``: what the last step measured; ``idle_work``: host work for a step's longest bubble
