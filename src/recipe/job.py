@@ -2,8 +2,9 @@
 torchrun or by SLURM): build model, data, strategy, loggers, metrics and checkpointing from the
 resolved config, then ``Trainer.fit`` (resuming from ``ckpt_path`` when given).
 
-The job file (``job.yaml``, :mod:`pipeline_recipes.recipe.job_spec`) holds the resolved Hydra config, the derived layout
-and the W&B group, so a worker needs no Hydra context.
+The job file (``job.yaml``, :mod:`pipeline_recipes.recipe.job_spec`) holds the resolved Hydra config, the layout the
+launcher resolved (:class:`~pipeline_recipes.core.layout.Layout`) and the W&B group, so a worker needs no Hydra context;
+the pipeline strategy and the stage table read that layout (:func:`build_strategy`, :func:`stage_table`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The run's layout (Chimera Table 1: W, D, B, N, B̂), derived once and checked before launch.
+"""The run's layout (Chimera Table 1: W, D, B, N, B̂), derived once and checked before launch: the
+:class:`~pipeline_recipes.core.layout.Layout` every worker then reads.
 
 Every rule names the settings, their values and a fix, so a bad combination stops with one
 message before any process starts. Settings whose values are a fixed set are listed once, in

@@ -1,7 +1,9 @@
 """The Lightning strategy for pipeline schedules: one :class:`PipelineStrategy` runs any schedule of the
 registry (:mod:`pipeline_recipes.strategies.schedules.registry`: GPipe, DAPPLE alias 1F1B, GEMS, Chimera,
 PipeDream-2BW, PipeDream, interleaved 1F1B and the zero-bubble family: ZB-H1, ZB-H2, ZBV, DualPipeV and Chimera
-with zero bubble), ``PipelineStrategy(schedule="chimera", D=4)`` or ``Trainer(strategy="chimera")``.
+with zero bubble), ``PipelineStrategy(schedule="chimera", D=4)`` or ``Trainer(strategy="chimera")``; a recipe's
+worker builds it from the layout the launcher resolved (:meth:`PipelineStrategy.from_layout`), which it then only
+checks (the processes that joined, each training batch's N) instead of deriving it again.
 
 The strategy only maps Lightning's hooks onto :class:`~pipeline_recipes.strategies.runtime.engine.PipelineEngine`:
 process groups come up in ``setup_environment`` (inherited from DDP: launcher, cluster
