@@ -85,6 +85,9 @@ def test_the_strategy_reads_the_layout_and_checks_the_processes_that_joined() ->
     assert strategy.process_group_backend == "gloo"  # a key of Lightning's own, passed on
     with pytest.raises(LayoutMismatch, match=r"W·D = 1·4 = 4 processes but 2 joined"):
         layout.check_world_size(2)
+    for baseline in ("single", "ddp"):  # a baseline is built as configured (single's target is a function)
+        layout, config = _layout(f"strategy={baseline}", "trainer=cpu", "trainer.devices=1")
+        assert not isinstance(build_strategy(config["strategy"], layout), PipelineStrategy)
 
 
 def test_a_training_batch_of_another_n_than_the_layouts_is_refused() -> None:

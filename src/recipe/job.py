@@ -19,7 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class, get_object, instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
@@ -174,7 +174,7 @@ def build_strategy(strategy_cfg: dict[str, Any], layout: Layout) -> Any:
     launcher resolved (:meth:`PipelineStrategy.from_layout`), with the config's ``timeout_s`` and any key that is no
     setting of the layout (Lightning's own, passed on); a baseline as configured, with the layout's B where the config
     leaves ``micro_batch_size`` null."""
-    target = get_class(strategy_cfg["_target_"])
+    target = get_object(strategy_cfg["_target_"])
     if isinstance(target, type) and issubclass(target, PipelineStrategy):
         layout_settings = set(inspect.signature(PipelineStrategy.__init__).parameters)
         passed_on = {k: v for k, v in strategy_cfg.items() if k not in layout_settings and not k.startswith("_")}
