@@ -191,7 +191,7 @@ def efficiency_schedules(N: int) -> tuple[str, ...]:
 def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: int, warmup: int,
                        act: int, params: int) -> list[dict]:
     from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
     from pipeline_recipes.strategies.schedules import ScheduleError
 
     rows = []
@@ -209,7 +209,7 @@ def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: 
             stage_t_f[name] = t_f / chunks
             model = EmulatedPipeline(config.num_stages, t_f=stage_t_f[name], activation_numel=act, param_numel=params,
                                      split_backward=split)
-            engine = PipelineEngine(model, config, 1, torch.device("cpu"))
+            engine = build_engine(model, config, 1, torch.device("cpu"))
             simulated[name] = _step_makespan(engine, N, stage_t_f[name], 2 * stage_t_f[name])
             runners[name] = (_Stream if engine.config.is_async else _Step)(engine, model.batch(N))
         durations: dict[str, dict[str, list[float]]] = {name: {k: [] for k in "FBIW"} for name in runners}
@@ -285,7 +285,7 @@ def _measured_action_times(durations: dict[str, list[float]]) -> tuple[float, fl
 def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, steps: int, warmup: int,
                       act: int, params: int) -> list[dict]:
     from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 
     rows = []
     for case in cases:
@@ -293,7 +293,7 @@ def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, step
         runners = {}
         for mode in ("end", "eager", "eager_opt"):
             model = EmulatedPipeline(D, t_f=t_f, activation_numel=act, param_numel=params)
-            engine = PipelineEngine(model, PipelineConfig(case["schedule"], D, 1, grad_sync=mode), world // D,
+            engine = build_engine(model, PipelineConfig(case["schedule"], D, 1, grad_sync=mode), world // D,
                                     torch.device("cpu"))
             batch = model.batch(N)
             runners[mode] = (lambda e, b: lambda: e.train_step(b))(engine, batch)
@@ -312,13 +312,13 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
     from torch import nn
 
     from pipeline_recipes.models.causal_lm import causal_lm_loss
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine, even_partition
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine, even_partition
 
     batch = _gpt2_batch(size, samples)
     runners: dict[str, Callable[[], Any]] = {}
     for name in ours:
         model = _gpt2(size)
-        engine = PipelineEngine(model, PipelineConfig(name, world, samples // mbs), 1, torch.device("cpu"))
+        engine = build_engine(model, PipelineConfig(name, world, samples // mbs), 1, torch.device("cpu"))
         runners[f"ours:{name}"] = (lambda e: lambda: e.train_step(batch))(engine)
     for label in theirs:
         model = _gpt2(size)
@@ -347,12 +347,12 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
 
 
 def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, steps: int, warmup: int) -> dict:
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
     from pipeline_recipes.core.pipeline_model import sequential_loss
 
     batch = _gpt2_batch(size, samples)
     plain_model = _gpt2(size)
-    engine = PipelineEngine(_gpt2(size), PipelineConfig("gpipe", 1, samples), 1, torch.device("cpu"))
+    engine = build_engine(_gpt2(size), PipelineConfig("gpipe", 1, samples), 1, torch.device("cpu"))
 
     def plain() -> None:
         for p in plain_model.parameters():
@@ -369,12 +369,12 @@ def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, 
 
 def _recompute_worker(rank: int, world: int, size: dict[str, int], schedule: str, samples: int, mbs: int,
                       steps: int, warmup: int) -> list[dict]:
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 
     batch = _gpt2_batch(size, samples)
     engines = {}
     for mode in ("none", "except_last", "always"):
-        engines[mode] = PipelineEngine(_gpt2(size), PipelineConfig(schedule, world, samples // mbs, recompute=mode),
+        engines[mode] = build_engine(_gpt2(size), PipelineConfig(schedule, world, samples // mbs, recompute=mode),
                                        1, torch.device("cpu"))
     times = _rounds({m: (lambda e: lambda: e.train_step(batch))(e) for m, e in engines.items()}, steps, warmup)
     rows = []

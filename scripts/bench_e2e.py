@@ -117,9 +117,9 @@ class _BareEngine:
     ``vs_torch`` part times, here in the job's processes."""
 
     def __init__(self, schedule: str, size: dict[str, int], samples: int, micro_batches: int, optimizer: OptimizerFactory) -> None:
-        from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+        from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 
-        self.engine = PipelineEngine(build_gpt2(size), PipelineConfig(schedule, dist.get_world_size(),
+        self.engine = build_engine(build_gpt2(size), PipelineConfig(schedule, dist.get_world_size(),
                                                                       samples // micro_batches),
                                      1, torch.device("cpu"))
         self.optimizer = optimizer(self.engine.local_parameters())

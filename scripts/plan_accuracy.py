@@ -135,7 +135,7 @@ def _measure_worker(rank: int, world: int, spec: str | dict[str, Any], layouts: 
 
     from pipeline_recipes.models.partition import balanced_partition
     from pipeline_recipes.planner.profile import _peak_in_ranges
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 
     runs = []
     for name, W, D, B, N, pipes, concat, recompute, sync in layouts:
@@ -145,7 +145,7 @@ def _measure_worker(rank: int, world: int, spec: str | dict[str, Any], layouts: 
                                 recompute=recompute, grad_sync=sync)
         partition = (model.partition(D) if hasattr(model, "partition")
                      else balanced_partition([1.0] * len(model.pipeline_layers()), D))  # = planner.runtime_partition
-        engine = PipelineEngine(model, config, W, torch.device("cpu"), partition=partition)
+        engine = build_engine(model, config, W, torch.device("cpu"), partition=partition)
         params = engine.local_parameters()
         opt = torch.optim.AdamW(params, lr=1e-4)
         full = batch_of(model, W * B * N, seed=1)

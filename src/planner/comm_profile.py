@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline, hold
-from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 from pipeline_recipes.strategies.runtime.grad_sync import GradientSynchronizer
 from pipeline_recipes.strategies.schedules import build_schedule, simulate, specs
 from pipeline_recipes.strategies.harness.spawn import run_world
@@ -104,7 +104,7 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
     configs = []
     for name in CALIBRATION_SCHEDULES:
         model = EmulatedPipeline(2, t_f=CALIBRATION_T_F, activation_numel=CALIBRATION_NUMEL, param_numel=1)
-        engine = PipelineEngine(model, PipelineConfig(name, 2, 1), 1, torch.device("cpu"))
+        engine = build_engine(model, PipelineConfig(name, 2, 1), 1, torch.device("cpu"))
         configs += [(name, n, engine, model.batch(n)) for n in CALIBRATION_N]
     steps_s: dict[str, dict[int, list[float]]] = {name: {} for name in CALIBRATION_SCHEDULES}
     for r in range(steps + 2):  # interleaved: a slow spell of the machine hits every configuration alike

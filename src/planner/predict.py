@@ -37,7 +37,8 @@ from pipeline_recipes.models.partition import balanced_partition
 from pipeline_recipes.strategies.runtime.grad_sync import launch_plan
 from pipeline_recipes.strategies.runtime.recompute import recompute_stages
 from pipeline_recipes.strategies.schedules import (
-    AUTO_CONCAT, Schedule, Settings, best_concat, build_schedule, get_spec, names, resolve_concat, simulate, specs,
+    AUTO_CONCAT, DEFAULT_SCHEDULE, Schedule, Settings, best_concat, build_schedule, get_spec, names, resolve_concat,
+    simulate, specs,
 )
 from pipeline_recipes.strategies.schedules.asynchronous import steady_step, steady_step_makespan, window
 
@@ -185,7 +186,7 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
             if N > max_micro_batches:
                 continue
             for name in schedules:
-                if D == 1 and name != "gpipe":
+                if D == 1 and name != DEFAULT_SCHEDULE:
                     continue  # one stage: every schedule is plain gradient accumulation
                 spec = get_spec(name)
                 chunk_choices = CHUNK_CHOICES if spec.chunks.choosable else (None,)

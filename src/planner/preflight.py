@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline_recipes.core.fixes import ConfigError, Fix, Proposal
 from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
-from pipeline_recipes.strategies.schedules import get_spec
+from pipeline_recipes.strategies.schedules import DEFAULT_SCHEDULE, get_spec
 
 from .costs import format_bytes
 from .estimate import estimate_costs
@@ -88,10 +88,10 @@ def candidate_from_config(cfg: Mapping[str, Any], layout: Any) -> Candidate:
     """The :class:`Candidate` of a resolved config and its :class:`pipeline_recipes.recipe.layout.Layout` (or a dict
     with ``strategy, W, D, B, N, pipelines``). Baselines are one stage: ``ddp``/``single`` = D 1, N 1."""
     strategy = dict(_get(cfg, "strategy", {}) or {})
-    name = str(_get(layout, "strategy", strategy.get("name", "gpipe")))
+    name = str(_get(layout, "strategy", strategy.get("name", DEFAULT_SCHEDULE)))
     W, D, B, N = (int(_get(layout, k)) for k in ("W", "D", "B", "N"))
     if name in BASELINES:
-        return Candidate("gpipe", W, 1, B, N, 1, "direct", "none", "end")
+        return Candidate(DEFAULT_SCHEDULE, W, 1, B, N, 1, "direct", "none", "end")
     concat = str(_get(layout, "concat", None) or strategy.get("concat") or "direct")  # the layout's is resolved
     return Candidate(name, W, D, B, N, int(_get(layout, "pipelines", 1) or 1),
                      concat if get_spec(name).concat else "direct",

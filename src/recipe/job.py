@@ -2,13 +2,15 @@
 torchrun or by SLURM): build model, data, strategy, loggers, metrics and checkpointing from the
 resolved config, then ``Trainer.fit`` (resuming from ``ckpt_path`` when given).
 
-The job file (``job.yaml``, :mod:`pipeline_recipes.recipe.job_spec`) holds the resolved Hydra config, the derived layout
-and the W&B group, so a worker needs no Hydra context.
+The job file (``job.yaml``, :mod:`pipeline_recipes.recipe.job_spec`) holds the resolved Hydra config, the layout the
+launcher resolved (:class:`~pipeline_recipes.core.layout.Layout`) and the W&B group, so a worker needs no Hydra context;
+the pipeline strategy and the stage table read that layout (:func:`build_strategy`, :func:`stage_table`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import warnings
 from datetime import timedelta
@@ -17,10 +19,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
+from pipeline_recipes.core.layout import Layout
 from pipeline_recipes.core.signals import SignalRecord
 from pipeline_recipes.strategies.lightning.strategy import PipelineModule, PipelineStrategy, share_gpus
 from pipeline_recipes.strategies.lightning.precision import with_precision_plugin
@@ -111,17 +114,30 @@ def place_ranks(strategy: Any, trainer_cfg: dict[str, Any], gpus: int | None = N
     return gpu_of_rank
 
 
-def stage_table(model: Any, config: Any, replicas: int) -> str:
+def stage_table(model: Any, topology: Topology) -> str:
     """The partition table of the S stages that train (``model.partition(S)``, as the strategy splits the
-    model; S = v·D) and the worker holding each stage, from the topology the engine builds for ``config``
-    (a :class:`~pipeline_recipes.strategies.runtime.engine.PipelineConfig`): the data of the strategy's
+    model; S = v·D) and the worker holding each stage, from ``topology`` (the layout's:
+    :meth:`~pipeline_recipes.strategies.runtime.topology.Topology.from_layout`): the data of the strategy's
     ``rank r: … stages […]`` line."""
-    topology = Topology.from_schedule(config.build(config.smallest_micro_batches), replicas)
     holders = [sorted({row[s] for row in topology.placement}) for s in range(topology.stages)]
     placement = ", ".join(f"stage {s} → worker{'s' if len(ws) > 1 else ''} {' and '.join(map(str, ws))}"
                           for s, ws in enumerate(holders))
     return (f"{model.partition_table(model.partition(topology.stages))}\nplacement: {placement} "
             f"(worker w is rank w + {topology.workers}·r of replica r)")
+
+
+def build_strategy(strategy_cfg: dict[str, Any], layout: Layout) -> Any:
+    """The strategy of the job: a pipeline strategy (the ``_target_`` a :class:`PipelineStrategy`) from the layout the
+    launcher resolved (:meth:`PipelineStrategy.from_layout`), with the config's ``timeout_s`` and any key that is no
+    setting of the layout (Lightning's own, passed on); a baseline as configured, with the layout's B where the config
+    leaves ``micro_batch_size`` null."""
+    target = get_object(strategy_cfg["_target_"])
+    if isinstance(target, type) and issubclass(target, PipelineStrategy):
+        layout_settings = set(inspect.signature(PipelineStrategy.__init__).parameters)
+        passed_on = {k: v for k, v in strategy_cfg.items() if k not in layout_settings and not k.startswith("_")}
+        return target.from_layout(layout, **passed_on, timeout_s=float(strategy_cfg["timeout_s"]))
+    unset_batch = strategy_cfg.get("micro_batch_size", 0) is None
+    return instantiate(strategy_cfg, **({"micro_batch_size": layout.B} if unset_batch else {}))
 
 
 def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
@@ -134,16 +150,15 @@ def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
     if trainer_cfg.get("accelerator") == "cpu":
         torch.set_num_threads(1)
     apply_float32_matmul_precision(trainer_cfg)  # before any matmul of the model
-    strategy = instantiate(cfg["strategy"], **({"micro_batch_size": layout.B}
-                                                if cfg["strategy"].get("micro_batch_size", 0) is None else {}))
+    strategy = build_strategy(cfg["strategy"], layout)
     place_ranks(strategy, trainer_cfg)
     pipeline = isinstance(strategy, PipelineStrategy)
     pl.seed_everything(cfg["seed"], workers=True, verbose=False)  # same seed everywhere: identical stage copies
     # A pipeline builds on the meta device and materialises only this rank's layers (PipelineEngine): no
     # rank holds the whole model. Baselines build it whole, from the same per-module init streams.
     model = instantiate(cfg["model"], **({"device": "meta"} if pipeline else {}))
-    if is_rank_zero() and pipeline and strategy.S > 1:
-        print(stage_table(model, strategy.pipeline_config, layout.W), flush=True)
+    if is_rank_zero() and pipeline and layout.stages > 1:
+        print(stage_table(model, Topology.from_layout(layout)), flush=True)
     data = instantiate(cfg["data"], batch_size=layout.global_batch_size // layout.W)
     optim = dict(cfg.get("optim") or {})
     # conf/optim and conf/scheduler are _partial_: the module completes them with its parameter groups

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-
-from .layout import Layout
+from pipeline_recipes.core.layout import Layout
 
 JOB_FILE = "job.yaml"
 
@@ -35,4 +34,4 @@ class JobSpec:
     @classmethod
     def load(cls, path: str | Path) -> JobSpec:
         raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        return cls(raw["config"], Layout(**raw["layout"]), raw["out_dir"], raw["group"])
+        return cls(raw["config"], Layout.from_dict(raw["layout"]), raw["out_dir"], raw["group"])

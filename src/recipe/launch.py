@@ -49,8 +49,9 @@ from .ending import last_line
 from pipeline_recipes.core.fixes import ConfigError, fixes_of
 from .job_spec import JobSpec
 from pipeline_recipes.core.errors import DataError
+from pipeline_recipes.core.layout import Layout
 
-from .layout import Layout, num_layers  # noqa: F401 (num_layers: read from here by callers)
+from .layout import num_layers  # noqa: F401 (read from here by callers)
 from .results import RunResult, read_results, summary_table, update_results, write_results
 from .resume import resolve_resume
 from .supervise import Outcome, launch_workers

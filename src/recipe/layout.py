@@ -1,4 +1,5 @@
-"""The run's layout (Chimera Table 1: W, D, B, N, B̂), derived once and checked before launch.
+"""The run's layout (Chimera Table 1: W, D, B, N, B̂), derived once and checked before launch: the
+:class:`~pipeline_recipes.core.layout.Layout` every worker then reads.
 
 Every rule names the settings, their values and a fix, so a bad combination stops with one
 message before any process starts. Settings whose values are a fixed set are listed once, in
@@ -14,68 +15,23 @@ every rule is written once, in its check, and decides about the values the other
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any
 
 from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.schedules import (
-    AUTO_CONCAT, CONCAT_METHODS, CONFIG, ScheduleError, ScheduleSpec, Settings, build_schedule, get_spec, names,
-    resolve_concat,
+    AUTO_CONCAT, CONCAT_METHODS, CONFIG, DEFAULT_SCHEDULE, ScheduleError, ScheduleSpec, Settings, build_schedule,
+    get_spec, names, resolve_concat,
 )
 from pipeline_recipes.strategies.schedules.rules import Refusal
 
 from pipeline_recipes.core.errors import did_you_mean
+from pipeline_recipes.core.layout import Layout
 from pipeline_recipes.core.fixes import ConfigError, Fix, Proposal, fixes_of, override_value, values, vet
 
 __all__ = ["ConfigError", "DataError", "Layout", "check_devices", "check_drain_timeout", "check_fixed_settings",
            "check_model", "did_you_mean", "fixed_settings", "resolve_layout"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    strategy: str
-    world_size: int
-    W: int
-    D: int
-    B: int
-    N: int
-    global_batch_size: int
-    pipelines: int
-    variant: str = ""  # settings beyond the schedule's defaults, e.g. "forward_doubling+eager_opt"
-    concat: str = "direct"  # Chimera's N > D method that runs (strategy.concat=auto resolved)
-    concat_auto: bool = False  # strategy.concat=auto chose it
-    S: int | None = None  # stages the model is split into when a worker holds several (v·D); None: D
-    cuda_graphs: bool = False  # strategy.cuda_graphs: repeated blocks replayed as CUDA graphs per micro-batch slot
-
-    @property
-    def label(self) -> str:
-        """The strategy as compared: its name plus any non-default variant, e.g. ``chimera+4pipes``."""
-        return f"{self.strategy}+{self.variant}" if self.variant else self.strategy
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def run_name(self) -> str:
-        """The run's name in W&B and in comparisons, e.g. ``chimera-W2-D4-B1``."""
-        return f"{self.label}-W{self.W}-D{self.D}-B{self.B}"
-
-    def result_fields(self) -> dict[str, Any]:
-        """The layout's keys of ``results.json`` (``strategy`` is the :attr:`label`)."""
-        return {"strategy": self.label, "W": self.W, "D": self.D, "B": self.B, "N": self.N,
-                "global_batch_size": self.global_batch_size, "world_size": self.world_size}
-
-    def describe(self) -> str:
-        return (
-            f"layout: {self.label}  W={self.W} replicas × D={self.D} "
-            + (f"workers ({self.S} stages) " if self.S not in (None, self.D) else "stages ")
-            + f"= {self.world_size} processes; "
-            f"B={self.B} × N={self.N} micro-batches × W={self.W} = global batch {self.global_batch_size}"
-            + (f"; {self.pipelines} pipelines" if self.pipelines > 1 else "")
-            + (f"; concat=auto → {self.concat}" if self.concat_auto else "")
-            + ("; CUDA graphs per micro-batch slot (strategy.cuda_graphs=true)" if self.cuda_graphs else "")
-        )
 
 
 GRAD_SYNC = ("end", "eager", "eager_opt")  # strategies.grad_sync.GRAD_SYNC_MODES (that module imports torch)
@@ -169,7 +125,7 @@ def _batch_proposals(global_batch_size: int, step: int) -> list[Proposal]:
 BASELINES = ("ddp", "single")
 
 
-def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> Layout:
+def _baseline_layout(name: str, world: int, D: int, global_batch_size: int, precision: str | None) -> Layout:
     """``ddp``: W = world size replicas of the whole model; ``single``: one process. Both take the
     replica's whole mini-batch in one pass (B = B̂/W, N = 1); ``strategy.micro_batch_size`` is unused."""
     if D != 1:
@@ -182,7 +138,7 @@ def _baseline_layout(name: str, world: int, D: int, global_batch_size: int) -> L
         raise ConfigError(f"data.global_batch_size = {global_batch_size} is not divisible by the W = {world} "
                           f"replicas of strategy={name}, so it must be a multiple of {world}",
                           _batch_proposals(global_batch_size, world))
-    return Layout(name, world, world, 1, global_batch_size // world, 1, global_batch_size, 1)
+    return Layout(name, world, world, 1, global_batch_size // world, 1, global_batch_size, 1, precision=precision)
 
 
 def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
@@ -195,7 +151,7 @@ def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
                           [values("strategy", [name]), values("strategy.schedule", [name]),
                            values("strategy.name", [schedule])])
     key = "strategy.schedule" if schedule is not None else "strategy.name"
-    name = str(schedule or name or "gpipe")
+    name = str(schedule or name or DEFAULT_SCHEDULE)
     if name in BASELINES:
         return name, None
     try:
@@ -302,7 +258,7 @@ def _resolve(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_siz
     D = _positive("strategy.D", strategy.get("D"))
     _positive("data.global_batch_size", global_batch_size, up_to=64)
     if spec is None:
-        return _baseline_layout(name, world, D, global_batch_size)
+        return _baseline_layout(name, world, D, global_batch_size, trainer.get("precision"))
     fixed_n = spec.fixed_micro_batches
     one_per_update = fixed_n is not None and strategy.get("micro_batch_size") is None  # B = B̂ / (W·N)
     B = 1 if one_per_update else _positive("strategy.micro_batch_size", strategy.get("micro_batch_size"))
@@ -349,7 +305,9 @@ def _resolve(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_siz
     if refusal is not None:
         raise around.refused(refusal)
     return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, spec, pipelines, concat),
-                  concat, requested == "auto", S if S != D else None, cuda_graphs)
+                  concat, requested == "auto", S if S != D else None, cuda_graphs, chunks=settings.chunks,
+                  grad_sync=settings.grad_sync, recompute=settings.recompute, placement=schedule.placement,
+                  precision=trainer.get("precision"))
 
 
 KIND_KEYS = {"stages": "strategy.D", "pipelines": "strategy.pipelines", "concat": "strategy.concat",

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from pipeline_recipes.core.errors import TrainingDiverged
+from pipeline_recipes.core.layout import Layout
 from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy, reporting_step
 from pipeline_recipes.strategies.schedules import Action, Schedule, simulate
 from pipeline_recipes.strategies.schedules.actions import KINDS
@@ -47,7 +48,6 @@ from pipeline_recipes.strategies.schedules.render import save_png
 from typing_extensions import override
 
 from .flops import Utilisation, resolve_utilisation
-from .layout import Layout
 from .results import write_results
 
 RUNNING_RESULTS_S = 30.0  # rank 0 rewrites results.json (status running) at most this often while training

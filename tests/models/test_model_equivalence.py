@@ -129,7 +129,7 @@ def _pipeline_vs_hf(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 
     out = []
     for case in cases:
@@ -146,7 +146,7 @@ def _pipeline_vs_hf(rank: int, world: int, cases: list[dict]) -> list[dict]:
             info["mask_effect"] = _mask_sensitivity(full, batches[0])
         names = {id(p): n for n, p in model.named_parameters()}  # before the engine drops remote layers
         config = PipelineConfig(case["schedule"], D, B, None, "direct", 60.0)
-        engine = PipelineEngine(model, config, W, torch.device("cpu"), partition=model.partition(D))
+        engine = build_engine(model, config, W, torch.device("cpu"), partition=model.partition(D))
         params = engine.local_parameters()
         real = {id(t) for t in (*model.reference().parameters(), *model.reference().buffers()) if not t.is_meta}
         local = {id(t) for ls in engine.stage_layers.values() for layer in ls for t in (*layer.parameters(), *layer.buffers())}

@@ -252,7 +252,7 @@ def test_stage_table_lists_the_stages_that_train_and_their_workers(schedule: str
     config, W = PipelineConfig(schedule, D), 2
     expected = _expected_holders(schedule, D)
     S = len(expected)
-    text = stage_table(_tiny_model(), config, W)
+    text = stage_table(_tiny_model(), Topology.from_schedule(config.build(config.smallest_micro_batches), W))
     rows = [line for line in text.splitlines() if re.match(r"\s*\d+ \|", line)]
     assert [int(r.split("|")[0]) for r in rows] == list(range(S))
     placement = dict(re.findall(r"stage (\d+) → workers? ([\d and]+)", text))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from pipeline_recipes.strategies.runtime.engine import PipelineEngine
+from pipeline_recipes.strategies.runtime.engine import build_engine
 from pipeline_recipes.strategies.harness.nccl_replay import P2P, Event, HostRecv, HostSend, HostWait, Post, StreamWait
 from pipeline_recipes.strategies.runtime.p2p import Incoming, Outgoing
 
@@ -155,7 +155,7 @@ def record_programs(
             recorder = _Recorder()
             torch.manual_seed(0)
             with recorded_collectives(recorder):
-                engine = PipelineEngine(make_model(), config, replicas, torch.device("cpu"))
+                engine = build_engine(make_model(), config, replicas, torch.device("cpu"))
                 engine.executor.comm = RecordingComm(recorder, torch.device("cpu"), engine.timeout, shape_of)
                 for step in steps:
                     step(engine, rank)

@@ -1,7 +1,9 @@
 """The Lightning strategy for pipeline schedules: one :class:`PipelineStrategy` runs any schedule of the
 registry (:mod:`pipeline_recipes.strategies.schedules.registry`: GPipe, DAPPLE alias 1F1B, GEMS, Chimera,
 PipeDream-2BW, PipeDream, interleaved 1F1B and the zero-bubble family: ZB-H1, ZB-H2, ZBV, DualPipeV and Chimera
-with zero bubble), ``PipelineStrategy(schedule="chimera", D=4)`` or ``Trainer(strategy="chimera")``.
+with zero bubble), ``PipelineStrategy(schedule="chimera", D=4)`` or ``Trainer(strategy="chimera")``; a recipe's
+worker builds it from the layout the launcher resolved (:meth:`PipelineStrategy.from_layout`), which it then only
+checks (the processes that joined, each training batch's N) instead of deriving it again.
 
 The strategy only maps Lightning's hooks onto :class:`~pipeline_recipes.strategies.runtime.engine.PipelineEngine`:
 process groups come up in ``setup_environment`` (inherited from DDP: launcher, cluster
@@ -35,19 +37,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from pipeline_recipes.core.errors import TrainingDiverged
 from pipeline_recipes.core.failures import record_handled_error
+from pipeline_recipes.core.layout import Layout
 from torch import Tensor, nn
 from typing_extensions import override
 
 from pipeline_recipes.strategies import checkpoint as ckpt
 from pipeline_recipes.strategies.compute.compile import compile_blocks, repeated_blocks
 from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
-from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine, build_engine
 from pipeline_recipes.strategies.runtime.executor import loss_counts, micro_batch_loss
 from pipeline_recipes.strategies.runtime.fetch_ahead import fetch_during_waits
 from pipeline_recipes.strategies.lightning.optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
 from pipeline_recipes.core.pipeline_model import Batch, run_layers, sequential_loss
 from pipeline_recipes.strategies.runtime.process_group import end_process_group
-from pipeline_recipes.strategies.schedules import specs
+from pipeline_recipes.strategies.schedules import DEFAULT_SCHEDULE, specs
 from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 
 
@@ -74,12 +77,25 @@ class PipelineStrategy(DDPStrategy):
         if schedule is not None and name is not None and schedule != name:
             raise ValueError(f"strategy.schedule = {schedule!r} but strategy.name = {name!r}: they name the same "
                              f"schedule; set strategy.schedule only (strategy.name follows it)")
-        super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
-        self.pipeline_config = PipelineConfig(
-            schedule or name or "gpipe", D, micro_batch_size, pipelines, concat, timeout_s,
+        config = PipelineConfig(
+            schedule or name or DEFAULT_SCHEDULE, D, micro_batch_size, pipelines, concat, timeout_s,
             grad_sync=grad_sync, recompute=recompute, chunks=chunks, cuda_graphs=cuda_graphs,
         )
+        self._start(config, W, None, **kwargs)
+
+    @classmethod
+    def from_layout(cls, layout: Layout, timeout_s: float, **kwargs: Any) -> PipelineStrategy:
+        """The strategy of the layout the launcher resolved and validated: W, D, B, N and the schedule's settings
+        are the layout's (:meth:`PipelineConfig.from_layout`); the processes that join are checked against it."""
+        strategy = cls.__new__(cls)
+        strategy._start(PipelineConfig.from_layout(layout, timeout_s), layout.W, layout, **kwargs)
+        return strategy
+
+    def _start(self, config: PipelineConfig, W: int | None, layout: Layout | None, **kwargs: Any) -> None:
+        super().__init__(timeout=timedelta(seconds=config.timeout_s), **kwargs)
+        self.pipeline_config = config
         self.requested_W = W
+        self.layout = layout
         self.engine: PipelineEngine | None = None
         self.model_index: ckpt.ModelIndex | None = None
         self._rng_to_restore: dict[str, Any] | None = None
@@ -123,6 +139,8 @@ class PipelineStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.layout is not None:
+            self.layout.check_world_size(self.world_size)
         if self.W * self.D != self.world_size:
             raise ValueError(
                 f"W·D = {self.W}·{self.D} = {self.W * self.D} but {self.world_size} processes run; "
@@ -137,7 +155,7 @@ class PipelineStrategy(DDPStrategy):
             raise TypeError(f"{type(module).__name__} must subclass pipeline_recipes.strategies.lightning.strategy.PipelineModule")
         self.precision_plugin.convert_module(module)
         self.model_index = ckpt.ModelIndex.of(module, module.model.pipeline_layers())  # before remote layers go
-        self.engine = PipelineEngine(
+        self.engine = build_engine(
             module.model, self.pipeline_config, self.W, self.root_device, partition=module.partition(self.S)
         )
         module.to(self.root_device)

@@ -1,6 +1,6 @@
 """One pipeline-parallel training step, independent of Lightning: one set-up, then a synchronous or asynchronous step.
 
-:func:`build_engine` (what calling :class:`PipelineEngine` runs) assembles this rank's share of the pipeline once
+:func:`build_engine` assembles this rank's share of the pipeline once
 (:func:`pipeline_recipes.strategies.runtime.rank_setup.assemble`: topology, this rank's stages of a
 :class:`~pipeline_recipes.core.pipeline_model.PipelineModel`, process groups, gradient synchroniser) and returns
 the step object for the schedule, each with one job:
@@ -21,12 +21,11 @@ may be recomputed in backward to save activation memory (GPipe §2.3, re-materia
 
 from __future__ import annotations
 
-from abc import ABCMeta, abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,10 +36,13 @@ from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
 from pipeline_recipes.strategies.runtime.executor import AsyncWindows, StageExecutor, StepRecord, loss_counts
 from pipeline_recipes.strategies.runtime.grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
 from pipeline_recipes.strategies.runtime.late_loss import LateLosses
+from pipeline_recipes.core.layout import Layout, LayoutMismatch
 from pipeline_recipes.core.pipeline_model import Batch, split_batch
 from pipeline_recipes.strategies.runtime.rank_setup import RankSetup, assemble, even_partition
 from pipeline_recipes.strategies.runtime.recompute import RECOMPUTE_MODES
-from pipeline_recipes.strategies.schedules import Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat
+from pipeline_recipes.strategies.schedules import (
+    DEFAULT_SCHEDULE, Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat,
+)
 from pipeline_recipes.strategies.schedules.asynchronous import weight_delay, window
 from pipeline_recipes.strategies.runtime.stage import unique_parameters
 from pipeline_recipes.strategies.runtime.topology import Topology
@@ -57,7 +59,7 @@ class PipelineConfig:
     ``recompute``: ``none`` | ``except_last`` | ``always`` (see :mod:`.recompute`).
     """
 
-    schedule: str = "gpipe"
+    schedule: str = DEFAULT_SCHEDULE
     stages: int = 2
     micro_batch_size: int = 1
     pipelines: int | None = None
@@ -67,6 +69,19 @@ class PipelineConfig:
     recompute: str = "none"
     chunks: int | None = None  # stages per worker (v); None: the schedule's own (interleaved 1F1B: 2)
     cuda_graphs: bool = False  # repeated blocks replayed as CUDA graphs per micro-batch slot (.cuda_graphs)
+    micro_batches: int | None = None  # N of every training step, as the layout resolved it; None: from the batch
+
+    @classmethod
+    def from_layout(cls, layout: Layout, timeout_s: float) -> PipelineConfig:
+        """The config of the layout the launcher resolved and validated (:class:`~pipeline_recipes.core.layout.Layout`):
+        its schedule, D, B, N, pipelines, the concatenation method it chose, chunks, gradient sync, recomputation and
+        CUDA graphs, nothing derived again."""
+        if layout.grad_sync is None or layout.recompute is None:
+            raise ValueError(f"strategy={layout.strategy} is a baseline, not a pipeline schedule: it has no "
+                             "pipeline config")
+        return cls(layout.strategy, layout.D, layout.B, layout.pipelines, layout.concat, timeout_s,
+                   grad_sync=layout.grad_sync, recompute=layout.recompute, chunks=layout.chunks,
+                   cuda_graphs=layout.cuda_graphs, micro_batches=layout.N)
 
     def __post_init__(self) -> None:
         for name, value, choices in (("grad_sync", self.grad_sync, GRAD_SYNC_MODES),
@@ -123,19 +138,10 @@ def build_engine(
     return AsynchronousStep(setup) if config.is_async else SynchronousStep(setup)
 
 
-class _BuiltBySetUp(ABCMeta):
-    """Calling :class:`PipelineEngine` itself runs the set-up (:func:`build_engine`), which picks the step class;
-    a step class is constructed as any class, from a :class:`~pipeline_recipes.strategies.runtime.rank_setup.RankSetup`."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is PipelineEngine:
-            return build_engine(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
-
-
-class PipelineEngine(metaclass=_BuiltBySetUp):
-    """One rank's pipeline-parallel steps: ``PipelineEngine(model, config, replicas, device, partition=None)``
-    returns a :class:`SynchronousStep` or an :class:`AsynchronousStep` for ``config``'s schedule.
+class PipelineEngine(ABC):
+    """One rank's pipeline-parallel steps: a :class:`SynchronousStep` or an :class:`AsynchronousStep`, which
+    :func:`build_engine` picks for the config's schedule (a step class is constructed from a
+    :class:`~pipeline_recipes.strategies.runtime.rank_setup.RankSetup`).
 
     ``steps_taken``: the optimizer steps run; ``loss_step``: the step whose loss :meth:`train_step` returned
     last; ``last_record``: what the last step measured; ``idle_work``: host work for a step's longest bubble
@@ -234,6 +240,20 @@ class PipelineEngine(metaclass=_BuiltBySetUp):
             )
         return split_batch(batch, size // self.config.micro_batch_size)
 
+    def split_for_training(self, batch: Batch) -> list[dict]:
+        """:meth:`split`, the micro-batches checked against the N the layout resolved (where it did)."""
+        micro_batches = self.split(batch)
+        expected = self.config.micro_batches
+        if expected is not None and len(micro_batches) != expected:
+            B = self.config.micro_batch_size
+            raise LayoutMismatch(
+                f"a replica's training batch of {len(micro_batches) * B} samples makes N = {len(micro_batches)} "
+                f"micro-batches of B = {B}, but the layout resolved before launch has N = {expected} (a replica's "
+                f"batch of {expected * B} = data.global_batch_size / W): the data module must give each replica "
+                "data.global_batch_size / W samples per step (drop an incomplete last batch)"
+            )
+        return micro_batches
+
     def _totals(self, batch: Batch) -> dict[str, Tensor]:
         """Loss normalisers over the global mini-batch (all replicas), as device scalars: reading
         them on the host would synchronise with the device before the schedule starts. Counts add
@@ -298,7 +318,7 @@ class SynchronousStep(PipelineEngine):
     def train_step(self, batch: Batch) -> Tensor:
         """Forward and backward of the replica's mini-batch, gradients summed; returns this step's
         mini-batch loss (every rank the same)."""
-        micro_batches = self.split(batch)
+        micro_batches = self.split_for_training(batch)
         sync = self.synchronizer
         sync.zero_grad(self.local_parameters())
         if self.stage_graphs is not None:  # captured here, before this step posts any message
@@ -369,7 +389,7 @@ class AsynchronousStep(PipelineEngine):
         when the pipeline is deeper than a step: its all-reduce overlaps the following steps, so the stages
         never line up; :mod:`pipeline_recipes.strategies.runtime.late_loss`), the first step its own; :attr:`loss_step`
         says which step, :meth:`flush_losses` gives those not reported yet."""
-        micro_batches = self.split(batch)
+        micro_batches = self.split_for_training(batch)
         for p in self.local_parameters():
             p.grad = None  # the step's due version hands its gradient over at the end
         totals = self._totals(batch)

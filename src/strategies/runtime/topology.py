@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline_recipes.core.layout import Layout
 from pipeline_recipes.strategies.schedules import Schedule
 
 
@@ -25,6 +26,14 @@ class Topology:
     @classmethod
     def from_schedule(cls, schedule: Schedule, replicas: int) -> Topology:
         return cls(replicas, schedule.num_workers, schedule.stages, schedule.placement)
+
+    @classmethod
+    def from_layout(cls, layout: Layout) -> Topology:
+        """The topology of the layout the launcher resolved: its W, D, S and the placement of its validated
+        schedule (no schedule built again)."""
+        if not layout.placement:
+            raise ValueError(f"strategy={layout.strategy} is a baseline: it has no pipeline stages to place")
+        return cls(layout.W, layout.D, layout.stages, layout.placement)
 
     @property
     def world_size(self) -> int:

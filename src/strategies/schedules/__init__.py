@@ -9,14 +9,16 @@ from pipeline_recipes.strategies.schedules.generators import best_concat, chimer
 from pipeline_recipes.strategies.schedules.graph import ActionIndex, dependencies, index_actions
 from pipeline_recipes.strategies.schedules.grid import format_grid
 from pipeline_recipes.strategies.schedules.registry import (
-    SCHEDULES, ScheduleError, ScheduleSpec, build_schedule, get_spec, names, register, resolve_concat, specs,
+    DEFAULT_SCHEDULE, SCHEDULES, ScheduleError, ScheduleSpec, build_schedule, get_spec, names, register,
+    resolve_concat, specs,
 )
 from pipeline_recipes.strategies.schedules.rules import AUTO_CONCAT, CLI, CONCAT_METHODS, CONFIG, Naming, Settings
 from pipeline_recipes.strategies.schedules.simulate import DeadlockError, Simulation, TimedAction, peak_activations, simulate, slots_needed
 from pipeline_recipes.strategies.schedules.validate import validate
 
 __all__ = [
-    "AUTO_CONCAT", "ActionIndex", "CLI", "CONCAT_METHODS", "CONFIG", "SCHEDULES", "Action", "DeadlockError", "Naming",
+    "AUTO_CONCAT", "ActionIndex", "CLI", "CONCAT_METHODS", "CONFIG", "DEFAULT_SCHEDULE", "SCHEDULES", "Action",
+    "DeadlockError", "Naming",
     "Schedule", "ScheduleError", "ScheduleSpec", "Settings", "Simulation", "TimedAction", "best_concat",
     "build_schedule", "chimera", "chimera_placement", "concat_choices", "dapple", "dependencies", "format_grid",
     "gems", "get_spec", "gpipe", "index_actions", "names", "parse_action", "peak_activations", "register",

@@ -231,6 +231,10 @@ def resolve_concat(
 
 register(ScheduleSpec("gpipe", gpipe, "GPipe: all forwards, then all backwards, a flush per step", calibrates=True,
                       torch_class="ScheduleGPipe"))
+DEFAULT_SCHEDULE = "gpipe"
+"""The schedule of a strategy or engine config that names none, and the one the planner runs a single stage with
+(every schedule is plain gradient accumulation there); ``conf/pipeline_strategy.yaml`` makes each strategy config
+name its own."""
 register(ScheduleSpec("dapple", dapple, "DAPPLE: 1F1B with a flush per step", aliases=("1f1b",), calibrates=True,
                       torch_class="Schedule1F1B"))
 register(ScheduleSpec(

@@ -149,7 +149,7 @@ def _compiled_pipeline_vs_eager(rank: int, world: int, cases: list[dict]) -> lis
     single-process eager model's loss and gradients."""
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 
     out = []
     for case in cases:
@@ -163,7 +163,7 @@ def _compiled_pipeline_vs_eager(rank: int, world: int, cases: list[dict]) -> lis
         names = {id(p): n for n, p in model.named_parameters()}
         blocks = repeated_blocks(model.pipeline_layers())  # before the engine drops the remote layers
         config = PipelineConfig(case["schedule"], world, B, None, "direct", 60.0, recompute=case["recompute"])
-        engine = PipelineEngine(model, config, 1, CPU)
+        engine = build_engine(model, config, 1, CPU)
         done = compile_blocks(model.pipeline_layers(), blocks, CPU, backend=CAPTURE)
         loss = engine.train_step(batch).item()
         err = max((p.grad - ref_grads[names[id(p)]]).abs().max().item() for p in engine.local_parameters())

@@ -306,7 +306,7 @@ def _train(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
     from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs, slots_needed
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 
     cuda = torch.cuda.is_available() and cases[0].get("cuda", False)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -323,7 +323,7 @@ def _train(rank: int, world: int, cases: list[dict]) -> list[dict]:
             model = build_model("gpt2-tiny", init_seed=0, n_layer=4)
             blocks = repeated_blocks(model.pipeline_layers())
             config = PipelineConfig(case["schedule"], world, B, cuda_graphs=graphed)
-            engine = PipelineEngine(model, config, 1, device)
+            engine = build_engine(model, config, 1, device)
             lines: list[str] = []
             if graphed:
                 engine.stage_graphs = StageGraphs(engine.stage_layers, model.pipeline_layers(), blocks,

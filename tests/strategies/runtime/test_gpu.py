@@ -130,7 +130,7 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
 
     from pipeline_recipes.datamodules import SyntheticGPT2Dataset
     from pipeline_recipes.recipe.metrics import peak_memory_bytes
-    from pipeline_recipes.strategies.runtime.engine import PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -161,7 +161,7 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
         names = {id(p): n for n, p in model.named_parameters()}  # the pipeline's names equal the twin's
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        engine = PipelineEngine(model, config, W, device, partition=model.partition(config.num_stages))
+        engine = build_engine(model, config, W, device, partition=model.partition(config.num_stages))
         params = engine.local_parameters()
         assert all(p.device == device for p in params)
         opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
@@ -363,12 +363,12 @@ def _silent_peer(rank: int, world: int, backend: str, timeout_s: float, silent_s
     """Rank 1 stops answering before its second step; rank 0 must name it within the timeout."""
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
     from toy_model import ToyMLP, toy_batches
 
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    engine = PipelineEngine(ToyMLP(layers=4, width=8), PipelineConfig("dapple", 2, 2, None, "direct", timeout_s),
-                            1, device)
+    engine = build_engine(ToyMLP(layers=4, width=8), PipelineConfig("dapple", 2, 2, None, "direct", timeout_s),
+                          1, device)
     batches = [{k: v.to(device) for k, v in b.items()} for b in toy_batches(2, 8)]
     engine.train_step(batches[0]).item()
     if rank == 1:

@@ -24,7 +24,7 @@ def _reference(model: ToyMLP, batches) -> tuple[list[float], dict[str, torch.Ten
 def _pipeline_vs_reference(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 
     out = []
     for case in cases:
@@ -38,7 +38,7 @@ def _pipeline_vs_reference(rank: int, world: int, cases: list[dict]) -> list[dic
         config = PipelineConfig(case["schedule"], D, B, case.get("pipelines"), case.get("concat", "direct"), 30.0,
                                 grad_sync=case.get("grad_sync", "end"), recompute=case.get("recompute", "none"),
                                 chunks=case.get("chunks"))
-        engine = PipelineEngine(model, config, W, torch.device("cpu"))
+        engine = build_engine(model, config, W, torch.device("cpu"))
         opt = torch.optim.SGD(engine.local_parameters(), lr=LR, momentum=0.9)
         replica = engine.topology.replica_of(rank)
         losses = []

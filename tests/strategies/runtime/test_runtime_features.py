@@ -204,7 +204,7 @@ def _features(rank: int, world: int, cases: list[dict]) -> dict:
     import torch.distributed as dist
 
     from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
-    from pipeline_recipes.strategies.runtime.engine import PipelineEngine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
     from pipeline_recipes.strategies.schedules import simulate
 
     out: dict = {"equivalence": [], "memory": {}, "dropout": {}}
@@ -217,7 +217,7 @@ def _features(rank: int, world: int, cases: list[dict]) -> dict:
         names = {id(p): n for n, p in model.named_parameters()}
         config = PipelineConfig(case["schedule"], D, B, case.get("pipelines"), case.get("concat", "direct"), 30.0,
                                 grad_sync=case.get("grad_sync", "end"), recompute=case.get("recompute", "none"))
-        engine = PipelineEngine(model, config, W, torch.device("cpu"))
+        engine = build_engine(model, config, W, torch.device("cpu"))
         losses, peak = _train(engine, batches, rank, N)
         err = max((p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in engine.local_parameters())
         out["equivalence"].append({**case, "param_err": err, "losses": losses, "ref_losses": ref_losses,
@@ -229,7 +229,7 @@ def _features(rank: int, world: int, cases: list[dict]) -> dict:
     # recompute with dropout replays the same masks: identical to the run without recompute
     for mode in ("none", "always"):
         torch.manual_seed(1234 + rank)
-        engine = PipelineEngine(DropoutMLP(), PipelineConfig("dapple", 4, B, recompute=mode), 1, torch.device("cpu"))
+        engine = build_engine(DropoutMLP(), PipelineConfig("dapple", 4, B, recompute=mode), 1, torch.device("cpu"))
         losses, _ = _train(engine, toy_batches(STEPS, 4 * B, 16), rank, 4)
         out["dropout"][mode] = (losses, [p.detach().flatten().tolist() for p in engine.local_parameters()])
         dist.barrier()
@@ -237,7 +237,7 @@ def _features(rank: int, world: int, cases: list[dict]) -> dict:
     # emulated stages: a D = 4 DAPPLE step takes about the simulated makespan
     t_f = 0.01
     model = EmulatedPipeline(4, t_f=t_f, activation_numel=1024, param_numel=4096)
-    engine = PipelineEngine(model, PipelineConfig("dapple", 4, 1), 1, torch.device("cpu"))
+    engine = build_engine(model, PipelineConfig("dapple", 4, 1), 1, torch.device("cpu"))
     times = []
     for _ in range(4):
         dist.barrier()
