@@ -63,3 +63,53 @@ def test_a_bad_value_is_refused_naming_key_value_rule_and_fix(override: str, key
         ClusterSpec.from_config(_compose("cluster=dgx-h100", override).cluster)
     text = str(err.value)
     assert f"cluster.{key}=" in text and "must" in text and "Fix:" in text
+
+
+# --- the network model, against hand-computed α–β costs --------------------------------------------------------------
+
+from pipeline_recipes.planner.costs import AlphaBeta  # noqa: E402
+from pipeline_recipes.planner.network import Network  # noqa: E402
+
+INTRA, INTER = AlphaBeta(1e-6, 1e-11), AlphaBeta(1e-5, 1e-10)
+
+
+def test_hierarchical_allreduce_by_hand() -> None:
+    # 32 processes, 8 per node, 4 nodes, 1 GB: 2·(3·1µs + 7/8·0.01 s) + (2·2·10µs + 2·3/4·0.1 s·(1/8))
+    net = Network(8, INTRA, INTER, "hierarchical")
+    expected = 2 * (3 * 1e-6 + 7 / 8 * 1e-11 * 1e9) + (2 * 2 * 1e-5 + 2 * 3 / 4 * 1e-10 * 1e9 / 8)
+    assert net.allreduce(32, 1e9, per_node=8) == pytest.approx(expected)
+
+
+def test_flat_algorithms_by_hand_and_one_node_uses_the_intra_link() -> None:
+    ring = Network(8, INTRA, INTER, "ring")
+    assert ring.allreduce(4, 1e6, per_node=1) == pytest.approx(2 * 3 * 1e-5 + 2 * 3 / 4 * 1e-10 * 1e6)
+    raben = Network(8, INTRA, INTER, "rabenseifner")
+    assert raben.allreduce(4, 1e6, per_node=4) == pytest.approx(2 * 2 * 1e-6 + 2 * 3 / 4 * 1e-11 * 1e6)
+    assert raben.allreduce(1, 1e6) == 0.0
+
+
+def test_group_placement_and_p2p_links() -> None:
+    net = Network(8, INTRA, INTER)
+    assert net.members_per_node(D=4, W=16) == 2  # two replicas of a 4-stage pipeline per node
+    assert net.members_per_node(D=4, W=16, copies=2) == 4  # Chimera: both pipelines' copies too
+    assert net.members_per_node(D=16, W=4) == 1  # a replica spans two nodes: every copy on its own node
+    assert not net.pipeline_crosses_nodes(8) and net.pipeline_crosses_nodes(16)
+    assert net.p2p(1e6, crosses_node=True) == pytest.approx(1e-5 + 1e-4)
+
+
+def test_a_cluster_plans_with_its_network() -> None:
+    from dataclasses import replace
+
+    from pipeline_recipes.planner.costs import rabenseifner
+    from pipeline_recipes.planner.model_costs import uniform_costs
+    from pipeline_recipes.planner.predict import Candidate, predict_time
+
+    spec = ClusterSpec.from_config(_compose("cluster=dgx-h100").cluster)
+    costs = uniform_costs(8, t_f=1e-3, t_b=2e-3, params=10**6).with_comm(spec.comm_costs())
+    cand = Candidate("dapple", 2, 4, 1, 4)  # 2 replicas of 4 stages: one node, each stage's 8 MB over NVLink
+    nvlink = spec.intra_node.alpha_beta
+    assert predict_time(costs, cand).sync_s == pytest.approx(rabenseifner(2, 8e6, nvlink.alpha, nvlink.beta))
+    one_per_node = replace(costs.comm, network=replace(costs.comm.network, devices_per_node=1))
+    ib = spec.inter_node.alpha_beta
+    assert predict_time(costs.with_comm(one_per_node), cand).sync_s == pytest.approx(
+        rabenseifner(2, 8e6, ib.alpha, ib.beta))

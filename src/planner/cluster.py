@@ -18,6 +18,8 @@ from typing import Any
 from pipeline_recipes.core.errors import ConfigError
 
 from .costs import AlphaBeta, parse_bytes
+from .model_costs import CommCosts
+from .network import Network
 
 ALLREDUCE_ALGORITHMS = ("rabenseifner", "ring", "hierarchical")
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -102,6 +104,18 @@ class ClusterSpec:
         """Peak FLOP/s of one device at ``precision``; fp32 where the device has no such unit."""
         tflops = self.peak_tflops.get(precision, self.peak_tflops.get("fp32", 0.0))
         return tflops * 1e12
+
+    def network(self) -> Network:
+        """The links and the all-reduce algorithm (:mod:`pipeline_recipes.planner.network`)."""
+        if self.measure or self.intra_node is None or self.inter_node is None:
+            raise ValueError(f"cluster {self.name} is measured, not described: it has no network figures")
+        return Network(self.devices_per_node, self.intra_node.alpha_beta, self.inter_node.alpha_beta, self.allreduce)
+
+    def comm_costs(self) -> CommCosts:
+        """The planner's communication constants on this cluster: the network's links, no runtime overheads (the
+        executor's per-action cost was measured on CPU ranks only)."""
+        inter = self.network().inter
+        return CommCosts(p2p=inter, allreduce=inter, measured=False, network=self.network())
 
     def nodes(self, devices: int) -> int:
         return -(-devices // self.devices_per_node)

@@ -46,7 +46,7 @@ from pipeline_recipes.strategies.schedules.messages import receiving_stage
 
 from .costs import format_bytes
 from .model_costs import ADAMW_STATES, ModelCosts
-from .predict import Candidate, runtime_partition
+from .predict import Candidate, partition_for
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
 def predict_memory(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,
                    keep_sends: bool | None = None, receive_ahead: bool = True) -> MemoryPrediction:
     """Peak bytes of every worker of one replica; ``keep_sends`` defaults to gloo on CPU."""
-    partition = list(partition) if partition is not None else runtime_partition(costs, cand.S)
+    partition = partition_for(costs, cand.S, partition)
     if keep_sends is None:
         keep_sends = not costs.device.startswith("cuda")
     schedule = cand.schedule()

@@ -19,7 +19,7 @@ from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
 from .partition_search import recommend_partition
 from .parallel import map_grouped, workers_for
-from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, predict_time, runtime_partition
+from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, partition_for, predict_time
 
 JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "predicted_iteration_s",
              "predicted_peak_bytes_per_rank", "fits")
@@ -47,7 +47,7 @@ class Plan:
 
 def plan_one(costs: ModelCosts, cand: Candidate, budget: Budget | None = None, *, ranks_per_node: int | None = None,
              partition: Sequence[range] | None = None) -> Plan:
-    part = list(partition) if partition is not None else runtime_partition(costs, cand.S)
+    part = partition_for(costs, cand.S, partition)
     cand = cand.resolved(costs, part)  # concat=auto: the method fastest at this model's measured costs
     time = predict_time(costs, cand, part)
     memory = predict_memory(costs, cand, part)
