@@ -113,3 +113,41 @@ def test_a_cluster_plans_with_its_network() -> None:
     ib = spec.inter_node.alpha_beta
     assert predict_time(costs.with_comm(one_per_node), cand).sync_s == pytest.approx(
         rabenseifner(2, 8e6, ib.alpha, ib.beta))
+
+
+def test_the_smart_search_equals_brute_force_on_a_small_space() -> None:
+    from pipeline_recipes.planner.memory import Budget, predict_memory
+    from pipeline_recipes.planner.model_costs import uniform_costs
+    from pipeline_recipes.planner.recommend import best_per_schedule, best_plans, plan_all
+
+    costs = uniform_costs(8, t_f=1e-3, t_b=2e-3, params=10**5, stored=2e6)
+    schedules = ["gpipe", "dapple", "chimera", "gems", "pipedream_2bw"]
+    everything = plan_all(costs, 8, 32, None, schedules=schedules, workers=1)
+    peaks = sorted(max(p.memory.per_rank) for p in everything)
+    budget = Budget(per_rank=int(peaks[len(peaks) // 2]), source="test")  # about half the layouts fit
+    brute = plan_all(costs, 8, 32, budget, schedules=schedules, workers=1)
+    smart = best_plans(costs, 8, 32, budget, schedules=schedules, workers=1)
+    expected = {k: v for k, v in best_per_schedule(brute).items() if v["fits"]}
+    got = {k: v for k, v in best_per_schedule(smart).items() if v["fits"]}
+    assert expected and got.keys() == expected.keys()
+    for name in expected:
+        assert got[name]["samples_per_s"] == pytest.approx(expected[name]["samples_per_s"])
+
+
+def test_plan_script_for_2048_piz_daint_nodes_writes_best_per_schedule(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from pipeline_recipes.strategies.schedules import names
+
+    out = tmp_path / "plan.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "cluster=piz-daint", "model=gpt2",
+                    "trainer.devices=2048", "data.global_batch_size=2048", "--compare", "--json", str(out)],
+                   check=True, timeout=900, capture_output=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    best = json.loads(out.read_text())["best_per_schedule"]
+    assert set(best) == set(names())
+    for row in best.values():
+        assert {"W", "D", "B", "recompute", "samples_per_s", "peak_bytes"} <= set(row)
+        assert row["W"] is None and row["no_layout"] or row["W"] * row["D"] == 2048
+    assert best["chimera"]["samples_per_s"] > 0

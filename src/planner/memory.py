@@ -49,6 +49,13 @@ from .model_costs import ADAMW_STATES, ModelCosts
 from .predict import Candidate, partition_for
 
 
+@lru_cache(maxsize=512)
+def _stashed_versions(strategy: str, D: int, N: int) -> tuple[int, ...]:
+    """:func:`~pipeline_recipes.strategies.schedules.asynchronous.stashed_versions`, once per schedule (it walks
+    ``8·D`` windows of ``D·N`` actions: at D = 32, N = 64 minutes when it ran per worker and stage)."""
+    return stashed_versions(strategy, D, N)
+
+
 @dataclass(frozen=True)
 class WorkerMemory:
     peak: float
@@ -122,7 +129,8 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     params = _grad_bytes(costs, layers)
     versions = 0.0  # stashed weight versions, each with its gradient (strategies.versions)
     if get_spec(cand.strategy).asynchronous:
-        versions = 2 * params * max(stashed_versions(cand.strategy, D, cand.N)[s] for s in stages)
+        stashed = _stashed_versions(cand.strategy, D, cand.N)
+        versions = 2 * params * max(stashed[s] for s in stages)
     states = params * (1 + ADAMW_STATES) + versions  # weights, AdamW moments; gradients appear on first backward
     recompute = cand.recompute_stages()
     halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}

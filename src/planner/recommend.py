@@ -104,6 +104,59 @@ def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Bu
     return plans
 
 
+def best_per_schedule(plans: Sequence[Plan]) -> dict[str, dict[str, Any]]:
+    """The first plan of each schedule in ``plans`` (ranked as :func:`plan_all` or :func:`best_plans` rank them:
+    fitting first), with its W, D, B, recomputation, samples/s, step time, bubble ratio, unhidden all-reduce time and
+    peak bytes per rank."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in plans:
+        c = p.candidate
+        if c.strategy in out:
+            continue
+        out[c.strategy] = {"W": c.W, "D": c.D, "B": c.B, "recompute": c.recompute, "samples_per_s": p.samples_per_s,
+                           "peak_bytes": max(p.memory.per_rank), "N": c.N, "pipelines": c.pipelines,
+                           "step_s": p.time.iteration_s, "bubble": p.time.bubble_ratio, "allreduce_s": p.time.sync_s,
+                           "fits": p.fits}
+    return out
+
+
+def _time_group(costs: ModelCosts, cands: Sequence[Candidate]) -> list[tuple[Candidate, TimePrediction]]:
+    out = []
+    for cand in cands:
+        part = partition_for(costs, cand.S)
+        resolved = cand.resolved(costs, part)
+        out.append((resolved, predict_time(costs, resolved, part)))
+    return out
+
+
+def best_plans(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget, *,
+               ranks_per_node: int | None = None, schedules: Sequence[str] | None = None,
+               recompute: Sequence[str] = RECOMPUTE, grad_sync: str = "end", workers: int | None = None) -> list[Plan]:
+    """The fastest fitting plan of every schedule (the fastest of all where none fits), fastest first: the search for
+    a large cluster. Every layout's time is predicted (a simulation of its schedule, cheap); the memory (a walk over
+    every worker's actions and messages, the expensive part) only in order of predicted time until one fits. The
+    result equals ranking every plan with :func:`plan_all` and keeping each schedule's first."""
+    cands = candidates(devices, global_batch_size, costs.num_layers, schedules=schedules, recompute=recompute,
+                       grad_sync=grad_sync)
+    timed = map_grouped(partial(_time_group, costs), cands, Candidate.schedule_key, workers_for(len(cands), workers))
+    by_schedule: dict[str, list[tuple[Candidate, TimePrediction]]] = {}
+    for cand, time in timed:
+        by_schedule.setdefault(cand.strategy, []).append((cand, time))
+    best = []
+    for rows in by_schedule.values():
+        rows.sort(key=lambda r: r[1].iteration_s)
+        tried = []
+        for cand, time in rows:
+            part = partition_for(costs, cand.S)
+            memory = predict_memory(costs, cand, part)
+            plan = Plan(cand, time, memory, budget.fits(memory.per_rank, ranks_per_node or cand.world_size), tuple(part))
+            tried.append(plan)
+            if plan.fits:
+                break
+        best.append(plan if plan.fits else min(tried, key=lambda p: max(p.memory.per_rank)))
+    return sorted(best, key=lambda p: (not p.fits, -p.samples_per_s))
+
+
 def plan_rows(plans: Sequence[Plan]) -> list[dict[str, Any]]:
     return [p.to_json() for p in plans]
 
