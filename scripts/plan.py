@@ -154,21 +154,15 @@ def _plan_cluster(cfg, spec, args) -> int:
     """Plan for a described cluster (no profiling here): see the module docstring."""
     import time
 
-    from omegaconf import OmegaConf
-
-    from pipeline_recipes.planner.derived_costs import calibrate_from_bench, derive_costs
-    from pipeline_recipes.planner.estimate import estimate_costs
-    from pipeline_recipes.planner.memory import Budget
+    from pipeline_recipes.planner.derived_costs import described_budget, described_costs, run_precision
     from pipeline_recipes.planner.recommend import best_per_schedule, best_plans, format_table, plan_rows
 
     start = time.perf_counter()
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    precision = cfg.trainer.get("precision")
+    precision = run_precision(spec, cfg.trainer.get("precision"))
     devices = int(cfg.trainer.get("devices", 1)) * int(cfg.trainer.get("num_nodes", 1) or 1)
     global_batch = int(cfg.data.global_batch_size)
-    estimate = estimate_costs(cfg.model, (1, 2), precision=precision, device="cuda")
-    costs = derive_costs(estimate, model_cfg, spec, precision, calibrate_from_bench(ROOT / "benchmarks" / "bench_gpu.json"))
-    budget = Budget(per_rank=spec.device_memory, source=f"{spec.device} ({spec.name})")
+    costs = described_costs(cfg.model, spec, precision)
+    budget = described_budget(spec)
     from pipeline_recipes.strategies.schedules import names
 
     every = names() if args.compare else None  # --compare: the asynchronous schedules too
@@ -176,7 +170,7 @@ def _plan_cluster(cfg, spec, args) -> int:
     plans = best_plans(costs, devices, global_batch, budget, ranks_per_node=spec.devices_per_node, schedules=requested,
                        recompute=[r for r in args.recompute.split(",") if r], grad_sync=args.grad_sync)
     print(f"cluster {spec.name}: {devices} x {spec.device} ({spec.nodes(devices)} nodes of {spec.devices_per_node}), "
-          f"all-reduce {spec.allreduce}; model {costs.model}, {costs.num_layers} pipeline layers")
+          f"all-reduce {spec.allreduce}; model {costs.model}, {costs.num_layers} pipeline layers, precision {precision}")
     print(f"NOTE: {costs.meta['derived']}")
     print(f"the best layout of each of {len(plans)} schedules for global batch {global_batch}; budget {budget.describe()}")
     print(format_table(plans, args.top or None))

@@ -151,3 +151,12 @@ def test_plan_script_for_2048_piz_daint_nodes_writes_best_per_schedule(tmp_path:
         assert {"W", "D", "B", "recompute", "samples_per_s", "peak_bytes"} <= set(row)
         assert row["W"] is None and row["no_layout"] or row["W"] * row["D"] == 2048
     assert best["chimera"]["samples_per_s"] > 0
+
+
+def test_strategy_auto_plans_for_the_described_cluster() -> None:
+    from pipeline_recipes.recipe.auto import auto_overrides
+
+    out = auto_overrides(["strategy=auto", "cluster=dgx-h100", "model=gpt2-tiny", "trainer.devices=8",
+                          "trainer.num_nodes=2", "data.global_batch_size=64"], ROOT / "conf")
+    assert "strategy=auto" not in out and any(o.startswith("strategy=") for o in out)
+    assert "cluster=dgx-h100" in out

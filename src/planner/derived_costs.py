@@ -16,15 +16,19 @@ Memory (stored activations, messages, model states) is the fake-tensor estimate 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .cluster import ClusterSpec
-from .costs import LinearFit
+from .costs import LinearFit, fit_line
+from .estimate import estimate_costs
+from .memory import Budget
 from .model_costs import ModelCosts
 
+BENCH_GPU = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu.json"  # the calibration's record
 H200_FP32_TFLOPS = 67.0  # NVIDIA H200 datasheet: the optimizer step's scale (AdamW runs in fp32)
 
 
@@ -35,6 +39,7 @@ class Calibration:
     efficiency: float
     opt_s_per_param: float
     source: str
+    microbatch_overhead_s: float = 0.0  # per micro-batch of the whole model (forward + backward), any size
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1 or self.opt_s_per_param < 0:
@@ -43,9 +48,11 @@ class Calibration:
 
 
 def calibrate_from_bench(path: str | Path, model: str = "gpt2") -> Calibration:
-    """The fastest ``eager`` whole-step record of ``model`` in a ``scripts/bench_gpu.py`` JSON: efficiency = the
-    step's forward + backward FLOPs / (forward + backward seconds × the device's peak); the optimizer's share of the
-    step (step − forward − backward) per parameter."""
+    """The ``eager`` whole-step records of ``model`` in a ``scripts/bench_gpu.py`` JSON, as a line
+    ``forward + backward seconds per micro-batch = a + b·B`` through the medians of its two micro-batch sizes (the
+    same samples per step: 16 × 1 and 4 × 4): ``b`` gives the efficiency (the FLOPs of one sample / (b × the
+    device's peak)), ``a`` the fixed cost of a micro-batch (kernel launches: a CPU cost, taken as the same on every
+    device); the optimizer's share of the step (step − forward − backward) per parameter."""
     data = json.loads(Path(path).read_text())
     info = data["models"][model]
     peak = float(data["meta"]["peak_tflops"]) * 1e12
@@ -53,12 +60,26 @@ def calibrate_from_bench(path: str | Path, model: str = "gpt2") -> Calibration:
             and r.get("forward_s") and r.get("backward_s")]
     if not rows:
         raise ValueError(f"{path} has no measured eager step of {model} to calibrate on")
-    row = min(rows, key=lambda r: r["forward_s"] + r["backward_s"])
-    flops = float(info["flops_per_token"]) * float(info["tokens_per_step"])
-    compute_s = row["forward_s"] + row["backward_s"]
-    opt_s = max(row["step_s"] - compute_s, 0.0)
-    return Calibration(flops / (compute_s * peak), opt_s / float(info["parameters"]),
-                       f"{Path(path).name}: {model} {row['micro_batch']} eager on {data['meta'].get('device_name')}")
+    per_size: dict[int, list[float]] = {}
+    for r in rows:
+        per_size.setdefault(int(r["micro_batch_size"]), []).append((r["forward_s"] + r["backward_s"]) / r["micro_batches"])
+    sizes = sorted(per_size)
+    line = fit_line(sizes, [statistics.median(per_size[b]) for b in sizes]) if len(sizes) > 1 else LinearFit(
+        0.0, statistics.median(per_size[sizes[0]]) / sizes[0])
+    flops_per_sample = float(info["flops_per_token"]) * float(info["seq_len"])
+    largest = min((r for r in rows if int(r["micro_batch_size"]) == sizes[-1]), key=lambda r: r["step_s"])
+    opt_s = max(largest["step_s"] - largest["forward_s"] - largest["backward_s"], 0.0)
+    return Calibration(flops_per_sample / (line.b * peak), opt_s / float(info["parameters"]),
+                       f"{Path(path).name}: {model} eager at micro-batches {sizes} on {data['meta'].get('device_name')}",
+                       max(line.a, 0.0))
+
+
+def run_precision(spec: ClusterSpec, precision: Any) -> str:
+    """``trainer.precision`` on ``spec``'s device: ``auto`` is ``bf16-mixed`` where the device has bf16 units, else
+    ``32-true`` (recipe.accelerator's rule for this machine)."""
+    if str(precision or "auto") == "auto":
+        return "bf16-mixed" if "bf16" in spec.peak_tflops else "32-true"
+    return str(precision)
 
 
 def precision_key(precision: Any) -> str:
@@ -95,11 +116,29 @@ def derive_costs(estimate: ModelCosts, model_cfg: Mapping[str, Any], spec: Clust
     rate = spec.peak_flops(precision_key(precision)) * calibration.efficiency
     opt_scale = H200_FP32_TFLOPS * 1e12 / spec.peak_flops("fp32")
     layers = []
+    launch = calibration.microbatch_overhead_s / 3.0 / max(estimate.num_layers, 1)  # per layer: 1 forward, 2 backward
     for layer, flops in zip(estimate.layers, layer_flops(estimate, model_cfg)):
-        fwd = LinearFit(0.0, flops / rate)
+        fwd = LinearFit(launch, flops / rate)
         layers.append(replace(layer, fwd=fwd, fwd_nograd=fwd, bwd=fwd.scale(2.0),
                               opt_s=layer.params * calibration.opt_s_per_param * opt_scale))
     note = (f"times derived from FLOPs at {calibration.efficiency:.0%} of {spec.name}'s "
-            f"{precision_key(precision)} peak (calibrated on {calibration.source}); no measured table for {spec.device}")
+            f"{precision_key(precision)} peak plus {calibration.microbatch_overhead_s * 1e3:.0f} ms per micro-batch "
+            f"(calibrated on {calibration.source}); no measured table for {spec.device}")
     return replace(estimate, layers=tuple(layers), device=f"cuda:{spec.name}", kind="derived", cores=0,
                    comm=spec.comm_costs(), meta={**estimate.meta, "derived": note})
+
+
+def described_costs(model_cfg: Any, spec: ClusterSpec, precision: Any, bench: str | Path = BENCH_GPU) -> ModelCosts:
+    """The planner's costs of ``model_cfg`` on the described cluster ``spec``: the fake-tensor memory estimate under
+    the run's precision (:func:`run_precision`) with FLOP-derived times calibrated on ``bench``."""
+    from omegaconf import OmegaConf
+
+    run = run_precision(spec, precision)
+    plain = model_cfg if isinstance(model_cfg, Mapping) else OmegaConf.to_container(model_cfg, resolve=True)
+    estimate = estimate_costs(model_cfg, (1, 2), precision=run, device="cuda")
+    return derive_costs(estimate, plain, spec, run, calibrate_from_bench(bench))
+
+
+def described_budget(spec: ClusterSpec) -> Budget:
+    """Each device's memory of the described cluster."""
+    return Budget(per_rank=spec.device_memory, source=f"{spec.device} ({spec.name})")

@@ -18,8 +18,8 @@ from .costs import format_bytes
 from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
 from .partition_search import recommend_partition
-from .parallel import map_grouped, workers_for
-from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, partition_for, predict_time
+from .parallel import map_grouped, map_groups, planner_pool, workers_for
+from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, partition_for, predict_time, stage_costs
 
 JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "predicted_iteration_s",
              "predicted_peak_bytes_per_rank", "fits")
@@ -120,41 +120,56 @@ def best_per_schedule(plans: Sequence[Plan]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _time_group(costs: ModelCosts, cands: Sequence[Candidate]) -> list[tuple[Candidate, TimePrediction]]:
-    out = []
-    for cand in cands:
+def time_lower_bound(costs: ModelCosts, cand: Candidate) -> float:
+    """A bound no prediction of ``cand`` goes below: each of the ``N`` micro-batches of a replica passes every stage
+    forward and backward once, and the ``D`` workers share that work, so the makespan is at least
+    ``N·Σ_s (t_f[s] + t_b[s]) / D`` (no schedule build needed)."""
+    t_f, t_b, _ = stage_costs(costs, cand, partition_for(costs, cand.S))
+    return cand.N * (sum(t_f) + sum(t_b)) / cand.D
+
+
+def _best_of_schedule(costs: ModelCosts, budget: Budget, ranks_per_node: int | None,
+                      cands: Sequence[Candidate]) -> list[Plan]:
+    """The fastest fitting plan of one schedule's candidates (branch and bound on :func:`time_lower_bound`); where
+    none fits, the one of least peak memory."""
+    best: Plan | None = None
+    tried: list[Plan] = []
+    for bound, cand in sorted(((time_lower_bound(costs, c), c) for c in cands), key=lambda bc: bc[0]):
+        if best is not None and bound >= best.time.iteration_s:
+            break
         part = partition_for(costs, cand.S)
         resolved = cand.resolved(costs, part)
-        out.append((resolved, predict_time(costs, resolved, part)))
-    return out
+        time = predict_time(costs, resolved, part)
+        if best is not None and time.iteration_s >= best.time.iteration_s:
+            continue
+        memory = predict_memory(costs, resolved, part)
+        plan = Plan(resolved, time, memory, budget.fits(memory.per_rank, ranks_per_node or cand.world_size),
+                    tuple(part))
+        if plan.fits:
+            best = plan
+        else:
+            tried.append(plan)
+    if best is not None:
+        return [best]
+    return [min(tried, key=lambda p: max(p.memory.per_rank))] if tried else []
 
 
 def best_plans(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget, *,
                ranks_per_node: int | None = None, schedules: Sequence[str] | None = None,
                recompute: Sequence[str] = RECOMPUTE, grad_sync: str = "end", workers: int | None = None) -> list[Plan]:
-    """The fastest fitting plan of every schedule (the fastest of all where none fits), fastest first: the search for
-    a large cluster. Every layout's time is predicted (a simulation of its schedule, cheap); the memory (a walk over
-    every worker's actions and messages, the expensive part) only in order of predicted time until one fits. The
-    result equals ranking every plan with :func:`plan_all` and keeping each schedule's first."""
+    """The fastest fitting plan of every schedule (the least memory where none fits), fastest first: the search for
+    a large cluster. Per schedule, candidates go in order of :func:`time_lower_bound`; a candidate is simulated only
+    while its bound is below the best fitting time found, and its memory (a walk over every worker's actions and
+    messages, the expensive part) predicted only when it would be faster. The result equals ranking every plan with
+    :func:`plan_all` and keeping each schedule's first fitting one."""
     cands = candidates(devices, global_batch_size, costs.num_layers, schedules=schedules, recompute=recompute,
                        grad_sync=grad_sync)
-    timed = map_grouped(partial(_time_group, costs), cands, Candidate.schedule_key, workers_for(len(cands), workers))
-    by_schedule: dict[str, list[tuple[Candidate, TimePrediction]]] = {}
-    for cand, time in timed:
-        by_schedule.setdefault(cand.strategy, []).append((cand, time))
-    best = []
-    for rows in by_schedule.values():
-        rows.sort(key=lambda r: r[1].iteration_s)
-        tried = []
-        for cand, time in rows:
-            part = partition_for(costs, cand.S)
-            memory = predict_memory(costs, cand, part)
-            plan = Plan(cand, time, memory, budget.fits(memory.per_rank, ranks_per_node or cand.world_size), tuple(part))
-            tried.append(plan)
-            if plan.fits:
-                break
-        best.append(plan if plan.fits else min(tried, key=lambda p: max(p.memory.per_rank)))
-    return sorted(best, key=lambda p: (not p.fits, -p.samples_per_s))
+    groups: dict[str, list[Candidate]] = {}
+    for cand in cands:
+        groups.setdefault(cand.strategy, []).append(cand)
+    with planner_pool(workers_for(len(groups), workers)) as pool:
+        found = map_groups(pool, partial(_best_of_schedule, costs, budget, ranks_per_node), list(groups.values()))
+    return sorted((p for plans in found for p in plans), key=lambda p: (not p.fits, -p.samples_per_s))
 
 
 def plan_rows(plans: Sequence[Plan]) -> list[dict[str, Any]]:
