@@ -160,3 +160,23 @@ def test_strategy_auto_plans_for_the_described_cluster() -> None:
                           "trainer.num_nodes=2", "data.global_batch_size=64"], ROOT / "conf")
     assert "strategy=auto" not in out and any(o.startswith("strategy=") for o in out)
     assert "cluster=dgx-h100" in out
+
+
+def test_a_layer_table_measured_here_plans_in_place_of_derived_times(tmp_path: Path) -> None:
+    """The device-table path of scripts/bench_gpu.py, run on the CPU with the tiny model (no GPU needed)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_gpu
+    from dataclasses import replace
+
+    from pipeline_recipes.planner.derived_costs import described_costs
+    from pipeline_recipes.planner.predict import Candidate, predict_time
+
+    table = tmp_path / "layers.json"
+    record = bench_gpu.layer_table("gpt2-tiny", table, device="cpu", batch_sizes=(1, 2), reps=1)
+    assert record["layers"] and record["meta"]["command"].startswith("python scripts/bench_gpu.py --layer-table")
+    spec = replace(ClusterSpec.from_config(_compose("cluster=dgx-h100").cluster), cost_table=str(table))
+    costs = described_costs(None, spec, None)
+    assert costs.kind == "measured" and "measured" in costs.meta["derived"] and costs.comm.network is not None
+    assert predict_time(costs, Candidate("dapple", 1, 2, 1, 2)).iteration_s > 0

@@ -129,14 +129,28 @@ def derive_costs(estimate: ModelCosts, model_cfg: Mapping[str, Any], spec: Clust
 
 
 def described_costs(model_cfg: Any, spec: ClusterSpec, precision: Any, bench: str | Path = BENCH_GPU) -> ModelCosts:
-    """The planner's costs of ``model_cfg`` on the described cluster ``spec``: the fake-tensor memory estimate under
-    the run's precision (:func:`run_precision`) with FLOP-derived times calibrated on ``bench``."""
+    """The planner's costs of ``model_cfg`` on the described cluster ``spec``: its measured table where
+    ``cluster.cost_table`` names one (a path under ``benchmarks/``), else the fake-tensor memory estimate under the
+    run's precision (:func:`run_precision`) with FLOP-derived times calibrated on ``bench``."""
     from omegaconf import OmegaConf
 
     run = run_precision(spec, precision)
+    if spec.cost_table:
+        return measured_costs(spec, bench.parent / spec.cost_table if not Path(spec.cost_table).is_absolute()
+                              else Path(spec.cost_table))
     plain = model_cfg if isinstance(model_cfg, Mapping) else OmegaConf.to_container(model_cfg, resolve=True)
     estimate = estimate_costs(model_cfg, (1, 2), precision=run, device="cuda")
     return derive_costs(estimate, plain, spec, run, calibrate_from_bench(bench))
+
+
+def measured_costs(spec: ClusterSpec, table: Path) -> ModelCosts:
+    """A measured device cost table (``scripts/bench_gpu.py --layer-table``) with ``spec``'s network."""
+    if not table.is_file():
+        raise ValueError(f"cluster.cost_table={spec.cost_table!r}: no such file {table}; write it on the device with "
+                         "python scripts/bench_gpu.py --layer-table OUT.json MODEL, or set cluster.cost_table=null")
+    costs = ModelCosts.from_json(json.loads(table.read_text()))
+    note = f"times measured on {costs.meta.get('device_name', costs.device)} ({table.name})"
+    return replace(costs, comm=spec.comm_costs(), cores=0, kind="measured", meta={**costs.meta, "derived": note})
 
 
 def described_budget(spec: ClusterSpec) -> Budget:
