@@ -140,7 +140,7 @@ def test_memory_partition_computes_stages_of_equal_layers_once(monkeypatch: pyte
     from dataclasses import replace
 
     from pipeline_recipes.models.partition import minmax_partition as solve
-    from pipeline_recipes.planner import partition as part
+    from pipeline_recipes.planner import partition_search as part
     from pipeline_recipes.planner.costs import LinearFit
     from pipeline_recipes.planner.memory import worker_peak
     from pipeline_recipes.planner.model_costs import uniform_costs
