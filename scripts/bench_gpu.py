@@ -861,7 +861,36 @@ def summarize(out_dir: Path, exit_codes: dict[str, int], wall_s: float | None = 
             "bench": record if record is not None else "no record (the benchmark did not finish: see gpu_check.log)"}
 
 
+LAYER_BATCHES = (1, 2, 4, 8)  # micro-batch sizes of a layer table (a line per layer through them, CAPTURE §III-B2)
+
+
+def layer_table(model: str, out: Path, *, device: str = "cuda", batch_sizes: Sequence[int] = LAYER_BATCHES,
+                reps: int = 5) -> dict[str, Any]:
+    """The device cost table of ``conf/model/<model>.yaml``: each pipeline layer's forward, backward (and no-graph
+    forward) seconds and stored / transient / sent bytes at ``batch_sizes``, as lines in the micro-batch
+    (:func:`pipeline_recipes.planner.profile.profile_model`, identical blocks timed once, the model built on the meta
+    device so that one larger than the GPU is profiled), written as a
+    :class:`~pipeline_recipes.planner.model_costs.ModelCosts` JSON with the command and device in ``meta``. A cluster
+    names it in ``cost_table`` (``conf/cluster/``) and the planner then uses these times instead of derived ones."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline_recipes.planner.profile import profile_model
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"model={model}"])
+    costs = profile_model(cfg.model, batch_sizes=batch_sizes, reps=reps, device=device, layers="distinct",
+                          budget_s=None)
+    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu"
+    record = costs.to_json()
+    record["meta"] = {**record.get("meta", {}), "device_name": name, "batch_sizes": list(batch_sizes),
+                      "command": " ".join(["python scripts/bench_gpu.py --layer-table", str(out), model, device]),
+                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
 USAGE = ("usage: bench_gpu.py --summary OUT_DIR tests=RC bench=RC [wall_s=S]  (gpu_check.sh's summary.json)\n"
+         "       bench_gpu.py --layer-table OUT.json MODEL [DEVICE]  (per-layer cost table; DEVICE default cuda)\n"
          "       bench_gpu.py --targets RUN.json [RUN2.json]  (the targets table; RUN2: the same command again)\n"
          "the benchmark itself runs as python scripts/bench.py --parts gpu")
 
@@ -870,6 +899,10 @@ def main(argv: list[str] | None = None) -> int:
     """``--summary OUT_DIR tests=RC bench=RC [wall_s=S]``: write OUT_DIR/summary.json (used by gpu_check.sh);
     ``--targets RUN.json [RUN2.json]``: print the targets table (and the measured rows' table)."""
     args = sys.argv[1:] if argv is None else argv
+    if len(args) in (3, 4) and args[0] == "--layer-table":
+        layer_table(args[2], Path(args[1]), device=args[3] if len(args) == 4 else "cuda")
+        print(f"wrote {args[1]}")
+        return 0
     if len(args) in (2, 3) and args[0] == "--targets":
         records = [json.loads(Path(a).read_text()) for a in args[1:]]
         print(markdown_table(*records) + "\n\n" + target_table(*records))

@@ -4,6 +4,12 @@
     python scripts/plan.py model=gpt2-small trainer.devices=8 data.global_batch_size=64
     python scripts/plan.py model=gpt2-tiny trainer.devices=4 --json plan.json --budget 2GiB
     python scripts/plan.py model=gpt2-tiny --partition memory --schedules chimera,dapple
+    python scripts/plan.py cluster=piz-daint model=gpt2 trainer.devices=2048 data.global_batch_size=2048 --compare
+
+``cluster=<name>`` (``conf/cluster/``; default ``local``: profile this machine) plans for a described cluster without
+its hardware: ``trainer.devices`` is then the total number of devices, times derived from FLOPs at an efficiency
+calibrated on ``benchmarks/bench_gpu.json`` (said in the output), memory from the fake-tensor estimate, the network
+from the description (intra- vs inter-node links, its all-reduce algorithm).
 
 Positional arguments are ``train.py``'s Hydra overrides (same ``conf/``); options:
 
@@ -16,7 +22,9 @@ Positional arguments are ``train.py``'s Hydra overrides (same ``conf/``); option
 * ``--comm measure|default|none``: 2-process gloo micro-benchmarks (cached), built-in constants, or none;
 * ``--budget 8GiB``: memory budget (per rank on GPU, per node on CPU) instead of the device's;
 * ``--partition runtime|time|memory``: the split used for predictions (``runtime``: what train.py runs);
-* ``--schedules``, ``--recompute``, ``--grad-sync``, ``--top``: the search space and the table length.
+* ``--schedules``, ``--recompute``, ``--grad-sync``, ``--top``: the search space and the table length;
+* ``--compare``: the best layout of every schedule (W, D, B, recomputation, samples/s, step time, bubble, unhidden
+  all-reduce time, peak memory); with ``--json`` the file is ``{"cluster", "best_per_schedule": {name: {...}}, "rows"}``.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none,always")
     p.add_argument("--grad-sync", default="end", choices=("end", "eager", "eager_opt"))
     p.add_argument("--top", type=int, default=15, help="rows of the table (0: all)")
+    p.add_argument("--compare", action="store_true", help="the best layout of every schedule")
     return p
 
 
@@ -78,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline_recipes.recipe.accelerator import choose_accelerator
 
     cfg = compose_config(overrides)
+    from pipeline_recipes.planner.cluster import ClusterSpec
+
+    spec = ClusterSpec.from_config(cfg.cluster)
+    if not spec.measure:
+        return _plan_cluster(cfg, spec, args)
     trainer = choose_accelerator(OmegaConf.to_container(cfg.trainer, resolve=True)).trainer  # trainer=auto: this node
     accelerator = str(trainer.get("accelerator", "cpu"))
     per_node, nodes = int(trainer.get("devices", 1)), int(trainer.get("num_nodes", 1))
@@ -134,6 +148,61 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nnothing fits {budget.describe()}; smallest predicted peak per rank "
           f"{format_bytes(min(p.memory.max_rank for p in plans))}")
     return 1
+
+
+def _plan_cluster(cfg, spec, args) -> int:
+    """Plan for a described cluster (no profiling here): see the module docstring."""
+    import time
+
+    from pipeline_recipes.planner.derived_costs import described_budget, described_costs, run_precision
+    from pipeline_recipes.planner.recommend import best_per_schedule, best_plans, format_table, plan_rows
+
+    start = time.perf_counter()
+    precision = run_precision(spec, cfg.trainer.get("precision"))
+    devices = int(cfg.trainer.get("devices", 1)) * int(cfg.trainer.get("num_nodes", 1) or 1)
+    global_batch = int(cfg.data.global_batch_size)
+    costs = described_costs(cfg.model, spec, precision)
+    budget = described_budget(spec)
+    from pipeline_recipes.strategies.schedules import names
+
+    every = names() if args.compare else None  # --compare: the asynchronous schedules too
+    requested = [s for s in args.schedules.split(",") if s] if args.schedules else every
+    plans = best_plans(costs, devices, global_batch, budget, ranks_per_node=spec.devices_per_node, schedules=requested,
+                       recompute=[r for r in args.recompute.split(",") if r], grad_sync=args.grad_sync)
+    print(f"cluster {spec.name}: {devices} x {spec.device} ({spec.nodes(devices)} nodes of {spec.devices_per_node}), "
+          f"all-reduce {spec.allreduce}; model {costs.model}, {costs.num_layers} pipeline layers, precision {precision}")
+    print(f"NOTE: {costs.meta['derived']}")
+    print(f"the best layout of each of {len(plans)} schedules for global batch {global_batch}; budget {budget.describe()}")
+    print(format_table(plans, args.top or None))
+    best = best_per_schedule(plans)
+    for name in [n for n in (requested or names()) if n not in best]:  # e.g. dualpipev needs N >= 2D
+        best[name] = {"W": None, "D": None, "B": None, "recompute": None, "samples_per_s": None, "peak_bytes": None,
+                      "no_layout": f"no layout of {devices} devices for global batch {global_batch} passes {name}'s "
+                                   "rules (python scripts/schedule.py explains them)"}
+    if args.compare:
+        print(_format_compare(best))
+    elapsed = time.perf_counter() - start
+    print(f"planned in {elapsed:.1f} s")
+    if args.json_path:
+        out = {"cluster": spec.name, "model": costs.model, "devices": devices, "global_batch_size": global_batch,
+               "cost_source": costs.meta["derived"], "planning_s": elapsed, "best_per_schedule": best,
+               "rows": plan_rows(plans[: args.top or None])}
+        Path(args.json_path).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json_path}")
+    return 0 if plans and plans[0].fits else 1
+
+
+def _format_compare(best: dict) -> str:
+    lines = [f"{'schedule':<22} {'W':>5} {'D':>3} {'B':>3} {'recompute':>9} {'samples/s':>10} {'step s':>8} "
+             f"{'bubble':>6} {'all-red s':>9} {'peak GiB':>8} fits"]
+    for name, row in sorted(best.items(), key=lambda kv: -(kv[1]["samples_per_s"] or 0.0)):
+        if row["samples_per_s"] is None:
+            lines.append(f"{name:<22} {row['no_layout']}")
+            continue
+        lines.append(f"{name:<22} {row['W']:>5} {row['D']:>3} {row['B']:>3} {row['recompute']:>9} "
+                     f"{row['samples_per_s']:>10.2f} {row['step_s']:>8.3f} {row['bubble']:>6.1%} "
+                     f"{row['allreduce_s']:>9.3f} {row['peak_bytes'] / 2**30:>8.2f} {'yes' if row['fits'] else 'NO'}")
+    return "\n".join(lines)
 
 
 def _peaks(costs, cand, part) -> list[float]:

@@ -46,7 +46,14 @@ from pipeline_recipes.strategies.schedules.messages import receiving_stage
 
 from .costs import format_bytes
 from .model_costs import ADAMW_STATES, ModelCosts
-from .predict import Candidate, runtime_partition
+from .predict import Candidate, partition_for
+
+
+@lru_cache(maxsize=512)
+def _stashed_versions(strategy: str, D: int, N: int) -> tuple[int, ...]:
+    """:func:`~pipeline_recipes.strategies.schedules.asynchronous.stashed_versions`, once per schedule (it walks
+    ``8·D`` windows of ``D·N`` actions: at D = 32, N = 64 minutes when it ran per worker and stage)."""
+    return stashed_versions(strategy, D, N)
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,8 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     params = _grad_bytes(costs, layers)
     versions = 0.0  # stashed weight versions, each with its gradient (strategies.versions)
     if get_spec(cand.strategy).asynchronous:
-        versions = 2 * params * max(stashed_versions(cand.strategy, D, cand.N)[s] for s in stages)
+        stashed = _stashed_versions(cand.strategy, D, cand.N)
+        versions = 2 * params * max(stashed[s] for s in stages)
     states = params * (1 + ADAMW_STATES) + versions  # weights, AdamW moments; gradients appear on first backward
     recompute = cand.recompute_stages()
     halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}
@@ -192,7 +200,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
 def predict_memory(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,
                    keep_sends: bool | None = None, receive_ahead: bool = True) -> MemoryPrediction:
     """Peak bytes of every worker of one replica; ``keep_sends`` defaults to gloo on CPU."""
-    partition = list(partition) if partition is not None else runtime_partition(costs, cand.S)
+    partition = partition_for(costs, cand.S, partition)
     if keep_sends is None:
         keep_sends = not costs.device.startswith("cuda")
     schedule = cand.schedule()

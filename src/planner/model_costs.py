@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .costs import ZERO, AlphaBeta, LinearFit
+from .costs import ZERO, AlphaBeta, LinearFit, rabenseifner
+from .network import Network
 
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, fp32, per parameter
 
@@ -78,7 +79,8 @@ class CommCosts:
     its fixed cost per step (splitting, loss normalisers, the final loss all-reduce); ``hop_s``: its
     latency per message on the critical path beyond ``p2p`` (posting the send, waking the receiver).
     ``process_bytes``: host memory of one idle worker process (interpreter, torch), counted against
-    host RAM on CPU.
+    host RAM on CPU. ``network``: a described cluster's links (:mod:`pipeline_recipes.planner.network`): messages
+    and all-reduces then tell intra- from inter-node; ``None``: the measured ``p2p``/``allreduce`` for every pair.
     """
 
     p2p: AlphaBeta = AlphaBeta(5e-5, 1e-9)
@@ -88,6 +90,19 @@ class CommCosts:
     process_bytes: int = 0
     measured: bool = False
     hop_s: float = 0.0
+    network: Network | None = None
+
+    def p2p_s(self, nbytes: float, D: int) -> float:
+        """One stage-boundary message of a ``D``-stage pipeline (at the inter-node link when the pipeline spans nodes)."""
+        if self.network is None:
+            return self.p2p(nbytes)
+        return self.network.p2p(nbytes, self.network.pipeline_crosses_nodes(D))
+
+    def allreduce_s(self, replicas: int, nbytes: float, *, D: int = 1, W: int = 1, copies: int = 1) -> float:
+        """A gradient all-reduce over ``replicas`` = ``W·copies`` processes of a ``D``-stage layout (Chimera §3.4)."""
+        if self.network is None:
+            return rabenseifner(replicas, nbytes, self.allreduce.alpha, self.allreduce.beta)
+        return self.network.allreduce(replicas, nbytes, self.network.members_per_node(D, W, copies))
 
     def to_json(self) -> dict[str, Any]:
         return {"p2p": self.p2p.to_json(), "allreduce": self.allreduce.to_json(), "action_s": self.action_s,

@@ -91,7 +91,7 @@ class Candidate:
         if costs is None or not get_spec(self.strategy).concat:
             return replace(self, concat=resolve_concat(self.strategy, self.D, self.N, self.pipelines, self.B,
                                                        self.concat))
-        part = list(partition) if partition is not None else runtime_partition(costs, self.S)
+        part = partition_for(costs, self.S, partition)
         method = best_concat(self.D, self.N, self.pipelines, self.B, generator=partial(_built, self.strategy),
                              costs=lambda m: stage_costs(costs, replace(self, concat=m), part))
         return replace(self, concat=method)
@@ -209,6 +209,11 @@ def runtime_partition(costs: ModelCosts, D: int) -> list[range]:
     return balanced_partition(weights, D)
 
 
+def partition_for(costs: ModelCosts, S: int, partition: Sequence[range] | None = None) -> list[range]:
+    """The split every prediction uses: ``partition`` when given, else :func:`runtime_partition` (what train.py runs)."""
+    return list(partition) if partition is not None else runtime_partition(costs, S)
+
+
 @dataclass(frozen=True)
 class TimePrediction:
     iteration_s: float
@@ -245,7 +250,7 @@ def stage_costs(costs: ModelCosts, cand: Candidate, partition: Sequence[range]) 
         t_f.append(fwd + o)
         t_b.append(bwd)
     boundary = max((costs.stage_out_bytes(st, cand.B) for st in partition[:-1]), default=0.0)
-    t_comm = costs.comm.p2p(boundary) + costs.comm.hop_s if cand.D > 1 else 0.0
+    t_comm = costs.comm.p2p_s(boundary, cand.D) + costs.comm.hop_s if cand.D > 1 else 0.0
     return t_f, t_b, t_comm
 
 
@@ -257,7 +262,7 @@ def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] 
                  cores: int | None = None) -> TimePrediction:
     """Predicted seconds of one training iteration (forward, backward, gradient sync, AdamW step).
     ``concat=auto`` is predicted as the runtime resolves it (:meth:`Candidate.resolved`)."""
-    partition = list(partition) if partition is not None else runtime_partition(costs, cand.S)
+    partition = partition_for(costs, cand.S, partition)
     cand = cand.resolved()
     t_f, t_b, t_comm = stage_costs(costs, cand, partition)
     cores = costs.cores if cores is None else cores
@@ -320,7 +325,6 @@ def _cpu_contention(collectives: Sequence[Collective], timeline: Sequence, compu
 def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range], schedule: Schedule,
                  timeline: Sequence, compute_end: Sequence[float], stretch: float) -> list[Collective]:
     """The gradient all-reduces of one replica group's workers (every replica alike, Chimera §3.3)."""
-    ar = costs.comm.allreduce
     early: dict[int, set[int]] = {}
     for w in range(cand.D):
         plan = launch_plan(schedule, w, cand.grad_sync) if cand.grad_sync != "end" else {}
@@ -354,5 +358,6 @@ def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range],
             else:
                 fused[members] = (name, members, launches, nbytes)
         buckets = list(fused.values())
-    return [Collective(name, members, launches, rabenseifner(cand.W * len(members), nbytes, ar.alpha, ar.beta))
+    return [Collective(name, members, launches, costs.comm.allreduce_s(cand.W * len(members), nbytes, D=cand.D, W=cand.W,
+                                                                      copies=len(members)))
             for name, members, launches, nbytes in buckets]

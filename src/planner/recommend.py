@@ -18,8 +18,8 @@ from .costs import format_bytes
 from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
 from .partition_search import recommend_partition
-from .parallel import map_grouped, workers_for
-from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, predict_time, runtime_partition
+from .parallel import map_grouped, map_groups, planner_pool, workers_for
+from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, partition_for, predict_time, stage_costs
 
 JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "predicted_iteration_s",
              "predicted_peak_bytes_per_rank", "fits")
@@ -47,7 +47,7 @@ class Plan:
 
 def plan_one(costs: ModelCosts, cand: Candidate, budget: Budget | None = None, *, ranks_per_node: int | None = None,
              partition: Sequence[range] | None = None) -> Plan:
-    part = list(partition) if partition is not None else runtime_partition(costs, cand.S)
+    part = partition_for(costs, cand.S, partition)
     cand = cand.resolved(costs, part)  # concat=auto: the method fastest at this model's measured costs
     time = predict_time(costs, cand, part)
     memory = predict_memory(costs, cand, part)
@@ -102,6 +102,74 @@ def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Bu
                                 partition=recommend_partition(costs, cand, partition))
         plans.sort(key=order)
     return plans
+
+
+def best_per_schedule(plans: Sequence[Plan]) -> dict[str, dict[str, Any]]:
+    """The first plan of each schedule in ``plans`` (ranked as :func:`plan_all` or :func:`best_plans` rank them:
+    fitting first), with its W, D, B, recomputation, samples/s, step time, bubble ratio, unhidden all-reduce time and
+    peak bytes per rank."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in plans:
+        c = p.candidate
+        if c.strategy in out:
+            continue
+        out[c.strategy] = {"W": c.W, "D": c.D, "B": c.B, "recompute": c.recompute, "samples_per_s": p.samples_per_s,
+                           "peak_bytes": max(p.memory.per_rank), "N": c.N, "pipelines": c.pipelines,
+                           "step_s": p.time.iteration_s, "bubble": p.time.bubble_ratio, "allreduce_s": p.time.sync_s,
+                           "fits": p.fits}
+    return out
+
+
+def time_lower_bound(costs: ModelCosts, cand: Candidate) -> float:
+    """A bound no prediction of ``cand`` goes below: each of the ``N`` micro-batches of a replica passes every stage
+    forward and backward once, and the ``D`` workers share that work, so the makespan is at least
+    ``N·Σ_s (t_f[s] + t_b[s]) / D`` (no schedule build needed)."""
+    t_f, t_b, _ = stage_costs(costs, cand, partition_for(costs, cand.S))
+    return cand.N * (sum(t_f) + sum(t_b)) / cand.D
+
+
+def _best_of_schedule(costs: ModelCosts, budget: Budget, ranks_per_node: int | None,
+                      cands: Sequence[Candidate]) -> list[Plan]:
+    """The fastest fitting plan of one schedule's candidates (branch and bound on :func:`time_lower_bound`); where
+    none fits, the one of least peak memory."""
+    best: Plan | None = None
+    tried: list[Plan] = []
+    for bound, cand in sorted(((time_lower_bound(costs, c), c) for c in cands), key=lambda bc: bc[0]):
+        if best is not None and bound >= best.time.iteration_s:
+            break
+        part = partition_for(costs, cand.S)
+        resolved = cand.resolved(costs, part)
+        time = predict_time(costs, resolved, part)
+        if best is not None and time.iteration_s >= best.time.iteration_s:
+            continue
+        memory = predict_memory(costs, resolved, part)
+        plan = Plan(resolved, time, memory, budget.fits(memory.per_rank, ranks_per_node or cand.world_size),
+                    tuple(part))
+        if plan.fits:
+            best = plan
+        else:
+            tried.append(plan)
+    if best is not None:
+        return [best]
+    return [min(tried, key=lambda p: max(p.memory.per_rank))] if tried else []
+
+
+def best_plans(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget, *,
+               ranks_per_node: int | None = None, schedules: Sequence[str] | None = None,
+               recompute: Sequence[str] = RECOMPUTE, grad_sync: str = "end", workers: int | None = None) -> list[Plan]:
+    """The fastest fitting plan of every schedule (the least memory where none fits), fastest first: the search for
+    a large cluster. Per schedule, candidates go in order of :func:`time_lower_bound`; a candidate is simulated only
+    while its bound is below the best fitting time found, and its memory (a walk over every worker's actions and
+    messages, the expensive part) predicted only when it would be faster. The result equals ranking every plan with
+    :func:`plan_all` and keeping each schedule's first fitting one."""
+    cands = candidates(devices, global_batch_size, costs.num_layers, schedules=schedules, recompute=recompute,
+                       grad_sync=grad_sync)
+    groups: dict[str, list[Candidate]] = {}
+    for cand in cands:
+        groups.setdefault(cand.strategy, []).append(cand)
+    with planner_pool(workers_for(len(groups), workers)) as pool:
+        found = map_groups(pool, partial(_best_of_schedule, costs, budget, ranks_per_node), list(groups.values()))
+    return sorted((p for plans in found for p in plans), key=lambda p: (not p.fits, -p.samples_per_s))
 
 
 def plan_rows(plans: Sequence[Plan]) -> list[dict[str, Any]]:

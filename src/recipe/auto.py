@@ -1,7 +1,8 @@
 """``strategy=auto``: replace it by the planner's best layout before Hydra composes the job.
 
 :func:`auto_overrides` composes the config the rest of the overrides describe, profiles the model on
-this device (cached, :func:`pipeline_recipes.planner.profile.load_or_profile`), predicts every layout of the configured
+this device (cached, :func:`pipeline_recipes.planner.profile.load_or_profile`) or, under ``cluster=<name>`` (a
+described cluster), derives its costs there (:func:`pipeline_recipes.planner.derived_costs.described_costs`), predicts every layout of the configured
 processes and global batch (:func:`pipeline_recipes.planner.recommend.best_config`, Chimera §3.4) and returns the
 overrides with ``strategy=auto`` replaced by the best one's ``strategy=…``, ``strategy.D=…`` and so on.
 """
@@ -14,6 +15,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from pipeline_recipes.planner.cluster import ClusterSpec
+from pipeline_recipes.planner.derived_costs import described_budget, described_costs
 from pipeline_recipes.planner.estimate import with_run_memory
 from pipeline_recipes.planner.memory import device_budget
 from pipeline_recipes.planner.profile import load_or_profile
@@ -33,6 +36,13 @@ def auto_overrides(overrides: Sequence[str], config_dir: str | Path, *, cache_di
         return list(overrides)
     with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[o for o in rest if not o.startswith("strategy")])
+    spec = ClusterSpec.from_config(cfg.get("cluster"))
+    if not spec.measure:  # a described cluster (cluster=dgx-h100 ...): its devices, memory and network, no profiling
+        per_node, nodes = int(cfg.trainer.get("devices", 1)), int(cfg.trainer.get("num_nodes", 1) or 1)
+        costs = described_costs(cfg.model, spec, cfg.trainer.get("precision"))
+        best = best_config(costs, per_node * nodes, int(cfg.data.global_batch_size), described_budget(spec),
+                           num_nodes=nodes)
+        return _replace_strategy(rest, best, log)
     trainer = choose_accelerator(OmegaConf.to_container(cfg.trainer, resolve=True)).trainer  # trainer=auto: this node
     accelerator = str(trainer.get("accelerator", "cpu"))
     per_node, nodes = int(trainer.get("devices", 1)), int(trainer.get("num_nodes", 1))
@@ -42,6 +52,10 @@ def auto_overrides(overrides: Sequence[str], config_dir: str | Path, *, cache_di
                             device="cuda" if accelerator in ("gpu", "cuda") else "cpu")  # the run's autocast
     budget = device_budget(accelerator, override=budget_bytes, process_bytes=costs.comm.process_bytes)
     best = best_config(costs, per_node * nodes, int(cfg.data.global_batch_size), budget, num_nodes=nodes)
+    return _replace_strategy(rest, best, log)
+
+
+def _replace_strategy(rest: Sequence[str], best: Sequence[str], log: Callable[[str], None] | None) -> list[str]:
     chosen = [o for o in best if o.startswith("strategy")]
     if log:
         log("strategy=auto -> " + " ".join(chosen))
