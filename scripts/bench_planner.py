@@ -8,7 +8,7 @@ the machine's core count and load average::
     python scripts/bench_planner.py --out benchmarks/planner_time.json
     python scripts/bench_planner.py --quick            # gpt2-tiny only (seconds)
 
-The commands are the README's: ``scripts/plan.py model=gpt2-small trainer.devices=8
+The commands are docs/planner.md's: ``scripts/plan.py model=gpt2-small trainer.devices=8
 data.global_batch_size=64``, the Chimera paper's ``model=gpt2`` (it exits 1 on a machine whose RAM
 fits no layout of 1.39 B parameters on 8 ranks, after a complete plan) and ``train.py model=gpt2
 trainer.devices=8 preflight=report`` (the pre-flight alone, interpreter and imports included).

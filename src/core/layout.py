@@ -1,7 +1,7 @@
 """The run's layout, resolved once by the launcher and read by every worker: plain data (Chimera Table 1: W, D, B,
 N, B̂; §3.3 for the placement of stages on workers).
 
-:func:`pipeline_recipes.recipe.layout.resolve_layout` derives and validates it before any process starts; the job
+:func:`pipeline_recipes.recipe.settings.resolve_layout` derives and validates it before any process starts; the job
 file carries it to the workers (:meth:`Layout.as_dict`, :meth:`Layout.from_dict`), whose strategy, engine and tables
 read it instead of deriving it again. What a worker can observe itself (its world size, the batch it is given) it
 checks against the layout (:meth:`Layout.check_world_size`) rather than deriving the layout from it.

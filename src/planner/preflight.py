@@ -85,7 +85,7 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
 
 
 def candidate_from_config(cfg: Mapping[str, Any], layout: Any) -> Candidate:
-    """The :class:`Candidate` of a resolved config and its :class:`pipeline_recipes.recipe.layout.Layout` (or a dict
+    """The :class:`Candidate` of a resolved config and its :class:`pipeline_recipes.recipe.settings.Layout` (or a dict
     with ``strategy, W, D, B, N, pipelines``). Baselines are one stage: ``ddp``/``single`` = D 1, N 1."""
     strategy = dict(_get(cfg, "strategy", {}) or {})
     name = str(_get(layout, "strategy", strategy.get("name", DEFAULT_SCHEDULE)))
@@ -151,7 +151,7 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | N
     memory; return ``None`` otherwise.
 
     ``cfg_dict``: the resolved Hydra config (``OmegaConf.to_container(cfg, resolve=True)``);
-    ``layout``: :func:`pipeline_recipes.recipe.layout.resolve_layout`'s result. ``budget_bytes`` overrides the
+    ``layout``: :func:`pipeline_recipes.recipe.settings.resolve_layout`'s result. ``budget_bytes`` overrides the
     measured budget (per rank on GPU, per node on CPU); ``budget`` replaces it entirely. ``max_options``: the
     fitting layouts to search for and propose (0: none, the refusal alone).
     """

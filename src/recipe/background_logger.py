@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from .layout import check_drain_timeout
+from .settings import check_drain_timeout
 
 _STOP = object()
 

@@ -32,10 +32,10 @@ from .accelerator import (
     GPU_NAMES, AcceleratorChoice, NodeDevices, check_precision, choose_accelerator, layout_processes, probe_node,
     resolve_loader, with_compile,
 )
-from .cluster import Launch, detect_launch
+from .launch_mode import Launch, detect_launch
 from pipeline_recipes.core.fixes import ConfigError, Fix, values, vet
 from .loggers import check_logger
-from .layout import (
+from .settings import (
     Layout, check_devices, check_fixed_settings, check_model, layers_key, num_layers, refuses,
     resolve_layout,
 )

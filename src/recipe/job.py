@@ -32,7 +32,7 @@ from pipeline_recipes.strategies.runtime.topology import Topology
 
 from .accelerator import GPU_NAMES, apply_float32_matmul_precision, resolve_compile, shared_devices
 from .background_logger import BackgroundWandbLogger
-from .cluster import is_global_zero
+from .launch_mode import is_global_zero
 from .ending import JobEnd
 from .flops import model_flops_per_token
 from .job_spec import JobSpec
@@ -48,7 +48,7 @@ def quiet_library_notices() -> None:
     """Drop library messages that say nothing about this run, each matched by its text: Lightning's own use
     of torch's deprecated ``LeafSpec`` (a ``FutureWarning`` from its ``_pytree`` module), its litlogger tip (an
     INFO record of its rank-zero logger), and its advice to prepend ``srun`` wherever ``srun`` exists (the
-    recipe reads SLURM itself, :mod:`pipeline_recipes.recipe.cluster`: the workers of a one-task-per-node job
+    recipe reads SLURM itself, :mod:`pipeline_recipes.recipe.launch_mode`: the workers of a one-task-per-node job
     are no SLURM tasks, on purpose)."""
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")

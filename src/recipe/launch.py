@@ -16,7 +16,7 @@ under Hydra, Lightning #15737 and #18175). The parent never imports Lightning.
 * A rank that hangs ends it too: its heartbeat (:mod:`pipeline_recipes.recipe.heartbeat`) older than
   ``strategy.timeout_s`` names it, also when a peer's timed-out wait ended first.
 * Under an external launcher (torchrun, SLURM) the processes already exist: the job runs in-process
-  (:mod:`pipeline_recipes.recipe.cluster` tells which, and refuses a multi-node job whose nodes could not meet).
+  (:mod:`pipeline_recipes.recipe.launch_mode` tells which, and refuses a multi-node job whose nodes could not meet).
 * ``trainer=auto`` becomes the node's GPUs or CPU processes first (:mod:`pipeline_recipes.recipe.accelerator`).
 * Only global rank 0 prints the layout and the summary and writes ``results.json``.
 """
@@ -44,14 +44,14 @@ from pipeline_recipes.core.failures import describe_exception
 from pipeline_recipes.core.signals import SignalRecord
 
 from .checks import Checked, check_command, hydra_command
-from .cluster import Launch, is_global_zero, rank_env
+from .launch_mode import Launch, is_global_zero, rank_env
 from .ending import last_line
 from pipeline_recipes.core.fixes import ConfigError, fixes_of
 from .job_spec import JobSpec
 from pipeline_recipes.core.errors import DataError
 from pipeline_recipes.core.layout import Layout
 
-from .layout import num_layers  # noqa: F401 (read from here by callers)
+from .settings import num_layers  # noqa: F401 (read from here by callers)
 from .results import RunResult, read_results, summary_table, update_results, write_results
 from .resume import resolve_resume
 from .supervise import Outcome, launch_workers

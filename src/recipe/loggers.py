@@ -19,7 +19,7 @@ from pipeline_recipes.core.errors import did_you_mean
 from pipeline_recipes.core.fixes import ConfigError, values
 
 from .job_spec import JobSpec
-from .layout import check_drain_timeout
+from .settings import check_drain_timeout
 
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import Logger

@@ -8,7 +8,7 @@
   (:func:`pipeline_recipes.strategies.checkpoint.inspect_checkpoint`), fit the strategy (``ddp`` and ``single``
   read the consolidated file, not a sharded directory) and hold this run's model
   (:mod:`pipeline_recipes.recipe.model_match`, which names the ``model.*`` overrides that make it so).
-  Each failure is a :class:`~pipeline_recipes.recipe.layout.ConfigError`: one message and exit status 2.
+  Each failure is a :class:`~pipeline_recipes.recipe.settings.ConfigError`: one message and exit status 2.
 
 Under an external launcher (torchrun, SLURM) every rank resolves ``auto`` itself and reaches the same answer: the
 answer is a function of what the checkpoint directory holds, and nothing writes there before every rank has started
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .layout import BASELINES, ConfigError
+from .settings import BASELINES, ConfigError
 from .model_match import model_mismatch
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from pipeline_recipes.core import exits
 from pipeline_recipes.core.failures import HEARTBEAT_ENV, error_path, read_error
 from pipeline_recipes.core.signals import PARENT_PID_ENV, STOP_SIGNALS
 
-from .cluster import Launch, worker_env
+from .launch_mode import Launch, worker_env
 from .ending import JobEnd
 from .heartbeat import SILENT_S, heartbeat_age
 

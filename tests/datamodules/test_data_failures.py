@@ -18,7 +18,7 @@ import pytest
 
 from pipeline_recipes.core.failures import describe_exception, first_exception
 from pipeline_recipes.recipe.launch import launch_workers
-from pipeline_recipes.recipe.layout import resolve_layout
+from pipeline_recipes.recipe.settings import resolve_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -249,7 +249,7 @@ def test_a_missing_local_tokenizer_directory_is_not_a_hub_failure(tmp_path: Path
 
 def test_an_unknown_data_option_is_a_config_error(tmp_path: Path) -> None:
     from pipeline_recipes.datamodules.prepare import check_data, prepare_data
-    from pipeline_recipes.recipe.layout import ConfigError
+    from pipeline_recipes.recipe.settings import ConfigError
 
     corpus = write_corpus(tmp_path / "corpus.txt", docs=5)
     for check in (check_data, prepare_data):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
+from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
 from train_jobs import run_train_jobs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -399,7 +399,7 @@ def test_plan_script_json_keys(tmp_path: Path) -> None:
 def test_preflight_refuses_the_paper_gpt2_on_one_small_process() -> None:
     from pipeline_recipes.models import hydra_config
     from pipeline_recipes.planner.preflight import PreflightError, preflight
-    from pipeline_recipes.recipe.layout import resolve_layout
+    from pipeline_recipes.recipe.settings import resolve_layout
 
     cfg = {"model": hydra_config("gpt2"), "trainer": {"accelerator": "cpu", "devices": 1, "num_nodes": 1},
            "strategy": {"name": "gpipe", "D": 1, "micro_batch_size": 1, "recompute": "none"},

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from pipeline_recipes.core.node import NodeDevices, loader_settings
 from pipeline_recipes.recipe.accelerator import (apply_float32_matmul_precision, layout_processes, resolve_accelerator,
                                                  resolve_loader, shared_devices)
-from pipeline_recipes.recipe.layout import ConfigError, check_devices, resolve_layout
+from pipeline_recipes.recipe.settings import ConfigError, check_devices, resolve_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_H100 = NodeDevices(cuda_devices=1, bf16=True, gpu_name="NVIDIA H100 80GB HBM3")

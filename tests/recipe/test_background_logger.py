@@ -74,7 +74,7 @@ def test_a_stalled_writer_times_out(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 
 def test_the_drain_timeout_must_be_positive(tmp_path: Path) -> None:
-    from pipeline_recipes.recipe.layout import ConfigError, check_drain_timeout
+    from pipeline_recipes.recipe.settings import ConfigError, check_drain_timeout
 
     assert check_drain_timeout(5) == 5.0
     for bad in (0, -1.0, "300", None, True):

@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 
 from pipeline_recipes.core.node import NodeDevices, probe_node
 from pipeline_recipes.recipe.accelerator import check_precision, resolve_accelerator
-from pipeline_recipes.recipe.cluster import (SLURM_TASK_VARS, Launch, detect_launch, global_rank, is_global_zero,
+from pipeline_recipes.recipe.launch_mode import (SLURM_TASK_VARS, Launch, detect_launch, global_rank, is_global_zero,
                                              slurm_port, slurm_root_address, worker_env)
-from pipeline_recipes.recipe.layout import ConfigError
+from pipeline_recipes.recipe.settings import ConfigError
 from pipeline_recipes.recipe.results import find_results
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import Logger
 
 import torch
 
-from pipeline_recipes.recipe.layout import Layout
+from pipeline_recipes.recipe.settings import Layout
 from pipeline_recipes.recipe.metrics import PipelineMetrics, ReplicaThroughputMonitor
 
 

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from pipeline_recipes.core.node import NodeDevices
 from pipeline_recipes.recipe.accelerator import resolve_accelerator
 from pipeline_recipes.recipe.launch import launch_workers, num_layers
-from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
+from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
 from pipeline_recipes.recipe.results import find_results
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
+from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -53,7 +53,7 @@ def _runtime_values() -> dict[str, tuple[str, ...]]:
 
 
 def test_the_launch_check_allows_what_the_runtime_runs() -> None:
-    from pipeline_recipes.recipe.layout import fixed_settings
+    from pipeline_recipes.recipe.settings import fixed_settings
 
     table = {s.key: s.values for s in fixed_settings()}
     for key, values in _runtime_values().items():
@@ -213,7 +213,7 @@ def test_a_misspelled_group_option_gets_the_options_and_the_closest(argv: list[s
 
 
 def test_a_misspelled_schedule_or_concat_method_gets_the_closest() -> None:
-    from pipeline_recipes.recipe.layout import ConfigError, resolve_layout
+    from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
     from pipeline_recipes.strategies.schedules import ScheduleError, get_spec
 
     with pytest.raises(ScheduleError, match=r"unknown schedule 'chimra'.*; did you mean 'chimera'\?$"):

@@ -32,7 +32,7 @@ from hydra import compose, initialize_config_dir
 from pipeline_recipes.core.node import NodeDevices
 from pipeline_recipes.recipe.checks import Checked, Command, check_command
 from pipeline_recipes.core.fixes import ConfigError
-from pipeline_recipes.recipe.layout import BASELINES, resolve_layout
+from pipeline_recipes.recipe.settings import BASELINES, resolve_layout
 from pipeline_recipes.strategies.schedules import get_spec, names
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

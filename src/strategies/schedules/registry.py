@@ -7,7 +7,7 @@ whether it concatenates units of micro-batches (Chimera §3.5), which gives the 
 :func:`build_schedule` checks the rules before it calls the generator and validates what it produces
 (:func:`~pipeline_recipes.strategies.schedules.validate.validate`). Everything that lists schedules or
 checks a layout reads this table: :func:`build_schedule`, the Hydra layout check
-(:mod:`pipeline_recipes.recipe.layout`), the planner's candidates (:mod:`pipeline_recipes.planner.predict`),
+(:mod:`pipeline_recipes.recipe.settings`), the planner's candidates (:mod:`pipeline_recipes.planner.predict`),
 the viewer's choices (``scripts/schedule.py``), Lightning's strategy names
 (:func:`pipeline_recipes.strategies.lightning.strategy.register_strategies`) and the engine
 (:class:`pipeline_recipes.strategies.runtime.engine.PipelineConfig`).

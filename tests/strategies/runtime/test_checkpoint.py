@@ -178,7 +178,7 @@ def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
 
 
 def test_ddp_and_single_ask_for_a_consolidated_checkpoint(tmp_path: Path) -> None:
-    from pipeline_recipes.recipe.layout import ConfigError
+    from pipeline_recipes.recipe.settings import ConfigError
     from pipeline_recipes.recipe.resume import resolve_resume
 
     module, optimizer, config = _trained_module()

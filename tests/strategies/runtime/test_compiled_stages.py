@@ -23,7 +23,7 @@ from test_modules import test_module
 from pipeline_recipes.models import build_model
 from pipeline_recipes.core.node import NodeDevices
 from pipeline_recipes.recipe.accelerator import resolve_accelerator, resolve_compile, with_compile
-from pipeline_recipes.recipe.layout import ConfigError
+from pipeline_recipes.recipe.settings import ConfigError
 from pipeline_recipes.strategies.compute.compile import compile_blocks, repeated_blocks
 from pipeline_recipes.strategies.compute.deferred_weights import WeightGradientStore, defer_weight_gradients
 from pipeline_recipes.strategies.lightning.strategy import PipelineModule

@@ -269,7 +269,7 @@ def test_every_train_py_case_of_the_gpu_tests_resolves_its_layout(world: int) ->
     from omegaconf import OmegaConf
 
     from pipeline_recipes.recipe.launch import num_layers
-    from pipeline_recipes.recipe.layout import check_model, resolve_layout
+    from pipeline_recipes.recipe.settings import check_model, resolve_layout
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for strategy in TRAIN_STRATEGIES:

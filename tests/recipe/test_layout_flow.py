@@ -20,12 +20,12 @@ from pipeline_recipes.core.layout import Layout, LayoutMismatch
 from pipeline_recipes.core.node import NodeDevices
 from pipeline_recipes.recipe.accelerator import resolve_accelerator
 from pipeline_recipes.recipe.job_spec import JobSpec
-from pipeline_recipes.recipe.layout import num_layers, resolve_layout
+from pipeline_recipes.recipe.settings import num_layers, resolve_layout
 from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 from pipeline_recipes.strategies.runtime.topology import Topology
 from toy_model import ToyMLP, toy_batches
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def _layout(*overrides: str) -> tuple[Layout, dict]:

@@ -13,10 +13,10 @@ import yaml
 
 from pipeline_recipes.core.fixes import ConfigError
 from pipeline_recipes.recipe.job_spec import JobSpec
-from pipeline_recipes.recipe.layout import Layout
+from pipeline_recipes.recipe.settings import Layout
 from pipeline_recipes.recipe.loggers import check_logger, instantiate_loggers, logger_arguments, run_values
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf" / "logger"
 
 

@@ -10,7 +10,7 @@ import pytest
 from pipeline_recipes.core.errors import ConfigError
 from pipeline_recipes.planner.cluster import ClusterSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS = sorted(p.stem for p in (ROOT / "conf" / "cluster").glob("*.yaml"))
 
 
