@@ -41,12 +41,13 @@ from pipeline_recipes.strategies.schedules import (
     simulate, specs,
 )
 from pipeline_recipes.strategies.schedules.asynchronous import steady_step, steady_step_makespan, window
+from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE, GRAD_SYNC_MODES
 
 from .costs import Collective, rabenseifner, sync_timeline
 from .model_costs import ModelCosts
 
-RECOMPUTE = ("none", "always")
-GRAD_SYNC = ("end", "eager", "eager_opt")
+RECOMPUTE = (DEFAULT_RECOMPUTE, "always")  # the recomputation choices the planner compares
+GRAD_SYNC = GRAD_SYNC_MODES
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ class Candidate:
     N: int
     pipelines: int = 1
     concat: str = "direct"
-    recompute: str = "none"
-    grad_sync: str = "end"
+    recompute: str = DEFAULT_RECOMPUTE
+    grad_sync: str = DEFAULT_GRAD_SYNC
     chunks: int | None = None  # stages per worker (interleaved 1F1B); None: the schedule's own
     cuda_graphs: bool = False  # strategy.cuda_graphs: each held micro-batch's graph pool counts (planner.memory)
 
@@ -160,7 +161,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def candidates(devices: int, global_batch_size: int, num_layers: int, *,
                schedules: Sequence[str] | None = None, recompute: Sequence[str] = RECOMPUTE,
-               grad_sync: str = "end", max_micro_batches: int = 1024) -> list[Candidate]:
+               grad_sync: str = DEFAULT_GRAD_SYNC, max_micro_batches: int = 1024) -> list[Candidate]:
     """Every layout of ``devices`` processes for this global batch (the planner's search space).
 
     W·D = devices; B a power of two with W·B dividing B̂; every schedule of ``schedules`` (default:

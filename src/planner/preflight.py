@@ -21,6 +21,7 @@ from typing import Any
 from pipeline_recipes.core.fixes import ConfigError, Fix, Proposal
 from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.schedules import DEFAULT_SCHEDULE, get_spec
+from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE
 
 from .costs import format_bytes
 from .estimate import estimate_costs
@@ -95,7 +96,7 @@ def candidate_from_config(cfg: Mapping[str, Any], layout: Any) -> Candidate:
     concat = str(_get(layout, "concat", None) or strategy.get("concat") or "direct")  # the layout's is resolved
     return Candidate(name, W, D, B, N, int(_get(layout, "pipelines", 1) or 1),
                      concat if get_spec(name).concat else "direct",
-                     str(strategy.get("recompute") or "none"), str(strategy.get("grad_sync") or "end"),
+                     str(strategy.get("recompute") or DEFAULT_RECOMPUTE), str(strategy.get("grad_sync") or DEFAULT_GRAD_SYNC),
                      strategy.get("chunks"), bool(strategy.get("cuda_graphs", False)))
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC
+
 from .costs import format_bytes
 from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
@@ -71,7 +73,7 @@ def _plan_each(costs: ModelCosts, cands: Sequence[Candidate], budget: Budget | N
 
 def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget | None = None, *,
              ranks_per_node: int | None = None, schedules: Sequence[str] | None = None,
-             recompute: Sequence[str] = RECOMPUTE, grad_sync: str = "end",
+             recompute: Sequence[str] = RECOMPUTE, grad_sync: str = DEFAULT_GRAD_SYNC,
              partition: str = "runtime", refine: int = 10, workers: int | None = None) -> list[Plan]:
     """Every candidate predicted and ranked (fitting first, then by predicted samples/s).
 
@@ -156,7 +158,7 @@ def _best_of_schedule(costs: ModelCosts, budget: Budget, ranks_per_node: int | N
 
 def best_plans(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget, *,
                ranks_per_node: int | None = None, schedules: Sequence[str] | None = None,
-               recompute: Sequence[str] = RECOMPUTE, grad_sync: str = "end", workers: int | None = None) -> list[Plan]:
+               recompute: Sequence[str] = RECOMPUTE, grad_sync: str = DEFAULT_GRAD_SYNC, workers: int | None = None) -> list[Plan]:
     """The fastest fitting plan of every schedule (the least memory where none fits), fastest first: the search for
     a large cluster. Per schedule, candidates go in order of :func:`time_lower_bound`; a candidate is simulated only
     while its bound is below the best fitting time found, and its memory (a walk over every worker's actions and

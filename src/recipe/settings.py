@@ -24,7 +24,9 @@ from pipeline_recipes.strategies.schedules import (
     AUTO_CONCAT, CONCAT_METHODS, CONFIG, DEFAULT_SCHEDULE, ScheduleError, ScheduleSpec, Settings, build_schedule,
     get_spec, names, resolve_concat,
 )
-from pipeline_recipes.strategies.schedules.rules import Refusal
+from pipeline_recipes.strategies.schedules.rules import (
+    DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE, GRAD_SYNC_MODES, RECOMPUTE_MODES, Refusal,
+)
 
 from pipeline_recipes.core.errors import did_you_mean
 from pipeline_recipes.core.layout import Layout
@@ -34,8 +36,7 @@ __all__ = ["ConfigError", "DataError", "Layout", "check_devices", "check_drain_t
            "check_model", "did_you_mean", "fixed_settings", "resolve_layout"]
 
 
-GRAD_SYNC = ("end", "eager", "eager_opt")  # strategies.grad_sync.GRAD_SYNC_MODES (that module imports torch)
-RECOMPUTE = ("none", "except_last", "always")  # strategies.recompute.RECOMPUTE_MODES
+GRAD_SYNC, RECOMPUTE = GRAD_SYNC_MODES, RECOMPUTE_MODES  # strategies.schedules.rules, read by the checks below
 NONFINITE_LOSS = ("stop", "skip")  # strategies.lightning.PipelineModule
 CHECKPOINT_KEEP = ("latest", "all")  # recipe.job.checkpoint_callbacks
 SYNTHETIC_STRUCTURES = ("bigram", "uniform")  # datamodules.synthetic.STRUCTURES
@@ -290,7 +291,8 @@ def _resolve(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_siz
                            around.micro_batches())
     N = global_batch_size // (W * B)
     settings = Settings(name, D, N, B, strategy.get("pipelines"), strategy.get("concat"), strategy.get("chunks"),
-                        grad_sync=strategy.get("grad_sync", "end"), recompute=strategy.get("recompute", "none"),
+                        grad_sync=strategy.get("grad_sync", DEFAULT_GRAD_SYNC),
+                        recompute=strategy.get("recompute", DEFAULT_RECOMPUTE),
                         naming=CONFIG)
     errors = spec.errors(settings)
     if errors:
@@ -301,7 +303,7 @@ def _resolve(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_siz
     schedule = _check_schedule(spec, D, N, B, pipelines, concat, settings.chunks, around)
     cuda_graphs = strategy.get("cuda_graphs", False)
     refusal = cuda_graphs_device_error(cuda_graphs, trainer.get("accelerator")) or cuda_graphs_error(
-        cuda_graphs, spec, strategy.get("recompute", "none"), schedule)
+        cuda_graphs, spec, strategy.get("recompute", DEFAULT_RECOMPUTE), schedule)
     if refusal is not None:
         raise around.refused(refusal)
     return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, spec, pipelines, concat),
@@ -314,7 +316,8 @@ KIND_KEYS = {"stages": "strategy.D", "pipelines": "strategy.pipelines", "concat"
              "chunks": "strategy.chunks", "grad_sync": "strategy.grad_sync", "recompute": "strategy.recompute",
              "cuda_graphs": "strategy.cuda_graphs", "accelerator": "trainer.accelerator"}
 """The config's key of each setting a rule's refusal may name (:class:`~pipeline_recipes.strategies.schedules.rules.Refusal`)."""
-DEFAULTS = {"grad_sync": "end", "recompute": "none"}  # what an asynchronous schedule or CUDA graphs run with
+# what an asynchronous schedule or CUDA graphs run with
+DEFAULTS = {"grad_sync": DEFAULT_GRAD_SYNC, "recompute": DEFAULT_RECOMPUTE}
 
 
 @dataclass(frozen=True)
@@ -494,9 +497,9 @@ def _variant(strategy: dict[str, Any], spec: Any, pipelines: int, concat: str = 
         parts.append(f"{pipelines}pipes")
     if spec.chunks.choosable and strategy.get("chunks") not in (None, spec.chunks.default):
         parts.append(f"v{strategy['chunks']}")
-    if strategy.get("grad_sync", "end") != "end":
+    if strategy.get("grad_sync", DEFAULT_GRAD_SYNC) != DEFAULT_GRAD_SYNC:
         parts.append(f"sync_{strategy['grad_sync']}")
-    if strategy.get("recompute", "none") != "none":
+    if strategy.get("recompute", DEFAULT_RECOMPUTE) != DEFAULT_RECOMPUTE:
         parts.append(f"recompute_{strategy['recompute']}")
     return "+".join(parts)
 

@@ -51,6 +51,7 @@ from pipeline_recipes.strategies.lightning.optim import OptimizerFactory, Schedu
 from pipeline_recipes.core.pipeline_model import Batch, run_layers, sequential_loss
 from pipeline_recipes.strategies.runtime.process_group import end_process_group
 from pipeline_recipes.strategies.schedules import DEFAULT_SCHEDULE, specs
+from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE
 from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 
 
@@ -68,8 +69,8 @@ class PipelineStrategy(DDPStrategy):
         timeout_s: float = 120.0,
         schedule: str | None = None,
         name: str | None = None,
-        grad_sync: str = "end",
-        recompute: str = "none",
+        grad_sync: str = DEFAULT_GRAD_SYNC,
+        recompute: str = DEFAULT_RECOMPUTE,
         chunks: int | None = None,
         cuda_graphs: bool = False,
         **kwargs: Any,

@@ -34,16 +34,16 @@ from torch import Tensor, nn
 from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
 from pipeline_recipes.strategies.runtime.executor import AsyncWindows, StageExecutor, StepRecord, loss_counts
-from pipeline_recipes.strategies.runtime.grad_sync import GRAD_SYNC_MODES, GradientSynchronizer, launch_plan
+from pipeline_recipes.strategies.runtime.grad_sync import GradientSynchronizer, launch_plan
 from pipeline_recipes.strategies.runtime.late_loss import LateLosses
 from pipeline_recipes.core.layout import Layout, LayoutMismatch
 from pipeline_recipes.core.pipeline_model import Batch, split_batch
 from pipeline_recipes.strategies.runtime.rank_setup import RankSetup, assemble, even_partition
-from pipeline_recipes.strategies.runtime.recompute import RECOMPUTE_MODES
 from pipeline_recipes.strategies.schedules import (
     DEFAULT_SCHEDULE, Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat,
 )
 from pipeline_recipes.strategies.schedules.asynchronous import weight_delay, window
+from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE, GRAD_SYNC_MODES, RECOMPUTE_MODES
 from pipeline_recipes.strategies.runtime.stage import unique_parameters
 from pipeline_recipes.strategies.runtime.topology import Topology
 from pipeline_recipes.strategies.runtime.versions import WeightVersions
@@ -65,8 +65,8 @@ class PipelineConfig:
     pipelines: int | None = None
     concat: str = "direct"  # or "auto" (Chimera only): picked per N by best_concat
     timeout_s: float = 120.0
-    grad_sync: str = "end"
-    recompute: str = "none"
+    grad_sync: str = DEFAULT_GRAD_SYNC
+    recompute: str = DEFAULT_RECOMPUTE
     chunks: int | None = None  # stages per worker (v); None: the schedule's own (interleaved 1F1B: 2)
     cuda_graphs: bool = False  # repeated blocks replayed as CUDA graphs per micro-batch slot (.cuda_graphs)
     micro_batches: int | None = None  # N of every training step, as the layout resolved it; None: from the batch

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline_recipes.strategies.schedules import Action, Schedule, simulate
+from pipeline_recipes.strategies.schedules.rules import GRAD_SYNC_MODES
 
-GRAD_SYNC_MODES = ("end", "eager", "eager_opt")
 
 
 def last_backwards(schedule: Schedule, worker: int) -> dict[int, Action]:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-RECOMPUTE_MODES = ("none", "except_last", "always")
+from pipeline_recipes.strategies.schedules.rules import RECOMPUTE_MODES
+
 
 
 def recompute_stages(mode: str, stages: int) -> frozenset[int]:

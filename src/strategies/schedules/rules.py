@@ -65,6 +65,14 @@ CLI = Naming("--stages", "--micro-batches", "--pipelines", "--concat", "--chunks
              "recompute", "raise --micro-batches", "pass --micro-batches {n}")
 
 
+GRAD_SYNC_MODES = ("end", "eager", "eager_opt")
+"""When a stage's gradients are all-reduced (Chimera §3.2): after the last backward, as each stage's backward
+ends, or that and its optimizer step too; the first is the default."""
+RECOMPUTE_MODES = ("none", "except_last", "always")
+"""Which stage forwards are recomputed in the backward (GPipe §2.3); the first is the default."""
+DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE = GRAD_SYNC_MODES[0], RECOMPUTE_MODES[0]
+
+
 @dataclass(frozen=True)
 class Settings:
     """One layout of one schedule as a rule sees it. ``None``: not set (the schedule's default), or for
@@ -78,8 +86,8 @@ class Settings:
     concat: str | None = None
     chunks: int | None = None
     steps: int | None = None
-    grad_sync: str = "end"
-    recompute: str = "none"
+    grad_sync: str = DEFAULT_GRAD_SYNC
+    recompute: str = DEFAULT_RECOMPUTE
     naming: Naming = API
     registered: tuple[ScheduleSpec, ...] = ()  # every registered schedule (the registry fills it): fixes name them
 

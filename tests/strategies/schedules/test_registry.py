@@ -216,9 +216,8 @@ CONFIG_RULES = [  # (strategy, devices, global batch) -> the problem (setting, v
      "set strategy.micro_batch_size to one of [2, 4, 6, 12], or strategy.concat=direct or "
      "strategy.concat=forward_doubling"),
     ({"name": "gpipe2", "D": 2}, 2, 4,
-     "strategy 'gpipe2' is neither a pipeline schedule (gpipe, dapple, gems, chimera, pipedream_2bw, pipedream, "
-     "interleaved_1f1b, zb_h1, zb_h2, zbv, dualpipev, chimera_zb) nor a baseline (ddp, single); choose one of them "
-     "with strategy=NAME", "did you mean 'gpipe'? set strategy.name=gpipe"),
+     f"strategy 'gpipe2' is neither a pipeline schedule ({', '.join(names())}) nor a baseline (ddp, single); choose "
+     "one of them with strategy=NAME", "did you mean 'gpipe'? set strategy.name=gpipe"),
     ({"schedule": "gpipe", "name": "dapple", "D": 2}, 2, 4,
      "strategy.schedule = gpipe but strategy.name = dapple: strategy.name follows the schedule, which strategy=NAME "
      "chooses", "set strategy.schedule=dapple, or strategy.name=gpipe"),
