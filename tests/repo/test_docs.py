@@ -76,6 +76,8 @@ FOUND_IN = {
     "python train.py strategy=dapple strategy.D=2 trainer.devices=4 trainer.max_steps=3 data.global_batch_size=8 "
     "logger=csv": "tests/e2e/test_train_e2e.py",
     "python scripts/compare.py sweeps/s1": "tests/recipe/test_compare.py",
+    "python scripts/plan.py cluster=piz-daint model=gpt2 trainer.devices=2048 data.global_batch_size=2048 --compare "
+    "--json plan.json": "tests/planner/test_planner_cluster.py",
     "python scripts/compare.py multirun/schedules-cpu": "tests/recipe/test_compare.py",
     "python scripts/plan.py model=gpt2-tiny trainer.devices=2 data.global_batch_size=4 --json plan.json":
         "tests/planner/test_planner.py",
