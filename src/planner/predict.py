@@ -41,13 +41,12 @@ from pipeline_recipes.strategies.schedules import (
     simulate, specs,
 )
 from pipeline_recipes.strategies.schedules.asynchronous import steady_step, steady_step_makespan, window
-from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE, GRAD_SYNC_MODES
+from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE
 
 from .costs import Collective, rabenseifner, sync_timeline
 from .model_costs import ModelCosts
 
 RECOMPUTE = (DEFAULT_RECOMPUTE, "always")  # the recomputation choices the planner compares
-GRAD_SYNC = GRAD_SYNC_MODES
 
 
 @dataclass(frozen=True)

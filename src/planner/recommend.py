@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC
+from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, GRAD_SYNC_MODES
 
 from .costs import format_bytes
 from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
 from .partition_search import recommend_partition
 from .parallel import map_grouped, map_groups, planner_pool, workers_for
-from .predict import GRAD_SYNC, RECOMPUTE, Candidate, TimePrediction, candidates, partition_for, predict_time, stage_costs
+from .predict import RECOMPUTE, Candidate, TimePrediction, candidates, partition_for, predict_time, stage_costs
 
 JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "predicted_iteration_s",
              "predicted_peak_bytes_per_rank", "fits")
@@ -84,8 +84,8 @@ def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Bu
     the ``refine`` best candidates (and every one that does not fit) are re-predicted with
     :func:`pipeline_recipes.planner.partition_search.recommend_partition`'s split, then all are ranked again.
     """
-    if grad_sync not in GRAD_SYNC:
-        raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNC)}, got {grad_sync!r}")
+    if grad_sync not in GRAD_SYNC_MODES:
+        raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNC_MODES)}, got {grad_sync!r}")
 
     if partition not in ("runtime", "time", "memory"):
         raise ValueError(f"partition must be runtime, time or memory, got {partition!r}")

@@ -32,11 +32,10 @@ from pipeline_recipes.core.errors import did_you_mean
 from pipeline_recipes.core.layout import Layout
 from pipeline_recipes.core.fixes import ConfigError, Fix, Proposal, fixes_of, override_value, values, vet
 
-__all__ = ["ConfigError", "DataError", "Layout", "check_devices", "check_drain_timeout", "check_fixed_settings",
+__all__ = ["ConfigError", "Layout", "check_devices", "check_drain_timeout", "check_fixed_settings",
            "check_model", "did_you_mean", "fixed_settings", "resolve_layout"]
 
 
-GRAD_SYNC, RECOMPUTE = GRAD_SYNC_MODES, RECOMPUTE_MODES  # strategies.schedules.rules, read by the checks below
 NONFINITE_LOSS = ("stop", "skip")  # strategies.lightning.PipelineModule
 CHECKPOINT_KEEP = ("latest", "all")  # recipe.job.checkpoint_callbacks
 SYNTHETIC_STRUCTURES = ("bigram", "uniform")  # datamodules.synthetic.STRUCTURES
@@ -74,8 +73,8 @@ def fixed_settings() -> tuple[FixedSetting, ...]:
     them again). The schedule's name and ``strategy.concat`` are the schedule registry's rules, checked
     with the layout (:func:`resolve_layout`)."""
     return (
-        FixedSetting("strategy.grad_sync", GRAD_SYNC, "when stage gradients are all-reduced, Chimera §3.2"),
-        FixedSetting("strategy.recompute", RECOMPUTE, "which stage forwards the backward recomputes, GPipe §2.3"),
+        FixedSetting("strategy.grad_sync", GRAD_SYNC_MODES, "when stage gradients are all-reduced, Chimera §3.2"),
+        FixedSetting("strategy.recompute", RECOMPUTE_MODES, "which stage forwards the backward recomputes, GPipe §2.3"),
         FixedSetting("nonfinite_loss", NONFINITE_LOSS, "what a NaN/inf training loss does"),
         FixedSetting("checkpoint.keep", CHECKPOINT_KEEP, "which checkpoints stay on disk"),
         FixedSetting("data.structure", SYNTHETIC_STRUCTURES, "how synthetic tokens are drawn"),
