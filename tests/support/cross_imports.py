@@ -1,7 +1,7 @@
 """Helpers that live in a test module of another folder, imported as pytest imports that module.
 
 pytest imports a test module by its name with its folder first on ``sys.path`` (``--import-mode=prepend``);
-:func:`test_module` does the same for a module of another folder, so both imports give one module object.
+:func:`import_test_module` does the same for a module of another folder, so both imports give one module object.
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from types import ModuleType
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def test_module(name: str) -> ModuleType:
+def import_test_module(name: str) -> ModuleType:
     """The test module ``name`` (e.g. ``"test_models"``) wherever it sits under ``tests/``."""
     path = next(TESTS.rglob(f"{name}.py"))
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))
     return importlib.import_module(name)
 
-
-test_module.__test__ = False  # a helper, not a test

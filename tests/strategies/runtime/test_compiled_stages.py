@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from distributed import run_world
-from test_modules import test_module
+from cross_imports import import_test_module
 
 from pipeline_recipes.models import build_model
 from pipeline_recipes.core.node import NodeDevices
@@ -29,7 +29,8 @@ from pipeline_recipes.strategies.compute.deferred_weights import WeightGradientS
 from pipeline_recipes.strategies.lightning.strategy import PipelineModule
 from pipeline_recipes.core.pipeline_model import sequential_loss
 
-gpt2_batch, bert_batch = test_module("test_models").gpt2_batch, test_module("test_models").bert_batch
+_models = import_test_module("test_models")
+gpt2_batch, bert_batch = _models.gpt2_batch, _models.bert_batch
 
 TINY = {"gpt2-tiny": {"n_layer": 2}, "llama-tiny": {"num_hidden_layers": 2}, "bert-tiny": {"num_hidden_layers": 2}}
 CAPTURE = "aot_eager"  # TorchDynamo + AOTAutograd, no code generation

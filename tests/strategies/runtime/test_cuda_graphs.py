@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from distributed import run_world
-from test_modules import test_module
+from cross_imports import import_test_module
 
 from pipeline_recipes.models import build_model
 from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
@@ -33,7 +33,7 @@ from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 from pipeline_recipes.core.pipeline_model import run_layers
 from pipeline_recipes.strategies.schedules import build_schedule, get_spec, names
 
-gpt2_batch = test_module("test_models").gpt2_batch
+gpt2_batch = import_test_module("test_models").gpt2_batch
 
 ROOT = Path(__file__).resolve().parents[3]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

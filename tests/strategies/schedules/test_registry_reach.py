@@ -81,7 +81,7 @@ def test_a_new_schedule_with_choices_is_swept_over_them(added: ScheduleSpec) -> 
 def test_the_copy_runs_as_its_original(added: ScheduleSpec, capsys: pytest.CaptureFixture[str]) -> None:
     """What the grids feed: the registry builds the copy, the viewer draws it, the runtime's NCCL replay
     completes it (in one process, torch's fake backend)."""
-    from test_modules import test_module
+    from cross_imports import import_test_module
     from test_schedule_viewer import run_main
 
     from pipeline_recipes.strategies.harness.nccl_replay import replay
@@ -90,4 +90,4 @@ def test_the_copy_runs_as_its_original(added: ScheduleSpec, capsys: pytest.Captu
     code, out, _ = run_main([added.name, "--stages", "3", "--micro-batches", "5", "--json"], capsys)
     expected = json.loads(json.dumps(build_schedule("dapple", 3, 5).to_json()))
     assert code == 0 and json.loads(out)["workers"] == expected["workers"]
-    replay(test_module("test_nccl_replay")._programs(added.name, 2, 3))
+    replay(import_test_module("test_nccl_replay")._programs(added.name, 2, 3))
