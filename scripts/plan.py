@@ -168,7 +168,8 @@ def _plan_cluster(cfg, spec, args) -> int:
     every = names() if args.compare else None  # --compare: the asynchronous schedules too
     requested = [s for s in args.schedules.split(",") if s] if args.schedules else every
     plans = best_plans(costs, devices, global_batch, budget, ranks_per_node=spec.devices_per_node, schedules=requested,
-                       recompute=[r for r in args.recompute.split(",") if r], grad_sync=args.grad_sync)
+                       recompute=[r for r in args.recompute.split(",") if r], grad_sync=args.grad_sync,
+                       partition=args.partition)
     print(f"cluster {spec.name}: {devices} x {spec.device} ({spec.nodes(devices)} nodes of {spec.devices_per_node}), "
           f"all-reduce {spec.allreduce}; model {costs.model}, {costs.num_layers} pipeline layers, precision {precision}")
     print(f"NOTE: {costs.meta['derived']}")

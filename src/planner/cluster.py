@@ -3,7 +3,9 @@
 Chimera §3.4 predicts a layout from per-stage compute times and the α–β constants of the network; on a machine that
 is not this one those come from a description instead of a measurement: devices per node, device and host memory,
 peak FLOP/s per precision, the intra- and inter-node links (bandwidth and latency: the α–β model's ``1/β`` and
-``α``) and the all-reduce algorithm (:mod:`pipeline_recipes.planner.network` turns them into times).
+``α``), the all-reduce algorithm (:mod:`pipeline_recipes.planner.network` turns them into times) and what a
+device loses to memory the estimate does not count: ``reserved_memory`` outside torch's allocator and the caching
+allocator's ``allocator_overhead``.
 
 ``cluster=local`` (the default) describes nothing: ``measure`` is true and the planner profiles this machine as before.
 """
@@ -99,6 +101,8 @@ class ClusterSpec:
     inter_node: Link | None = None
     allreduce: str = "rabenseifner"
     cost_table: str | None = None
+    reserved_memory: int = 0  # bytes per device outside torch's allocator (CUDA context, library handles)
+    allocator_overhead: float = 0.0  # the caching allocator's reserve beyond the estimated tensors, as a fraction
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s of one device at ``precision``; fp32 where the device has no such unit."""
@@ -154,11 +158,21 @@ class ClusterSpec:
         tflops = {k: _positive(f"peak_tflops.{k}", v, f"set cluster.peak_tflops.{k} to the datasheet's dense TFLOP/s")
                   for k, v in peaks.items()}
         table = data.get("cost_table")
-        return cls(name, False, str(data.get("device") or name), per_node, _size("device_memory", data.get("device_memory")),
+        memory = _size("device_memory", data.get("device_memory"))
+        reserved = _size("reserved_memory", data["reserved_memory"]) if data.get("reserved_memory") else 0
+        if reserved >= memory:
+            raise _refuse("reserved_memory", data.get("reserved_memory"),
+                          f"must be less than device_memory ({data.get('device_memory')})",
+                          "give what one process's CUDA context holds, e.g. 512MiB")
+        overhead = data.get("allocator_overhead", 0.0)
+        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 <= overhead < 1:
+            raise _refuse("allocator_overhead", overhead, "must be a fraction in [0, 1)",
+                          "set cluster.allocator_overhead=0.09 (the caching allocator's reserve beyond the tensors)")
+        return cls(name, False, str(data.get("device") or name), per_node, memory,
                    _size("host_memory", data.get("host_memory")), tflops,
                    Link.from_config("intra_node", data.get("intra_node")),
                    Link.from_config("inter_node", data.get("inter_node")), algorithm,
-                   str(table) if table else None)
+                   str(table) if table else None, reserved, float(overhead))
 
 
 def _as_dict(cfg: Any) -> dict[str, Any]:

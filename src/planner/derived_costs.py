@@ -6,7 +6,8 @@ sample (its ``P`` weights applied to ``s`` tokens, plus the ``QKᵀ`` and ``AV``
 Language Model Training on GPU Clusters Using Megatron-LM", §5.1), the head ``2·P·s``, the embeddings none; the
 backward costs twice the forward. Seconds = FLOPs / (peak FLOP/s at the run's precision × efficiency), where the
 efficiency is the fraction of peak a measured device reached on a whole training step: the H200 records of
-``benchmarks/bench_gpu.json`` (forward + backward of the paper's GPT-2), the only measurement on a GPU here. The
+``benchmarks/bench_gpu.json`` (forward + backward of the paper's GPT-2 at two micro-batch sizes, which also give a
+fixed cost per micro-batch), the only measurement on a GPU here. The
 optimizer step is charged at the measured seconds per parameter, scaled by the two devices' fp32 peaks.
 
 Memory (stored activations, messages, model states) is the fake-tensor estimate of
@@ -48,30 +49,40 @@ class Calibration:
 
 
 def calibrate_from_bench(path: str | Path, model: str = "gpt2") -> Calibration:
-    """The ``eager`` whole-step records of ``model`` in a ``scripts/bench_gpu.py`` JSON, as a line
-    ``forward + backward seconds per micro-batch = a + b·B`` through the medians of its two micro-batch sizes (the
-    same samples per step: 16 × 1 and 4 × 4): ``b`` gives the efficiency (the FLOPs of one sample / (b × the
-    device's peak)), ``a`` the fixed cost of a micro-batch (kernel launches: a CPU cost, taken as the same on every
-    device); the optimizer's share of the step (step − forward − backward) per parameter."""
+    """The ``stage`` whole-step records of ``model`` in a ``scripts/bench_gpu.py`` JSON, as a line
+    ``forward + backward seconds per micro-batch = a + b·B`` through its micro-batch sizes (16 × 1 and 4 × 4: the
+    same samples per step), each at its fastest mode (compiled or CUDA graphs: the device's own time; the eager GPT-2
+    rows at micro-batch 4 wait on the CPU's kernel launches, which a slower device hides): ``b`` gives the efficiency
+    (the FLOPs of one sample / (b × the device's peak)), ``a`` the fixed cost of a micro-batch (short kernels that
+    leave the device part idle, taken as the same on every device); the optimizer's share of the step
+    (step − forward − backward) per parameter."""
     data = json.loads(Path(path).read_text())
     info = data["models"][model]
     peak = float(data["meta"]["peak_tflops"]) * 1e12
-    rows = [r for r in data["rows"] if r.get("model") == model and r.get("mode") == "eager" and r.get("status") == "ok"
-            and r.get("forward_s") and r.get("backward_s")]
+    rows = [r for r in data["rows"] if r.get("model") == model and r.get("system") == "stage"
+            and r.get("status") == "ok" and r.get("forward_s") and r.get("backward_s")]
     if not rows:
-        raise ValueError(f"{path} has no measured eager step of {model} to calibrate on")
-    per_size: dict[int, list[float]] = {}
+        raise ValueError(f"{path} has no measured stage step of {model} to calibrate on")
+    fastest: dict[int, dict[str, Any]] = {}
     for r in rows:
-        per_size.setdefault(int(r["micro_batch_size"]), []).append((r["forward_s"] + r["backward_s"]) / r["micro_batches"])
-    sizes = sorted(per_size)
-    line = fit_line(sizes, [statistics.median(per_size[b]) for b in sizes]) if len(sizes) > 1 else LinearFit(
-        0.0, statistics.median(per_size[sizes[0]]) / sizes[0])
+        size = int(r["micro_batch_size"])
+        if size not in fastest or _compute_s(r) < _compute_s(fastest[size]):
+            fastest[size] = r
+    sizes = sorted(fastest)
+    line = fit_line(sizes, [_compute_s(fastest[b]) for b in sizes]) if len(sizes) > 1 else LinearFit(
+        0.0, _compute_s(fastest[sizes[0]]) / sizes[0])
     flops_per_sample = float(info["flops_per_token"]) * float(info["seq_len"])
-    largest = min((r for r in rows if int(r["micro_batch_size"]) == sizes[-1]), key=lambda r: r["step_s"])
+    largest = fastest[sizes[-1]]
     opt_s = max(largest["step_s"] - largest["forward_s"] - largest["backward_s"], 0.0)
+    modes = ", ".join(f"{b} {fastest[b]['mode']}" for b in sizes)
     return Calibration(flops_per_sample / (line.b * peak), opt_s / float(info["parameters"]),
-                       f"{Path(path).name}: {model} eager at micro-batches {sizes} on {data['meta'].get('device_name')}",
+                       f"{Path(path).name}: {model} at micro-batches {modes} on {data['meta'].get('device_name')}",
                        max(line.a, 0.0))
+
+
+def _compute_s(row: Mapping[str, Any]) -> float:
+    """Forward + backward seconds per micro-batch of a bench_gpu.py row."""
+    return (row["forward_s"] + row["backward_s"]) / row["micro_batches"]
 
 
 def run_precision(spec: ClusterSpec, precision: Any) -> str:
@@ -154,5 +165,7 @@ def measured_costs(spec: ClusterSpec, table: Path) -> ModelCosts:
 
 
 def described_budget(spec: ClusterSpec) -> Budget:
-    """Each device's memory of the described cluster."""
-    return Budget(per_rank=spec.device_memory, source=f"{spec.device} ({spec.name})")
+    """Each device's memory of the described cluster, less what the estimate does not count (its reserved memory and
+    allocator overhead)."""
+    return Budget(per_rank=spec.device_memory, source=f"{spec.device} ({spec.name})", reserved=spec.reserved_memory,
+                  allocator_overhead=spec.allocator_overhead)

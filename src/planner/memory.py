@@ -212,12 +212,18 @@ def predict_memory(costs: ModelCosts, cand: Candidate, partition: Sequence[range
 @dataclass(frozen=True)
 class Budget:
     """What the ranks may use: ``per_rank`` bytes each (one accelerator per rank) or ``host`` bytes
-    shared by the ``ranks_per_node`` ranks of a node, each also costing ``process_bytes`` (CPU)."""
+    shared by the ``ranks_per_node`` ranks of a node, each also costing ``process_bytes`` (CPU).
+
+    A described device (:mod:`pipeline_recipes.planner.cluster`) also has ``reserved`` bytes held outside torch's
+    allocator (CUDA context, library handles), taken off ``per_rank``, and an ``allocator_overhead``: the fraction
+    the caching allocator reserves beyond the tensors the estimate counts (fragmentation, rounding)."""
 
     per_rank: int | None = None
     host: int | None = None
     process_bytes: int = 0
     source: str = ""
+    reserved: int = 0
+    allocator_overhead: float = 0.0
 
     def fits(self, per_rank: Sequence[int], ranks_per_node: int) -> bool:
         return self.shortfall(per_rank, ranks_per_node) <= 0
@@ -225,12 +231,12 @@ class Budget:
     def need(self, per_rank: Sequence[int], ranks_per_node: int) -> int:
         """The bytes compared with the budget: the largest rank, or a node's ranks together."""
         if self.per_rank is not None:
-            return int(max(per_rank))
+            return int(max(per_rank) * (1.0 + self.allocator_overhead))
         node = sorted(per_rank, reverse=True)[:ranks_per_node]
         return int(sum(node) + self.process_bytes * len(node))
 
     def limit(self) -> int:
-        return int(self.per_rank if self.per_rank is not None else (self.host or 0))
+        return int(self.per_rank - self.reserved if self.per_rank is not None else (self.host or 0))
 
     def shortfall(self, per_rank: Sequence[int], ranks_per_node: int) -> int:
         if self.per_rank is None and self.host is None:
@@ -239,7 +245,9 @@ class Budget:
 
     def describe(self) -> str:
         if self.per_rank is not None:
-            return f"{format_bytes(self.per_rank)} per rank ({self.source})"
+            extra = (f", less {format_bytes(self.reserved)} outside the allocator" if self.reserved else "") + (
+                f", peaks × {1 + self.allocator_overhead:.2f} for the caching allocator" if self.allocator_overhead else "")
+            return f"{format_bytes(self.per_rank)} per rank ({self.source}{extra})"
         if self.host is not None:
             return f"{format_bytes(self.host)} host RAM shared by the ranks of a node ({self.source})"
         return "unlimited"

@@ -122,24 +122,25 @@ def best_per_schedule(plans: Sequence[Plan]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def time_lower_bound(costs: ModelCosts, cand: Candidate) -> float:
+def time_lower_bound(costs: ModelCosts, cand: Candidate, split: Sequence[range] | None = None) -> float:
     """A bound no prediction of ``cand`` goes below: each of the ``N`` micro-batches of a replica passes every stage
     forward and backward once, and the ``D`` workers share that work, so the makespan is at least
-    ``N·Σ_s (t_f[s] + t_b[s]) / D`` (no schedule build needed)."""
-    t_f, t_b, _ = stage_costs(costs, cand, partition_for(costs, cand.S))
+    ``N·Σ_s (t_f[s] + t_b[s]) / D`` (no schedule build needed; ``split``: the runtime split, when known)."""
+    t_f, t_b, _ = stage_costs(costs, cand, partition_for(costs, cand.S, split))
     return cand.N * (sum(t_f) + sum(t_b)) / cand.D
 
 
-def _best_of_schedule(costs: ModelCosts, budget: Budget, ranks_per_node: int | None,
+def _best_of_schedule(costs: ModelCosts, budget: Budget, ranks_per_node: int | None, partition: str,
                       cands: Sequence[Candidate]) -> list[Plan]:
     """The fastest fitting plan of one schedule's candidates (branch and bound on :func:`time_lower_bound`); where
     none fits, the one of least peak memory."""
     best: Plan | None = None
     tried: list[Plan] = []
-    for bound, cand in sorted(((time_lower_bound(costs, c), c) for c in cands), key=lambda bc: bc[0]):
+    splits = {c.S: partition_for(costs, c.S) for c in cands}  # the runtime split of S stages, computed once
+    for bound, cand in sorted(((time_lower_bound(costs, c, splits[c.S]), c) for c in cands), key=lambda bc: bc[0]):
         if best is not None and bound >= best.time.iteration_s:
             break
-        part = partition_for(costs, cand.S)
+        part = splits[cand.S] if partition == "runtime" else recommend_partition(costs, cand, "time")
         resolved = cand.resolved(costs, part)
         time = predict_time(costs, resolved, part)
         if best is not None and time.iteration_s >= best.time.iteration_s:
@@ -158,19 +159,25 @@ def _best_of_schedule(costs: ModelCosts, budget: Budget, ranks_per_node: int | N
 
 def best_plans(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget, *,
                ranks_per_node: int | None = None, schedules: Sequence[str] | None = None,
-               recompute: Sequence[str] = RECOMPUTE, grad_sync: str = DEFAULT_GRAD_SYNC, workers: int | None = None) -> list[Plan]:
+               recompute: Sequence[str] = RECOMPUTE, grad_sync: str = DEFAULT_GRAD_SYNC, partition: str = "runtime",
+               workers: int | None = None) -> list[Plan]:
     """The fastest fitting plan of every schedule (the least memory where none fits), fastest first: the search for
-    a large cluster. Per schedule, candidates go in order of :func:`time_lower_bound`; a candidate is simulated only
+    a large cluster. ``partition``: ``runtime`` (``model.partition(D)``, what ``train.py`` runs) or ``time`` (each
+    candidate's split balanced by its layers' predicted times, head and embeddings included; run it with the
+    ``model.partition`` overrides of :func:`pipeline_recipes.planner.partition_search.partition_overrides`). Per schedule, candidates go in order of :func:`time_lower_bound`; a candidate is simulated only
     while its bound is below the best fitting time found, and its memory (a walk over every worker's actions and
     messages, the expensive part) predicted only when it would be faster. The result equals ranking every plan with
     :func:`plan_all` and keeping each schedule's first fitting one."""
+    if partition not in ("runtime", "time"):
+        raise ValueError(f"partition must be runtime or time for a cluster-wide search, got {partition!r}")
     cands = candidates(devices, global_batch_size, costs.num_layers, schedules=schedules, recompute=recompute,
                        grad_sync=grad_sync)
     groups: dict[str, list[Candidate]] = {}
     for cand in cands:
         groups.setdefault(cand.strategy, []).append(cand)
     with planner_pool(workers_for(len(groups), workers)) as pool:
-        found = map_groups(pool, partial(_best_of_schedule, costs, budget, ranks_per_node), list(groups.values()))
+        found = map_groups(pool, partial(_best_of_schedule, costs, budget, ranks_per_node, partition),
+                           list(groups.values()))
     return sorted((p for plans in found for p in plans), key=lambda p: (not p.fits, -p.samples_per_s))
 
 

@@ -57,12 +57,80 @@ def test_figures_read_in_their_units() -> None:
     ("cluster.intra_node.latency_us=-3", "intra_node.latency_us"),
     ("cluster.allreduce=tree", "allreduce"),
     ("+cluster.peak_tflops.fp8=2000", "peak_tflops"),
+    ("cluster.reserved_memory=90GB", "reserved_memory"),
+    ("cluster.allocator_overhead=1.5", "allocator_overhead"),
 ])
 def test_a_bad_value_is_refused_naming_key_value_rule_and_fix(override: str, key: str) -> None:
     with pytest.raises(ConfigError) as err:
         ClusterSpec.from_config(_compose("cluster=dgx-h100", override).cluster)
     text = str(err.value)
     assert f"cluster.{key}=" in text and "must" in text and "Fix:" in text
+
+
+def test_a_described_device_loses_its_reserved_memory_and_the_allocators_share() -> None:
+    """80 GB less 512 MiB of context; a 70 GiB estimate needs 70 × 1.09 = 76.3 GiB, which fits 80 GB − 0.5 GiB
+    (74.0 GiB) only without the allocator's share: by hand."""
+    from pipeline_recipes.planner.derived_costs import described_budget
+
+    spec = ClusterSpec.from_config(_compose("cluster=dgx-h100").cluster)
+    assert spec.reserved_memory == 512 * 2**20 and spec.allocator_overhead == pytest.approx(0.09)
+    budget = described_budget(spec)
+    assert budget.limit() == 80 * 10**9 - 512 * 2**20
+    assert budget.need([70 * 2**30, 1], 8) == int(70 * 2**30 * 1.09)
+    assert not budget.fits([70 * 2**30], 8) and budget.fits([67 * 2**30], 8)
+    assert "512.00 MiB outside the allocator" in budget.describe() and "× 1.09" in budget.describe()
+
+
+def test_calibration_takes_each_micro_batch_at_its_fastest_mode(tmp_path: Path) -> None:
+    """Two sizes, an eager (slow, launch-bound) and a compiled row each: the line goes through the compiled rows.
+    By hand: 1 sample = 1e12 FLOPs on a 1e15 FLOP/s device; compiled B = 4 → 10 ms, B = 16 → 34 ms per micro-batch:
+    b = 2 ms per sample (efficiency 1e12 / (2e-3 · 1e15) = 0.5), a = 2 ms per micro-batch."""
+    import json
+
+    from pipeline_recipes.planner.derived_costs import calibrate_from_bench
+
+    def row(mode: str, size: int, count: int, per_mb: float) -> dict:
+        return {"model": "m", "system": "stage", "mode": mode, "status": "ok", "micro_batch_size": size,
+                "micro_batches": count, "forward_s": per_mb * count / 3, "backward_s": 2 * per_mb * count / 3,
+                "step_s": per_mb * count + 1e-3}
+
+    record = {"meta": {"peak_tflops": 1000.0, "device_name": "X"},
+              "models": {"m": {"flops_per_token": 1e9, "seq_len": 1000, "parameters": 10**6}},
+              "rows": [row("eager", 4, 4, 0.050), row("compiled", 4, 4, 0.010), row("eager", 16, 1, 0.040),
+                       row("compiled", 16, 1, 0.034), {**row("compiled", 16, 1, 0.001), "system": "handwritten"}]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(record))
+    cal = calibrate_from_bench(path, "m")
+    assert cal.efficiency == pytest.approx(0.5)
+    assert cal.microbatch_overhead_s == pytest.approx(2e-3)
+    assert cal.opt_s_per_param == pytest.approx(1e-3 / 10**6)
+    assert "4 compiled, 16 compiled" in cal.source
+
+
+def test_a_time_balanced_split_per_layout_on_a_cluster() -> None:
+    """``partition="time"``: each best plan runs the split balanced by its layers' times (an expensive last layer
+    gets a stage of fewer layers), which the brute force over every split of that stage count also finds."""
+    import itertools
+    from dataclasses import replace
+
+    from pipeline_recipes.planner.costs import LinearFit
+    from pipeline_recipes.planner.memory import Budget
+    from pipeline_recipes.planner.model_costs import uniform_costs
+    from pipeline_recipes.planner.recommend import best_plans
+
+    costs = uniform_costs(8, t_f=1e-3, t_b=2e-3, params=10**5, stored=2e6)
+    heavy = replace(costs.layers[-1], fwd=LinearFit(0.0, 3e-3), fwd_nograd=LinearFit(0.0, 3e-3), bwd=LinearFit(0.0, 6e-3))
+    costs = replace(costs, layers=(*costs.layers[:-1], heavy))
+    plans = best_plans(costs, 4, 16, Budget(per_rank=10**12), schedules=["dapple"], partition="time", workers=1)
+    part = plans[0].partition
+    weights = [layer.fwd.clamp(1) + layer.bwd.clamp(1) for layer in costs.layers]
+    S = len(part)
+    best = min((max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, 8)))
+                for cuts in itertools.combinations(range(1, 8), S - 1)))
+    assert max(sum(weights[r.start:r.stop]) for r in part) == pytest.approx(best)
+    assert len(part[-1]) < len(part[0])
+    with pytest.raises(ValueError, match="runtime or time"):
+        best_plans(costs, 4, 16, Budget(per_rank=10**12), schedules=["dapple"], partition="memory", workers=1)
 
 
 # --- the network model, against hand-computed α–β costs --------------------------------------------------------------

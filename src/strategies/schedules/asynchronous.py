@@ -87,18 +87,19 @@ def version_of(micro_batch: int, micro_batches: int) -> int:
 def stashed_versions(name: str, stages: int, micro_batches: int, steps: int = 8) -> tuple[int, ...]:
     """Per stage, the most weight versions alive at once over ``steps`` steady steps: the live
     weights plus every older version an in-flight micro-batch still needs (Table 2's weight memory)."""
+    _check(name, stages, micro_batches)
+    check_size(name, "steps", steps)
     peaks = []
-    for s in range(stages):
+    for s in range(stages):  # the windows of steps 0 … steps − 1 are one stream, cut at each step's first forward
         in_flight: set[int] = set()
-        peak = 1
-        for t in range(steps):
-            for a in window(name, stages, micro_batches, t).workers[s]:
-                if a.kind == "F":
-                    in_flight.add(a.mb)
-                else:
-                    in_flight.discard(a.mb)
-                versions = {version_of(m, micro_batches) for m in in_flight} | {t}
-                peak = max(peak, len(versions))
+        peak, step = 1, 0
+        for a in _stream(s, stages, steps * micro_batches, drain=False):
+            if a.kind == "F":
+                step = version_of(a.mb, micro_batches)
+                in_flight.add(a.mb)
+            else:
+                in_flight.discard(a.mb)
+            peak = max(peak, len({version_of(m, micro_batches) for m in in_flight} | {step}))
         peaks.append(peak)
     return tuple(peaks)
 
