@@ -171,7 +171,8 @@ def test_requeued_jobs_resume_by_themselves_and_end_with_the_uninterrupted_losse
             cluster.run("scancel", "--signal=USR1", job.id)
     expected = _reference_losses(reference)
     for how, job in jobs.items():
-        _wait(lambda job=job: cluster.job(job.id).get("Restarts", "0") == "1", 120, f"job {job.id} to be requeued")
+        # the stop, the checkpoint and SLURM's requeue take about a minute alone, up to twice that on a busy 2-core CI
+        _wait(lambda job=job: cluster.job(job.id).get("Restarts", "0") == "1", 300, f"job {job.id} to be requeued")
         state = job.ended()
         output = job.output()
         assert state["JobState"] == "COMPLETED", f"{how}: {output[-4000:]}"
