@@ -21,7 +21,8 @@ Positional arguments are ``train.py``'s Hydra overrides (same ``conf/``); option
   layers (the transformer blocks) are profiled once; progress lines on stderr estimate the time left;
 * ``--comm measure|default|none``: 2-process gloo micro-benchmarks (cached), built-in constants, or none;
 * ``--budget 8GiB``: memory budget (per rank on GPU, per node on CPU) instead of the device's;
-* ``--partition runtime|time|memory``: the split used for predictions (``runtime``: what train.py runs);
+* ``--partition runtime|time|memory``: the split used for predictions (``runtime``: what train.py runs; for a
+  described cluster ``runtime`` or ``time``, whose ``best_per_schedule`` rows give the split as ``split_overrides``);
 * ``--schedules``, ``--recompute``, ``--grad-sync``, ``--top``: the search space and the table length;
 * ``--compare``: the best layout of every schedule (W, D, B, recomputation, samples/s, step time, bubble, unhidden
   all-reduce time, peak memory); with ``--json`` the file is ``{"cluster", "best_per_schedule": {name: {...}}, "rows"}``.
@@ -157,6 +158,10 @@ def _plan_cluster(cfg, spec, args) -> int:
     from pipeline_recipes.planner.derived_costs import described_budget, described_costs, run_precision
     from pipeline_recipes.planner.recommend import best_per_schedule, best_plans, format_table, plan_rows
 
+    if args.partition == "memory":
+        print(f"error: --partition memory is not searched for cluster={spec.name} (a memory walk per split and "
+              "layout); use --partition time or runtime", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     precision = run_precision(spec, cfg.trainer.get("precision"))
     devices = int(cfg.trainer.get("devices", 1)) * int(cfg.trainer.get("num_nodes", 1) or 1)
@@ -176,6 +181,13 @@ def _plan_cluster(cfg, spec, args) -> int:
     print(f"the best layout of each of {len(plans)} schedules for global batch {global_batch}; budget {budget.describe()}")
     print(format_table(plans, args.top or None))
     best = best_per_schedule(plans)
+    if args.partition != "runtime":  # how train.py runs each schedule's split (None: no model.*_cost pair gives it)
+        from pipeline_recipes.planner.partition_search import partition_overrides
+
+        weights = costs.meta.get("layer_costs") or [1.0] * costs.num_layers
+        for plan in plans:
+            if plan.candidate.strategy in best and "split_overrides" not in best[plan.candidate.strategy]:
+                best[plan.candidate.strategy]["split_overrides"] = partition_overrides(plan.partition, weights)
     for name in [n for n in (requested or names()) if n not in best]:  # e.g. dualpipev needs N >= 2D
         best[name] = {"W": None, "D": None, "B": None, "recompute": None, "samples_per_s": None, "peak_bytes": None,
                       "no_layout": f"no layout of {devices} devices for global batch {global_batch} passes {name}'s "

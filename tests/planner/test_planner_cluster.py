@@ -248,3 +248,43 @@ def test_a_layer_table_measured_here_plans_in_place_of_derived_times(tmp_path: P
     costs = described_costs(None, spec, None)
     assert costs.kind == "measured" and "measured" in costs.meta["derived"] and costs.comm.network is not None
     assert predict_time(costs, Candidate("dapple", 1, 2, 1, 2)).iteration_s > 0
+
+
+def test_plan_script_gives_each_time_balanced_split_as_train_py_overrides(tmp_path: Path) -> None:
+    """``--partition time`` on a cluster: the best layout's ``split_overrides`` make ``train.py``'s own split
+    (``balanced_partition`` of the layer weights with the overrides' embedding/head costs) the time-balanced split
+    of that layout — checked against a brute force over every split of GPT-2's 66 layers into D stages' time."""
+    import json
+    import subprocess
+    import sys
+
+    from pipeline_recipes.models.partition import balanced_partition
+    from pipeline_recipes.planner.derived_costs import described_costs
+    from pipeline_recipes.planner.predict import Candidate
+    from pipeline_recipes.planner.partition_search import time_costs
+
+    out = tmp_path / "plan.json"
+    args = ["cluster=piz-daint", "model=gpt2", "trainer.devices=8", "data.global_batch_size=8"]
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), *args, "--compare", "--schedules", "dapple",
+                    "--recompute", "none", "--partition", "time", "--json", str(out)], check=True, timeout=300,
+                   capture_output=True)
+    row = json.loads(out.read_text())["best_per_schedule"]["dapple"]
+    costs = {o.split("=")[0]: float(o.split("=")[1]) for o in row["split_overrides"]}
+    cfg = _compose(*args)
+    model_costs = described_costs(cfg.model, ClusterSpec.from_config(cfg.cluster), None)
+    weights = [costs["model.embedding_cost"], *[1.0] * (model_costs.num_layers - 2), costs["model.head_cost"]]
+    split = balanced_partition(weights, row["D"])
+    seconds = time_costs(model_costs, Candidate("dapple", row["W"], row["D"], row["B"], row["N"], recompute="none"))
+    prefix = [0.0]
+    for t in seconds:
+        prefix.append(prefix[-1] + t)
+    n, D = len(seconds), row["D"]
+    best = [[float("inf")] * (n + 1) for _ in range(D + 1)]  # best[k][j]: k stages over the first j layers
+    best[0][0] = 0.0
+    for k in range(1, D + 1):
+        for j in range(k, n + 1):
+            best[k][j] = min(max(best[k - 1][i], prefix[j] - prefix[i]) for i in range(k - 1, j))
+    assert max(prefix[r.stop] - prefix[r.start] for r in split) == pytest.approx(best[D][n])
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), *args, "--partition", "memory"],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--partition time or runtime" in refused.stderr
