@@ -136,7 +136,7 @@ def _best_of_schedule(costs: ModelCosts, budget: Budget, ranks_per_node: int | N
     none fits, the one of least peak memory."""
     best: Plan | None = None
     tried: list[Plan] = []
-    splits = {c.S: partition_for(costs, c.S) for c in cands}  # the runtime split of S stages, computed once
+    splits = {S: partition_for(costs, S) for S in {c.S for c in cands}}  # the runtime split of S stages, once
     for bound, cand in sorted(((time_lower_bound(costs, c, splits[c.S]), c) for c in cands), key=lambda bc: bc[0]):
         if best is not None and bound >= best.time.iteration_s:
             break
@@ -175,7 +175,7 @@ def best_plans(costs: ModelCosts, devices: int, global_batch_size: int, budget: 
     groups: dict[str, list[Candidate]] = {}
     for cand in cands:
         groups.setdefault(cand.strategy, []).append(cand)
-    with planner_pool(workers_for(len(groups), workers)) as pool:
+    with planner_pool(workers_for(len(cands), workers)) as pool:  # one schedule per task
         found = map_groups(pool, partial(_best_of_schedule, costs, budget, ranks_per_node, partition),
                            list(groups.values()))
     return sorted((p for plans in found for p in plans), key=lambda p: (not p.fits, -p.samples_per_s))

@@ -200,6 +200,8 @@ def test_the_smart_search_equals_brute_force_on_a_small_space() -> None:
     assert expected and got.keys() == expected.keys()
     for name in expected:
         assert got[name]["samples_per_s"] == pytest.approx(expected[name]["samples_per_s"])
+    spread = best_plans(costs, 8, 32, budget, schedules=schedules, workers=2)  # one forked process per core
+    assert [(p.candidate, p.samples_per_s) for p in spread] == [(p.candidate, p.samples_per_s) for p in smart]
 
 
 def test_plan_script_for_2048_piz_daint_nodes_writes_best_per_schedule(tmp_path: Path) -> None:
