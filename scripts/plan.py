@@ -185,9 +185,8 @@ def _plan_cluster(cfg, spec, args) -> int:
         from pipeline_recipes.planner.partition_search import partition_overrides
 
         weights = costs.meta.get("layer_costs") or [1.0] * costs.num_layers
-        for plan in plans:
-            if plan.candidate.strategy in best and "split_overrides" not in best[plan.candidate.strategy]:
-                best[plan.candidate.strategy]["split_overrides"] = partition_overrides(plan.partition, weights)
+        for plan in plans:  # best_plans: one plan per schedule
+            best[plan.candidate.strategy]["split_overrides"] = partition_overrides(plan.partition, weights)
     for name in [n for n in (requested or names()) if n not in best]:  # e.g. dualpipev needs N >= 2D
         best[name] = {"W": None, "D": None, "B": None, "recompute": None, "samples_per_s": None, "peak_bytes": None,
                       "no_layout": f"no layout of {devices} devices for global batch {global_batch} passes {name}'s "

@@ -7,8 +7,8 @@ Language Model Training on GPU Clusters Using Megatron-LM", §5.1), the head ``2
 backward costs twice the forward. Seconds = FLOPs / (peak FLOP/s at the run's precision × efficiency), where the
 efficiency is the fraction of peak a measured device reached on a whole training step: the H200 records of
 ``benchmarks/bench_gpu.json`` (forward + backward of the paper's GPT-2 at two micro-batch sizes, which also give a
-fixed cost per micro-batch), the only measurement on a GPU here. The
-optimizer step is charged at the measured seconds per parameter, scaled by the two devices' fp32 peaks.
+fixed cost per micro-batch), the only measurement on a GPU here. The optimizer step is charged at the measured
+seconds per parameter, scaled by the two devices' fp32 peaks.
 
 Memory (stored activations, messages, model states) is the fake-tensor estimate of
 :mod:`pipeline_recipes.planner.estimate`: it does not depend on the device.
@@ -17,7 +17,6 @@ Memory (stored activations, messages, model states) is the fake-tensor estimate 
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path

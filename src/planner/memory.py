@@ -245,8 +245,9 @@ class Budget:
 
     def describe(self) -> str:
         if self.per_rank is not None:
-            extra = (f", less {format_bytes(self.reserved)} outside the allocator" if self.reserved else "") + (
-                f", peaks × {1 + self.allocator_overhead:.2f} for the caching allocator" if self.allocator_overhead else "")
+            extra = f", less {format_bytes(self.reserved)} outside the allocator" if self.reserved else ""
+            if self.allocator_overhead:
+                extra += f", peaks × {1 + self.allocator_overhead:.2f} for the caching allocator"
             return f"{format_bytes(self.per_rank)} per rank ({self.source}{extra})"
         if self.host is not None:
             return f"{format_bytes(self.host)} host RAM shared by the ranks of a node ({self.source})"

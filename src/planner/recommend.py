@@ -165,8 +165,9 @@ def best_plans(costs: ModelCosts, devices: int, global_batch_size: int, budget: 
     a large cluster. ``partition``: ``runtime`` (``model.partition(D)``, what ``train.py`` runs) or ``time`` (each
     candidate's split balanced by its layers' predicted times, head and embeddings included; run it with the
     ``model.partition`` overrides of :func:`pipeline_recipes.planner.partition_search.partition_overrides`).
-    Per schedule, candidates go in order of :func:`time_lower_bound`; a candidate is simulated only while its bound is below the best fitting time found, and its memory (a walk over every worker's actions and
-    messages, the expensive part) predicted only when it would be faster. The result equals ranking every plan with
+    Per schedule, candidates go in order of :func:`time_lower_bound`; a candidate is simulated only while its bound
+    is below the best fitting time found, and its memory (a walk over every worker's actions and messages, the
+    expensive part) predicted only when it would be faster. The result equals ranking every plan with
     :func:`plan_all` and keeping each schedule's first fitting one."""
     if partition not in ("runtime", "time"):
         raise ValueError(f"partition must be runtime or time for a cluster-wide search, got {partition!r}")
