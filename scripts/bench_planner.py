@@ -11,7 +11,8 @@ the machine's core count and load average::
 The commands are docs/planner.md's: ``scripts/plan.py model=gpt2-small trainer.devices=8
 data.global_batch_size=64``, the Chimera paper's ``model=gpt2`` (it exits 1 on a machine whose RAM
 fits no layout of 1.39 B parameters on 8 ranks, after a complete plan) and ``train.py model=gpt2
-trainer.devices=8 preflight=report`` (the pre-flight alone, interpreter and imports included).
+trainer.devices=8 preflight=report`` (the pre-flight alone, interpreter and imports included), and
+docs/cluster-plans.md's plan for 2,048 Piz Daint nodes (no profiling: a described cluster).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ RUNS = {
     "plan gpt2-small": [*PLAN, "{tmp}/plan.json", "model=gpt2-small"],
     "plan gpt2": [*PLAN, "{tmp}/plan.json", "model=gpt2"],
     "preflight gpt2": [sys.executable, "train.py", "model=gpt2", "trainer.devices=8", "preflight=report"],
+    "plan piz-daint 2048": [sys.executable, "scripts/plan.py", "cluster=piz-daint", "model=gpt2", "trainer.devices=2048",
+                            "data.global_batch_size=2048", "--compare", "--json", "{tmp}/plan.json"],
 }
 QUICK = {"plan gpt2-tiny": [*PLAN, "{tmp}/plan.json", "model=gpt2-tiny", "--reps", "1"]}
 
