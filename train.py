@@ -9,6 +9,11 @@ A misspelled key (``model.n_layr=4``) is refused before Hydra runs, with the key
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a stop signal during the imports and checks below is a clean stop, not a death
+    from pipeline_recipes.core.signals import install_early
+
+    install_early()
+
 import contextlib
 import io
 import os
@@ -151,20 +156,81 @@ def check_setting_keys(argv: list[str]) -> DictConfig | None:
 
 def check_output_space(cfg: DictConfig | None, argv: list[str]) -> None:
     """The job's output directory (``hydra.run.dir``, or ``hydra.sweep.dir`` with ``-m``) is on a file system
-    with space left: Hydra writes its ``.hydra`` files there before any of ours, and would fail in a traceback."""
+    with space left (else exit status 1) and can be created and written (else exit status 2, refused with a
+    directory that can): Hydra writes its ``.hydra`` files there before any of ours, and would fail in a
+    traceback."""
+    from hydra.core.utils import setup_globals
+
+    from pipeline_recipes.core import exits
     from pipeline_recipes.core.disk import LOW_SPACE_BYTES, free_bytes, no_space_message
 
     if cfg is None:
         return
     key = "hydra.sweep.dir" if "-m" in argv or "--multirun" in argv else "hydra.run.dir"
+    setup_globals()  # Hydra's resolvers (${now:...} of the default directories), as its run registers them
     try:
         out = OmegaConf.select(cfg, key)
     except Exception:  # an interpolation only Hydra's run resolves: it checks its own directory then
         return
-    free = free_bytes(out) if out else None
+    if not out:
+        return
+    why = unwritable_reason(out)
+    if why is not None:
+        instead = writable_instead(out)
+        fix = f"{key}={instead} (a directory this user can write)" if instead else f"{key} to a directory you can write"
+        print(f"error: {key} = {out}: the job directory cannot be created or written: {why}; set {fix}",
+              file=sys.stderr)
+        sys.exit(exits.REFUSED)
+    free = free_bytes(out)
     if free is not None and free < LOW_SPACE_BYTES:
         print(f"error: {no_space_message(out, f'cannot write the job directory ({key})')}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(exits.FAILED)
+
+
+def unwritable_reason(path: str | os.PathLike[str]) -> str | None:
+    """Why the directory ``path`` cannot be created and written, naming the directory at fault (``path`` or its
+    nearest existing ancestor): not a directory, not writable by this user, or on a read-only file system
+    (found by creating and removing a file there, since root ignores permission bits); None where it can, or
+    where only space is missing (:func:`check_output_space` says so)."""
+    import errno
+    import tempfile
+
+    from pipeline_recipes.core.disk import NO_SPACE_ERRNOS
+
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".write-probe-", dir=existing)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        if err.errno in NO_SPACE_ERRNOS:
+            return None
+        if err.errno == errno.EROFS:
+            return f"{existing} is on a read-only file system"
+        if err.errno in (errno.EACCES, errno.EPERM):
+            return f"{existing} is not writable by this user (permission denied)"
+        return f"{existing} cannot be written ({err.strerror or err})"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user (its permissions)"
+    return None
+
+
+def writable_instead(path: str | os.PathLike[str]) -> Path | None:
+    """A directory of the same name that can be created and written (under ``outputs/`` of the working
+    directory, else the temporary directory, with the same relative path there), or None."""
+    import tempfile
+
+    given = Path(path)
+    name = given.name or "job"
+    relative = given if not given.is_absolute() and ".." not in given.parts else Path(name)
+    for candidate in (Path.cwd() / "outputs" / name, Path(tempfile.gettempdir()) / relative):
+        if unwritable_reason(candidate) is None:
+            return candidate
+    return None
 
 
 def _unknown_key(argv: list[str]) -> tuple[str | None, DictConfig | None]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -42,14 +43,17 @@ class SignalRecord:
             other(signum, frame)
 
     def install(self, signals: Iterable[int] = STOP_SIGNALS) -> bool:
-        """Handle ``signals`` here; False (nothing done) off the main thread, where no handler can be set."""
+        """Handle ``signals`` here, then take those that were held back (:func:`held_back`) until now; False
+        (nothing done) off the main thread, where no handler can be set."""
         if threading.current_thread() is not threading.main_thread():
             return False
+        signals = tuple(signals)
         for signum in signals:
             previous = signal.getsignal(signum)
             self._replaced.setdefault(signum, previous)
             self._chained.setdefault(signum, [h for h in _handlers_in(previous) if self._keeps(h)])
             signal.signal(signum, self.handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
         return True
 
     def restore(self) -> None:
@@ -62,10 +66,44 @@ class SignalRecord:
     def _keeps(self, handler: Any) -> bool:
         if not callable(handler) or handler is signal.default_int_handler:
             return False
-        if getattr(handler, "__self__", None) is self:
+        if isinstance(getattr(handler, "__self__", None), SignalRecord):  # this one, or one it takes over from
             return False
         owner = type(getattr(handler, "__self__", None)).__name__
         return owner != "_SignalConnector"  # Lightning's notifier broadcasts inside the handler
+
+
+@contextmanager
+def held_back(signals: Iterable[int] = STOP_SIGNALS) -> Iterator[None]:
+    """Hold ``signals`` back in this thread while the block runs: one that arrives is pending, not lost, and is
+    handled when the block ends. A child process started inside the block starts with them held back too (the
+    signal mask survives ``fork`` and ``exec``) and takes them once :meth:`SignalRecord.install` has put its
+    handler in place: a stop signal sent to a worker that is still starting is never its death."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, tuple(signals))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+_EARLY: list[SignalRecord] = []  # train.py's record of the signals before its launcher's own (install_early)
+
+
+def install_early() -> None:
+    """Record stop signals from the first line of ``train.py`` on, before its imports and Hydra's set-up, where a
+    signal would otherwise end the process without a word (:func:`early_signal` hands it to the launcher)."""
+    if not _EARLY:
+        record = SignalRecord()
+        if record.install():
+            _EARLY.append(record)
+
+
+def early_signal() -> int | None:
+    """The stop signal recorded since :func:`install_early` (None if none), handed over once: the launcher's own
+    record takes over from here."""
+    signum = _EARLY[0].signum if _EARLY else None
+    if _EARLY:
+        _EARLY[0].signum = None
+    return signum
 
 
 def _handlers_in(handler: Any) -> list[Any]:

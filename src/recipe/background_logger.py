@@ -10,16 +10,27 @@ writer thread, in call order (W&B's steps stay monotonic). Every other use of th
 logger's ``experiment`` (hyper-parameters, the summary) first waits until the writer has written
 everything queued, so the run sees the same records in the same order as with the plain logger
 (images go through ``log_metrics``: queued in order too). Code that calls ``wandb`` directly
-(``wandb.finish()``) calls :meth:`BackgroundWandbLogger.stop` first. A failed write is raised on the
-training thread by the next logger call or by ``finalize`` after a successful run; no wait is
-unbounded (``drain_timeout_s``).
+(``wandb.finish()``) calls :meth:`BackgroundWandbLogger.stop` first: :func:`finish_wandb` does both. A failed
+write is raised on the training thread by the next logger call or by ``finalize`` after a successful run (unless
+it says the backend is gone, below); no wait is unbounded (``drain_timeout_s``).
+
+A logger never decides how a job ends. W&B writes through a service process of its own (``wandb-core``), and a
+scheduler's signal reaches it as well as the ranks (SLURM signals every process of a job step): once it is gone,
+every call that needs it fails (:func:`backend_gone`). The first such failure, wherever it shows (a queued row,
+the hyper-parameters, the summary, ``finalize``, ``wandb.finish()``), is one warning line
+(:func:`lose_backend`); the logger then logs nothing more for the rest of the run, and training, its stop and
+``results.json`` (rank 0's metrics, :mod:`pipeline_recipes.recipe.metrics`, which need no logger) go on as if it had
+not been there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
@@ -30,6 +41,105 @@ from typing_extensions import override
 from .settings import check_drain_timeout
 
 _STOP = object()
+_HANDLED = object()  # finish_wandb: the exception being handled where it is called
+LOST_ATTRIBUTE = "_backend_lost"  # on a logger whose backend is gone: why (the warning said it once)
+LOST_WAIT_S = 10.0  # the longest wait for W&B (the writer, wandb.finish, its teardown) once its service is gone
+# wandb 0.31's errors for a connection to its service that closed (named: their modules are internal)
+GONE_ERRORS = frozenset({"MailboxClosedError", "HandleAbandonedError", "WandbAttachFailedError",
+                         "WandbServiceConnectionError", "WandbServiceNotOwnedError"})
+CONNECTION_LOST_NOTICE = "socket.send() raised exception."  # asyncio's, for writes to a socket whose peer is gone
+
+
+def _not_a_lost_connection(record: logging.LogRecord) -> bool:
+    return record.getMessage() != CONNECTION_LOST_NOTICE
+
+
+def quiet_lost_connection_notices() -> None:
+    """Drop asyncio's ``socket.send() raised exception.``: wandb talks to its service through asyncio (the only
+    asyncio socket of a training process), and once that service is gone (a signal reached it) every queued write
+    logs it, before and besides :func:`lose_backend`'s one warning."""
+    logger = logging.getLogger("asyncio")
+    if _not_a_lost_connection not in logger.filters:
+        logger.addFilter(_not_a_lost_connection)
+
+
+def service_exited() -> bool | None:
+    """Whether this process's W&B service (``wandb-core``) has exited; None where that cannot be told (no service
+    started here, or a wandb whose internals are not 0.31's)."""
+    try:
+        from wandb.sdk import wandb_setup
+
+        return wandb_setup._singleton._connection._proc._process.poll() is not None  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - unknown is an answer
+        return None
+
+
+def backend_gone(error: BaseException) -> bool:
+    """Whether ``error`` says the logger's backend is gone: a lost connection to W&B's service anywhere in its chain
+    (the socket's ``ConnectionError``, ``EOFError``, or wandb's closed-mailbox errors, :data:`GONE_ERRORS`), or any
+    error once that service process has exited. A ``KeyboardInterrupt`` or ``SystemExit`` is never one."""
+    if not isinstance(error, Exception):
+        return False
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, (ConnectionError, EOFError)) or type(link).__name__ in GONE_ERRORS:
+            return True
+        link = link.__cause__ or link.__context__
+    return service_exited() is True
+
+
+def lost(logger: Any) -> str | None:
+    """Why ``logger`` stopped logging (its backend is gone), None while it logs."""
+    return getattr(logger, LOST_ATTRIBUTE, None)
+
+
+def lose_backend(logger: Any, error: BaseException) -> None:
+    """``logger``'s backend is gone: say so in one warning line, the first time only, and mark it so that it logs
+    nothing more (:func:`lost`)."""
+    if lost(logger) is not None:
+        return
+    reason = f"{type(error).__name__}: {error}".rstrip(": ")
+    setattr(logger, LOST_ATTRIBUTE, reason)
+    name = type(logger).__name__
+    print(f"warning: {name} stopped logging for the rest of the run, its backend is gone ({reason}; a signal to "
+          "the job reaches W&B's service too): the job goes on, its metrics are in results.json and the log",
+          file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def backend_failures_warned(logger: Any) -> Iterator[None]:
+    """Inside it, an error saying ``logger``'s backend is gone (:func:`backend_gone`) is :func:`lose_backend`'s
+    warning instead; any other error is raised."""
+    try:
+        yield
+    except Exception as error:
+        if not backend_gone(error):
+            raise
+        lose_backend(logger, error)
+
+
+def call_bounded(call: Callable[[], Any], timeout_s: float, what: str) -> BaseException | None:
+    """Run ``call`` in a daemon thread for at most ``timeout_s``: None if it returned, else what it raised, or a
+    ``TimeoutError`` naming ``what`` if it had not returned in time (it is left running; daemon threads end with the
+    process)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as error:  # noqa: BLE001 - returned to the caller (sys.exit included)
+            outcome.append(error)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, name=f"bounded-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        return TimeoutError(f"{what} did not return within {timeout_s:g} s")
+    return outcome[0]
 
 
 class BackgroundWandbLogger(WandbLogger):
@@ -40,6 +150,7 @@ class BackgroundWandbLogger(WandbLogger):
         self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
+        quiet_lost_connection_notices()
         super().__init__(*args, **kwargs)
         if self._wandb_init.get("anonymous", "unset") is None:
             # Lightning passes anonymous=None when not asked for and wandb (0.31) warns about any value given
@@ -50,7 +161,7 @@ class BackgroundWandbLogger(WandbLogger):
     @override
     def experiment(self) -> Any:
         """The W&B run, once every queued row is written (from the writer itself: at once)."""
-        if self._writer is not None and threading.current_thread() is not self._writer:
+        if self._writer is not None and threading.current_thread() is not self._writer and lost(self) is None:
             self.drain()
         return super().experiment
 
@@ -58,6 +169,8 @@ class BackgroundWandbLogger(WandbLogger):
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         self._raise_write_error()
+        if lost(self) is not None:
+            return
         if self._experiment is None:
             _ = self.experiment  # the run starts on the training thread (wandb.init installs signal handlers)
         if self._writer is None:  # one writer at a time (stop() keeps a writer that did not end)
@@ -65,9 +178,26 @@ class BackgroundWandbLogger(WandbLogger):
             self._writer.start()
         self._queue.put((convert_tensors_to_scalars(dict(metrics)), step))
 
+    @override
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        if lost(self) is None:
+            with backend_failures_warned(self):
+                super().log_hyperparams(params)
+
+    @override
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        if lost(self) is None:
+            with backend_failures_warned(self):
+                super().after_save_checkpoint(checkpoint_callback)
+
     def drain(self) -> None:
         """Wait until the writer has written every queued row (at most ``drain_timeout_s``); raise what a
-        write raised."""
+        write raised (a write that found the backend gone: :func:`lose_backend`). Once the backend is gone the
+        writer drops what is queued: nothing to wait for."""
+        if lost(self) is not None:
+            self._write_error = None
+            return
         pending = self._queue
         # bounded even where the waiting thread interrupted its own put() (a signal handler finalising)
         if not pending.mutex.acquire(timeout=self.drain_timeout_s):
@@ -91,7 +221,9 @@ class BackgroundWandbLogger(WandbLogger):
             self.drain()
         finally:
             self._queue.put(_STOP)
-            writer.join(timeout=self.drain_timeout_s)
+            # once the backend is gone the writer may be inside a call to it: not worth the whole drain timeout
+            writer.join(timeout=self.drain_timeout_s if lost(self) is None
+                        else min(self.drain_timeout_s, LOST_WAIT_S))
             if not writer.is_alive():
                 self._writer = None
 
@@ -99,7 +231,8 @@ class BackgroundWandbLogger(WandbLogger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         """After training the queued rows are written (a failed write raises); after a failure Lightning
-        finalises with another status while the error propagates: a logger error must not replace it."""
+        finalises with another status while the error propagates: a logger error must not replace it. A
+        backend that is gone is a warning either way."""
         try:
             if status == "success":
                 self.stop()
@@ -109,7 +242,9 @@ class BackgroundWandbLogger(WandbLogger):
                 except Exception as error:  # noqa: BLE001 - reported, not raised over the run's own error
                     rank_zero_warn(f"W&B rows may be missing: {error}")
         finally:
-            super().finalize(status)
+            if lost(self) is None:
+                with backend_failures_warned(self):
+                    super().finalize(status)
 
     @override
     def __getstate__(self) -> dict[str, Any]:
@@ -125,8 +260,12 @@ class BackgroundWandbLogger(WandbLogger):
 
     def _raise_write_error(self) -> None:
         error, self._write_error = self._write_error, None
-        if error is not None:
-            raise RuntimeError(f"writing metrics to the W&B run failed: {error!r}") from error
+        if error is None:
+            return
+        if backend_gone(error):
+            lose_backend(self, error)
+            return
+        raise RuntimeError(f"writing metrics to the W&B run failed: {error!r}") from error
 
     def _write_rows(self) -> None:
         while True:
@@ -134,9 +273,49 @@ class BackgroundWandbLogger(WandbLogger):
             try:
                 if item is _STOP:
                     return
-                if self._write_error is None:  # after a failure, drop rows until the training thread hears of it
+                # after a failure, drop rows until the training thread hears of it; once the backend is gone, all
+                if self._write_error is None and lost(self) is None:
                     super().log_metrics(*item)
             except BaseException as error:  # noqa: BLE001 - handed to the training thread
                 self._write_error = error
             finally:
                 self._queue.task_done()
+
+
+def finish_wandb(loggers: Sequence[Any], run_error: BaseException | None | object = _HANDLED) -> None:
+    """Rank 0's end of the job's W&B run (one per job), whether or not training raised (``run_error``; by default
+    the exception being handled where it is called, so in a ``finally:`` the one that ended the run): each
+    background writer stopped, then ``wandb.finish()``, every wait bounded (the loggers' ``drain_timeout_s``;
+    :data:`LOST_WAIT_S` once the service is gone), then W&B's teardown (its service's end, which its exit hook would
+    wait for without a bound). A service that is gone or does not answer in time is :func:`lose_backend`'s one
+    warning; another error of ``wandb.finish()`` is raised only after a run that raised nothing itself."""
+    if run_error is _HANDLED:
+        run_error = sys.exc_info()[1]
+    wandb_loggers = [lg for lg in loggers if isinstance(lg, WandbLogger)]
+    if not wandb_loggers:
+        return
+    import wandb  # local: wandb 0.5-0.9 s (python -X importtime), only for runs logging to W&B
+
+    for logger in wandb_loggers:  # rows still queued, whether or not Lightning finalised the logger
+        if isinstance(logger, BackgroundWandbLogger):
+            with contextlib.suppress(Exception):  # never hide the error that ended the run
+                logger.stop()
+    gone = next((lg for lg in wandb_loggers if lost(lg) is not None), None)
+    limits = [lg.drain_timeout_s for lg in wandb_loggers if isinstance(lg, BackgroundWandbLogger)]
+    limit = LOST_WAIT_S if gone is not None else max(limits, default=300.0)
+    error = call_bounded(wandb.finish, limit, "wandb.finish()")  # one W&B run per job
+    raised = None
+    if error is not None and (gone is not None or isinstance(error, TimeoutError) or backend_gone(error)):
+        lose_backend(gone or wandb_loggers[0], error)
+    elif isinstance(error, Exception) and run_error is None:
+        raised = error  # a W&B error that is not its service gone: raised, once W&B has been torn down
+    elif error is not None:
+        print(f"warning: wandb.finish() failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    # wandb's exit hook ends its service, waiting without a bound, and meets a dead one again (a traceback at
+    # exit): it runs here instead, bounded; what it raises (SystemExit: the service's own exit status) is W&B's
+    gone = next((lg for lg in wandb_loggers if lost(lg) is not None), None)
+    error = call_bounded(wandb.teardown, LOST_WAIT_S if gone is not None else limit, "wandb.teardown()")
+    if error is not None and not (isinstance(error, SystemExit) and not error.code):
+        lose_backend(gone or wandb_loggers[0], error)
+    if raised is not None:
+        raise raised

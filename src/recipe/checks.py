@@ -36,7 +36,7 @@ from .launch_mode import Launch, detect_launch
 from pipeline_recipes.core.fixes import ConfigError, Fix, values, vet
 from .loggers import check_logger
 from .settings import (
-    Layout, check_devices, check_fixed_settings, check_model, layers_key, num_layers, refuses,
+    Layout, check_devices, check_model, check_settings, layers_key, num_layers, refuses,
     resolve_layout,
 )
 
@@ -279,7 +279,7 @@ def _breaks_layout(command: Command, inputs: tuple, fix: Fix) -> ConfigError | N
 def _checks(cfg: DictConfig, options: _Options) -> Layout:
     """The checks in the launcher's order (:func:`check_command`)."""
     found = options.checked
-    check_fixed_settings(cfg)  # strategy.grad_sync=eagr, checkpoint.keep=…: one message, not a traceback per rank
+    check_settings(cfg)  # the schema (grad_sync=eagr, trainer.max_steps=-5, …): one message, not a rank's traceback
     mode = found.mode = cfg.get("preflight", True)
     if mode not in PREFLIGHT_MODES:
         raise ConfigError(f"preflight = {mode!r}: it is true (predict the peak memory per rank and refuse a layout "

@@ -4,6 +4,7 @@ exit status (:mod:`pipeline_recipes.core.exits`).
 The last line of every job that ran is one of::
 
     final train/loss = 6.6970 after 10 steps (<job dir>)
+    done: nothing left to do: <checkpoint> is at step 40, trainer.max_steps = 40; raise trainer.max_steps ...
     stopped: SIGTERM received by rank 1; stopped after step 17; checkpoint <path> (resume: ckpt_path=auto)
     error: training diverged: rank 0 raised TrainingDiverged: training loss is nan at step 5 ...
     error: job failed: rank 1 (host) killed by SIGKILL (signal 9: kill -9, the out-of-memory killer, or a scheduler)
@@ -53,6 +54,8 @@ def resume_hint(checkpoint: str | None) -> str:
 def last_line(result: RunResult, out_dir: str) -> str:
     """The job's last line, from its ``results.json``."""
     if result.status == "ok":
+        if result.reason:  # ended without training: nothing was left to do
+            return f"done: {result.reason} ({out_dir})"
         if result.final_loss is None:
             return f"done ({out_dir})"
         return f"final train/loss = {result.final_loss:.4f} after {len(result.loss_history)} steps ({out_dir})"

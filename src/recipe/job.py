@@ -9,7 +9,6 @@ the pipeline strategy and the stage table read that layout (:func:`build_strateg
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import warnings
@@ -20,7 +19,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import get_object, instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
 from pipeline_recipes.core.layout import Layout
@@ -28,10 +26,11 @@ from pipeline_recipes.core.signals import SignalRecord
 from pipeline_recipes.strategies.lightning.strategy import PipelineModule, PipelineStrategy, share_gpus
 from pipeline_recipes.strategies.lightning.precision import with_precision_plugin
 from pipeline_recipes.strategies.lightning.stop import StopOnSignal
+from pipeline_recipes.strategies.lightning.verified_checkpoint import VerifiedCheckpoint
 from pipeline_recipes.strategies.runtime.topology import Topology
 
 from .accelerator import GPU_NAMES, apply_float32_matmul_precision, resolve_compile, shared_devices
-from .background_logger import BackgroundWandbLogger
+from .background_logger import finish_wandb
 from .launch_mode import is_global_zero
 from .ending import JobEnd
 from .flops import model_flops_per_token
@@ -65,7 +64,9 @@ def is_rank_zero() -> bool:
 def checkpoint_callbacks(spec: JobSpec) -> list[Any]:
     """The ``checkpoint`` section: a ModelCheckpoint saving every ``every_n_steps`` training steps into
     ``<job dir>/checkpoints/step-NNNNNN.ckpt`` (sharded directories under the pipeline strategies),
-    keeping the latest or all of them; none when ``every_n_steps`` is null."""
+    keeping the latest or all of them (latest: the previous one is removed once the new one has verified,
+    :class:`~pipeline_recipes.strategies.lightning.verified_checkpoint.VerifiedCheckpoint`); none when
+    ``every_n_steps`` is null."""
     cfg = dict(spec.config.get("checkpoint") or {})
     every = cfg.get("every_n_steps")
     if not every:
@@ -73,9 +74,10 @@ def checkpoint_callbacks(spec: JobSpec) -> list[Any]:
     keep = cfg.get("keep", "latest")
     if keep not in ("latest", "all"):
         raise ValueError(f"checkpoint.keep must be 'latest' or 'all', got {keep!r}")
-    return [ModelCheckpoint(dirpath=str(Path(spec.out_dir) / CHECKPOINT_DIR), filename="step-{step:06d}",
-                            auto_insert_metric_name=False, every_n_train_steps=int(every),
-                            save_top_k=-1 if keep == "all" else 1, save_last=False, enable_version_counter=False)]
+    return [VerifiedCheckpoint(dirpath=str(Path(spec.out_dir) / CHECKPOINT_DIR), filename="step-{step:06d}",
+                               auto_insert_metric_name=False, every_n_train_steps=int(every),
+                               save_top_k=-1 if keep == "all" else 1, save_last=False,
+                               enable_version_counter=False)]
 
 
 RECIPE_TRAINER_KEYS = ("peak_tflops", "float32_matmul_precision")  # trainer.* keys of ours, not Trainer arguments
@@ -192,13 +194,9 @@ def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     finally:
         if trainer.is_global_zero and any(isinstance(lg, WandbLogger) for lg in loggers):
-            import wandb  # local: wandb 0.5-0.9 s (python -X importtime), only for runs logging to W&B
-
-            for logger in loggers:  # rows still queued, whether or not Lightning finalised the logger
-                if isinstance(logger, BackgroundWandbLogger):
-                    with contextlib.suppress(Exception):  # never hide the error that ended the run
-                        logger.stop()
-            wandb.finish()  # one W&B run per job
+            # the writers stopped, then wandb.finish(), every wait bounded; a W&B service that is gone (signalled
+            # with the job) is one warning, never the job's end, and a W&B error never hides the run's own error
+            finish_wandb(loggers)
     return stop_ending(stop)
 
 

@@ -41,20 +41,22 @@ from pipeline_recipes.core import exits
 from pipeline_recipes.core.disk import no_space, no_space_message
 from pipeline_recipes.core.errors import TrainingDiverged
 from pipeline_recipes.core.failures import describe_exception
-from pipeline_recipes.core.signals import SignalRecord
+from pipeline_recipes.core.signals import SignalRecord, early_signal
 
 from .checks import Checked, check_command, hydra_command
 from .launch_mode import Launch, is_global_zero, rank_env
 from .ending import last_line
-from pipeline_recipes.core.fixes import ConfigError, fixes_of
 from .job_spec import JobSpec
 from pipeline_recipes.core.errors import DataError
 from pipeline_recipes.core.layout import Layout
 
 from .settings import num_layers  # noqa: F401 (read from here by callers)
 from .results import RunResult, read_results, summary_table, update_results, write_results
-from .resume import resolve_resume
-from .supervise import Outcome, launch_workers
+from .resume import CHECKPOINT_DIR, Resume, resolve_resume, step_checkpoints
+from .run_lock import RunDirBusy, RunLock
+from .supervise import GRACE_S, Outcome, launch_workers
+
+LOCK_MARGIN_S = 30.0  # a requeued job's wait for its previous run: beyond that run's stop and its ranks' end
 
 
 def _group(cfg: DictConfig, multirun: bool, sweep_dir: str) -> str:
@@ -70,19 +72,6 @@ def _skipped_fields(cfg: DictConfig, reason: str) -> dict[str, Any]:
             "global_batch_size": cfg.data.get("global_batch_size")}
 
 
-def check_stop_settings(cfg: DictConfig) -> None:
-    """``stop_timeout_s`` is a positive number of seconds, ``nonfinite_loss_patience`` an integer ≥ 0."""
-    timeout = cfg.get("stop_timeout_s", 120)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ConfigError(f"stop_timeout_s = {timeout!r}: it is how long the ranks get to reach a step boundary and "
-                          "save after a stop signal, a positive number of seconds", [fixes_of({"stop_timeout_s": 120})])
-    patience = cfg.get("nonfinite_loss_patience", 3)
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-        raise ConfigError(f"nonfinite_loss_patience = {patience!r}: it is how many non-finite losses in a row "
-                          "nonfinite_loss=skip skips before the run ends as diverged, an integer ≥ 0",
-                          [fixes_of({"nonfinite_loss_patience": 3})])
-
-
 def run(cfg: DictConfig) -> float | None:
     """The body of ``train.py``: one Hydra job from config to ``results.json``."""
     hydra_cfg = HydraConfig.get()
@@ -90,24 +79,28 @@ def run(cfg: DictConfig) -> float | None:
     out_dir = Path(hydra_cfg.runtime.output_dir)
     signals = SignalRecord()  # a stop signal from here on: no launch, or a clean stop (supervise, strategies.stop)
     signals.install()
-    try:
-        return _run(cfg, hydra_cfg, multirun, out_dir, signals)
+    signals.signum = early_signal() or signals.signum  # one that came while train.py started (install_early)
+    lock = RunLock(out_dir)
+    try:  # the record stays in place to the process's exit: a stop signal after the end cannot turn it into a death
+        return _run(cfg, hydra_cfg, multirun, out_dir, signals, lock)
     finally:
-        signals.restore()
+        lock.release()
 
 
-def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals: SignalRecord) -> float | None:
+def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals: SignalRecord,
+         lock: RunLock) -> float | None:
     checked = Checked()
     try:  # every check before launch, in-process (recipe.checks; the tests run the same), its fixes checked too
-        check_stop_settings(cfg)
         layout = check_command(cfg, checked, command=hydra_command())
+        if checked.launch.is_global_zero:  # one job per directory; a requeued job waits for its previous run
+            _lock(lock, cfg, multirun, signals)
         resume = resolve_resume(cfg, out_dir, layout.strategy)  # ckpt_path=auto found; complete, fits, same model
         with open_dict(cfg):
             cfg.ckpt_path = resume.path  # what the workers resume from (job.yaml), or null
     except ValueError as err:  # ConfigError, or the planner's PreflightError (does not fit in memory)
         choice, launch = checked.choice, checked.launch
         # a DataError's cause and fixes end the message: nothing after it (no import here: a layout error stays light)
-        chosen = f"\n({choice.describe()})" if choice is not None and not isinstance(err, DataError) else ""
+        chosen = f"\n({choice.describe()})" if choice is not None and not isinstance(err, (DataError, RunDirBusy)) else ""
         global_zero = launch.is_global_zero if launch is not None else is_global_zero()
         if not multirun:
             if global_zero:  # under srun or torchrun every rank refuses it: one says so
@@ -124,8 +117,9 @@ def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals
             print(json.dumps(report), flush=True)
         return None
     if signals.received:  # a stop signal during the checks: nothing runs
-        print(f"stopped: {exits.signal_name(signals.signum)} before launch; nothing ran", file=sys.stderr, flush=True)
-        sys.exit(exits.stopped(signals.signum))
+        _stopped_before_launch(out_dir, layout, launch, signals.signum, lock)
+    if resume.finished(trainer_cfg.get("max_steps")):  # a requeue after the last save: the job stays finished
+        return _finished(out_dir, layout, launch, resume, int(trainer_cfg["max_steps"]))
     if launch.is_global_zero:
         several = launch.external or int(trainer_cfg.get("num_nodes", 1)) > 1
         print(f"{layout.describe()}; {choice.describe()}" + (f"\n{launch.describe()}" if several else "")
@@ -143,8 +137,57 @@ def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals
     else:
         outcome = launch_workers(job_file, layout.world_size, int(trainer_cfg["devices"]), out_dir / "logs",
                                  hang_s=float(cfg.strategy.get("timeout_s", 120)), launch=launch,
-                                 stop_timeout_s=float(cfg.get("stop_timeout_s", 120)), signum=signals.signum)
+                                 stop_timeout_s=float(cfg.get("stop_timeout_s", 120)), signals=signals)
     return _conclude(out_dir, layout, outcome, launch, multirun)
+
+
+def _lock(lock: RunLock, cfg: DictConfig, multirun: bool, signals: SignalRecord) -> None:
+    """Hold the job directory for this job. A requeued SLURM job whose previous run still holds it waits as long
+    as that run may take to stop (``stop_timeout_s``, then its ranks' end) and a margin, or until a stop signal."""
+    wait_s = float(cfg.get("stop_timeout_s", 120)) + GRACE_S + LOCK_MARGIN_S
+    warning = lock.acquire(os.environ, wait_s, key="hydra.sweep.dir" if multirun else "hydra.run.dir",
+                           say=lambda line: print(line, flush=True), interrupted=lambda: signals.received)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+
+
+def _stopped_before_launch(out_dir: Path, layout: Layout, launch: Launch, signum: int, lock: RunLock) -> None:
+    """A stop signal came before any rank started: ``results.json`` says so (a previous run's history kept; not while
+    waiting for a previous run that still holds the directory), exit 128 + the signal."""
+    reason = f"{exits.signal_name(signum)} received by train.py (pid {os.getpid()}) before launch; nothing ran"
+    if lock.gave_up:
+        reason += f" ({out_dir} left as it was: another run of the job still holds it)"
+    elif launch.is_global_zero:
+        try:
+            update_results(out_dir / "results.json", status="stopped", reason=reason, **layout.result_fields())
+        except OSError as err:
+            _unwritable(err, out_dir / "results.json")
+    if launch.is_global_zero:
+        print(f"stopped: {reason}", file=sys.stderr, flush=True)
+    sys.exit(exits.stopped(signum))
+
+
+def _finished(out_dir: Path, layout: Layout, launch: Launch, resume: Resume, max_steps: int) -> float | None:
+    """The checkpoint to resume is at ``trainer.max_steps`` already (a job stopped or killed after its last save, a
+    requeue of a finished job): nothing runs, ``results.json`` says ``ok`` with the history it held, exit 0."""
+    if not launch.is_global_zero:
+        return None
+    reason = (f"nothing left to do: {resume.path} is at step {resume.step}, trainer.max_steps = {max_steps}; "
+              "raise trainer.max_steps to train on")
+    path = out_dir / "results.json"
+    try:
+        held = read_results(path)
+    except (OSError, ValueError):  # none left (a write that failed): the checkpoint alone says the job is done
+        held = RunResult()
+    final_loss = held.final_loss if held.final_loss is not None or not held.loss_history else held.loss_history[-1]
+    try:
+        update_results(path, status="ok", reason=reason, global_step=resume.step, last_checkpoint=resume.path,
+                       final_loss=final_loss, **layout.result_fields())
+    except OSError as err:
+        _unwritable(err, path)
+    result = read_results(path)
+    print(last_line(result, str(out_dir)), flush=True)
+    return result.final_loss
 
 
 def _run_here(spec: JobSpec, launch: Launch, signals: SignalRecord) -> Outcome:
@@ -190,11 +233,27 @@ def _record_end(out_dir: Path, layout: Layout, outcome: Outcome) -> RunResult:
         else:
             said = f"{exits.signal_name(outcome.signum)} received by a rank"
         reason = said + step + (f"; {outcome.reason}" if outcome.reason else "")
+    extra: dict[str, Any] = {}
+    if outcome.status == "stopped" and outcome.cut_short is not None:
+        clause, extra = _cut_short(out_dir, held, outcome.cut_short)
+        reason += f"; {clause}"
     try:
-        update_results(path, status=outcome.status, reason=reason, **layout.result_fields())
+        update_results(path, status=outcome.status, reason=reason, **layout.result_fields(), **extra)
     except OSError as err:
         _unwritable(err, path)
     return read_results(path)
+
+
+def _cut_short(out_dir: Path, held: RunResult, signum: int) -> tuple[str, dict[str, Any]]:
+    """What a second signal that killed the stopping ranks skipped, and the newest checkpoint on disk when the
+    step reached was not saved (rank 0 writes its final ``results.json`` only after the stop's save)."""
+    cut = f"{exits.signal_name(signum)} again cut the stop short"
+    if held.status == "stopped":
+        return f"{cut} after the step reached was saved (skipped: the ranks' teardown)", {}
+    finished = [path for _, path, done in step_checkpoints(out_dir / CHECKPOINT_DIR) if done]
+    newest = str(finished[0]) if finished else None
+    return (f"{cut} before the step reached was saved (newest checkpoint: {newest or 'none'})",
+            {"last_checkpoint": newest})
 
 
 REQUEUE_SIGNAL = signal.SIGUSR1  # SLURM's time-limit notice by convention (sbatch --signal=USR1@<seconds>)

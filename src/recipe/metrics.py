@@ -19,10 +19,12 @@
   against the device's peak).
 
 At the end rank 0 draws the last step's measured timeline (rows = ranks, like the paper's
-figures), writes ``results.json`` (its status from ``ending``: ok, or stopped by a signal) and puts the
-summary into the W&B run. Rank 0 also writes ``results.json`` while training (status ``running``, at a
-reporting step at most every :data:`RUNNING_RESULTS_S`) and when a step raises (``failed``/``diverged``, no
-collective: a peer may be gone), so a job that ends badly keeps the losses it reached.
+figures), writes ``results.json`` (its status from ``ending``: ok, or stopped by a signal) and only then hands the
+last rows and the summary to the loggers: a logger whose backend is gone (a signal reached W&B's service too) is
+one warning line (:mod:`pipeline_recipes.recipe.background_logger`), never the job's end. Rank 0 also writes
+``results.json`` while training (status ``running``, at a reporting step at most every :data:`RUNNING_RESULTS_S`)
+and when a step raises (``failed``/``diverged``, no collective: a peer may be gone), so a job that ends badly keeps
+the losses it reached.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from pipeline_recipes.strategies.schedules.actions import KINDS
 from pipeline_recipes.strategies.schedules.render import save_png
 from typing_extensions import override
 
+from .background_logger import backend_failures_warned, lost
 from .flops import Utilisation, resolve_utilisation
 from .results import write_results
 
@@ -396,7 +399,6 @@ class PipelineMetrics(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine(trainer)
         self._collect(engine)  # steps since the last reporting step (every rank)
-        self._write_rows(trainer)
         for step, loss in engine.flush_losses() if engine is not None else []:  # the last steps' losses, late
             self._record_loss(float(loss), engine, step)
         rows = self._gather_timeline(trainer)
@@ -426,8 +428,12 @@ class PipelineMetrics(Callback):
             final_loss=self.loss_history[-1] if self.loss_history else None,
             global_step=trainer.global_step, last_checkpoint=newest_checkpoint(trainer),
         )
+        # then the loggers (results.json and the log needed none of them): the rows kept since the last reporting
+        # step, the summary, the picture; a logger whose backend is gone says so once and the run's end stands
+        self._write_rows(trainer)
         for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                logger.experiment.summary.update({k: v for k, v in summary.items() if v is not None})
-                if picture is not None:
-                    logger.log_image("timeline", [str(picture)])
+            if isinstance(logger, WandbLogger) and lost(logger) is None:
+                with backend_failures_warned(logger):
+                    logger.experiment.summary.update({k: v for k, v in summary.items() if v is not None})
+                    if picture is not None:
+                        logger.log_image("timeline", [str(picture)])

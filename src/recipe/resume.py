@@ -1,11 +1,13 @@
 """``ckpt_path``, resolved and checked by the launcher before any process starts.
 
-* ``ckpt_path=auto`` resumes from the newest complete checkpoint of the job directory
-  (``<job dir>/checkpoints/step-NNNNNN.ckpt``, the highest step; a ``.partial`` or otherwise unfinished save is
-  skipped), or starts fresh when there is none: what a requeued job needs, since it restarts with the same
-  ``hydra.run.dir``. The launcher prints which, and the workers get the concrete path (``job.yaml``).
-* A checkpoint given or found must exist, be complete
-  (:func:`pipeline_recipes.strategies.checkpoint.inspect_checkpoint`), fit the strategy (``ddp`` and ``single``
+* ``ckpt_path=auto`` resumes from the newest checkpoint of the job directory that verifies
+  (``<job dir>/checkpoints/step-NNNNNN.ckpt``, the highest step; a ``.partial`` save, or one with a missing, cut or
+  damaged file, is skipped), or starts fresh when there is none: what a requeued job needs, since it restarts with
+  the same ``hydra.run.dir``. The launcher prints which in one line, naming each checkpoint skipped and why, and the
+  workers get the concrete path (``job.yaml``).
+* A checkpoint given or found must exist, be complete and undamaged
+  (:func:`pipeline_recipes.strategies.checkpoint.verify_checkpoint`, through
+  :func:`~pipeline_recipes.strategies.checkpoint.inspect_checkpoint`), fit the strategy (``ddp`` and ``single``
   read the consolidated file, not a sharded directory) and hold this run's model
   (:mod:`pipeline_recipes.recipe.model_match`, which names the ``model.*`` overrides that make it so).
   Each failure is a :class:`~pipeline_recipes.recipe.settings.ConfigError`: one message and exit status 2.
@@ -44,6 +46,12 @@ class Resume:
 
     path: str | None  # absolute; None: start fresh
     note: str | None = None
+    step: int | None = None  # the training step the checkpoint was saved at
+
+    def finished(self, max_steps: Any) -> bool:
+        """The checkpoint is at (or past) ``trainer.max_steps``: nothing is left to train."""
+        return (self.step is not None and isinstance(max_steps, int) and not isinstance(max_steps, bool)
+                and 0 < max_steps <= self.step)
 
 
 def resolve_resume(cfg: DictConfig, out_dir: Path, strategy: str) -> Resume:
@@ -61,7 +69,7 @@ def resolve_resume(cfg: DictConfig, out_dir: Path, strategy: str) -> Resume:
         saved = _given(Path(str(value)).expanduser().absolute(), label)
     check_strategy(saved, label, strategy)
     check_model(saved, label, OmegaConf.to_container(cfg.model, resolve=True))
-    return Resume(str(saved.path), note)
+    return Resume(str(saved.path), note, saved.step)
 
 
 def _inspect(path: Path) -> SavedCheckpoint:
@@ -80,8 +88,8 @@ def step_checkpoints(directory: Path) -> list[tuple[int, Path, bool]]:
 
 
 def newest_checkpoint(directory: Path) -> tuple[SavedCheckpoint | None, str]:
-    """The complete checkpoint of the highest step in ``directory`` (or None), and a line saying which, or that
-    the run starts fresh, naming the newer saves skipped and why."""
+    """The checkpoint of the highest step in ``directory`` that verifies (or None), and one line saying which, or
+    that the run starts fresh, naming the newer saves skipped and why."""
     skipped: list[str] = []
     for step, path, finished in step_checkpoints(directory):
         if not finished:
@@ -90,7 +98,7 @@ def newest_checkpoint(directory: Path) -> tuple[SavedCheckpoint | None, str]:
         try:
             saved = _inspect(path)
         except (ValueError, OSError) as err:  # CheckpointError is a ValueError
-            skipped.append(str(err))
+            skipped.append(_skip_reason(path, err))
             continue
         return saved, (f"ckpt_path=auto: resuming from {path} (step {step if saved.step is None else saved.step})"
                        + _skipped(skipped))
@@ -101,6 +109,13 @@ def _skipped(reasons: list[str]) -> str:
     return f"; skipped {'; '.join(reasons)}" if reasons else ""
 
 
+def _skip_reason(path: Path, err: BaseException) -> str:
+    """``<name>: <reason>``: the first line of ``err``, naming the checkpoint ``path`` once, by its name."""
+    lines = str(err).strip().splitlines()
+    reason = (lines[0] if lines else type(err).__name__).replace(str(path), path.name)
+    return reason if reason.startswith(path.name) else f"{path.name}: {reason}"
+
+
 def _given(path: Path, label: str) -> SavedCheckpoint:
     """The checkpoint at ``path``, complete, or the reason it cannot be resumed and the newest one nearby."""
     if not path.exists():
@@ -108,7 +123,9 @@ def _given(path: Path, label: str) -> SavedCheckpoint:
     try:
         return _inspect(path)
     except (ValueError, OSError) as err:
-        raise ConfigError(f"{label}: {err}{_nearby(path)}") from err
+        text = str(err)  # naming the path once: the label already does
+        reason = text[len(str(path)):] if text.startswith(str(path)) else f": {text}"
+        raise ConfigError(f"{label}{reason}{_nearby(path)}") from err
 
 
 def _nearby(path: Path) -> str:

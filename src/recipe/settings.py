@@ -2,9 +2,11 @@
 :class:`~pipeline_recipes.core.layout.Layout` every worker then reads.
 
 Every rule names the settings, their values and a fix, so a bad combination stops with one
-message before any process starts. Settings whose values are a fixed set are listed once, in
-:func:`fixed_settings`, and a near miss gets "did you mean" (:func:`did_you_mean`, also used for
-misspelled keys by ``train.py``).
+message before any process starts. Each setting's own values are a schema (:func:`settings_schema`, checked
+by :func:`check_settings` before anything else): the settings whose values are a fixed set, in
+:func:`fixed_settings` (a near miss gets "did you mean", :func:`did_you_mean`, also used for misspelled keys
+by ``train.py``), and the numbers (steps, intervals, sizes, timeouts, the seed), each with its type, range
+and special values, in :func:`numeric_settings`.
 
 The fixes are data (:mod:`pipeline_recipes.core.fixes`): a refusal proposes candidate overrides and
 :func:`resolve_layout` keeps those with which it passes itself; the launcher keeps those that pass every check
@@ -14,6 +16,7 @@ every rule is written once, in its check, and decides about the values the other
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -30,10 +33,13 @@ from pipeline_recipes.strategies.schedules.rules import (
 
 from pipeline_recipes.core.errors import did_you_mean
 from pipeline_recipes.core.layout import Layout
-from pipeline_recipes.core.fixes import ConfigError, Fix, Proposal, fixes_of, override_value, values, vet
+from pipeline_recipes.core.fixes import (
+    ConfigError, Fix, Proposal, fixes_of, override_text, override_value, values, vet,
+)
 
-__all__ = ["ConfigError", "Layout", "check_devices", "check_drain_timeout", "check_fixed_settings",
-           "check_model", "did_you_mean", "fixed_settings", "resolve_layout"]
+__all__ = ["ConfigError", "FixedSetting", "Layout", "NumericSetting", "SettingRule", "check_devices",
+           "check_drain_timeout", "check_fixed_settings", "check_model", "check_settings", "did_you_mean",
+           "fixed_settings", "numeric_settings", "resolve_layout", "setting_rule", "settings_schema"]
 
 
 NONFINITE_LOSS = ("stop", "skip")  # strategies.lightning.PipelineModule
@@ -41,8 +47,23 @@ CHECKPOINT_KEEP = ("latest", "all")  # recipe.job.checkpoint_callbacks
 SYNTHETIC_STRUCTURES = ("bigram", "uniform")  # datamodules.synthetic.STRUCTURES
 
 
+class SettingRule:
+    """A rule of the schema (:func:`settings_schema`): the values one setting (``key``) takes. ``refusal``
+    gives the :class:`ConfigError` of a value it refuses (the key, the value, the rule, candidate fixes), or None."""
+
+    key: str
+
+    def refusal(self, value: Any) -> ConfigError | None:
+        raise NotImplementedError
+
+    def error(self, value: Any) -> str | None:
+        """The message for ``value`` (the key, the value, the rule, the fix), or None."""
+        refusal = self.refusal(value)
+        return None if refusal is None else str(refusal)
+
+
 @dataclass(frozen=True)
-class FixedSetting:
+class FixedSetting(SettingRule):
     """A setting whose values are a fixed set: its key, the values, what it chooses; ``nullable``: null
     (the default) is allowed too."""
 
@@ -62,10 +83,158 @@ class FixedSetting:
         return ConfigError(f"{self.key} = {value!r} is not one of {allowed} ({self.meaning})",
                            [*guess, values(self.key, (*self.values, *([None] if self.nullable else ())), keep=1)])
 
-    def error(self, value: Any) -> str | None:
-        """The message for ``value`` (the key, the value, the allowed values, a near miss, the fix), or None."""
-        refusal = self.refusal(value)
-        return None if refusal is None else str(refusal)
+
+Number = int | float
+
+
+def _special(value: Any, special: Any) -> bool:
+    """``value`` is the special value ``special`` (null, or a number of the same type: ``true`` is not 1)."""
+    return value is special if special is None else type(value) is type(special) and value == special
+
+
+@dataclass(frozen=True)
+class NumericSetting(SettingRule):
+    """A setting whose value is a number: its key, ``kind`` (``int``; ``float`` takes an int too, a bool is
+    neither), the least value (``minimum``, excluded where ``positive``), the greatest (``maximum``, or none),
+    what it sets (``meaning``), its unit in words (``unit``: "of seconds"), a valid value proposed where the given
+    one is not a number at all (``example``); ``fraction``: an integer setting that also takes a share in
+    [0.0, 1.0] (Lightning's ``limit_val_batches``); ``specials``: other values it takes, each with what it means
+    (``(-1, "no limit")``, ``(None, "never")``: null is refused unless named here). NaN and infinities are
+    refused."""
+
+    key: str
+    kind: type
+    minimum: Number
+    meaning: str
+    example: Number
+    positive: bool = False
+    maximum: Number | None = None
+    unit: str = ""
+    fraction: bool = False
+    specials: tuple[tuple[Any, str], ...] = ()
+
+    def accepts(self, value: Any) -> bool:
+        if any(_special(value, special) for special, _ in self.specials):
+            return True
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        if isinstance(value, float) and self.kind is int:
+            return self.fraction and 0.0 <= value <= 1.0
+        above = value > self.minimum if self.positive else value >= self.minimum
+        return above and (self.maximum is None or value <= self.maximum)
+
+    def rule(self) -> str:
+        """The values it takes in words: ``an integer ≥ 1, or -1 for no limit``."""
+        noun = ("an integer" if self.kind is int else "a number") + (f" {self.unit}" if self.unit else "")
+        if self.maximum is not None:
+            text = f"{noun} in [{self.minimum}, {self.maximum}]"
+        elif self.positive and self.minimum == 0:
+            text = "a positive " + noun.split(" ", 1)[1]
+        else:
+            text = f"{noun} {'>' if self.positive else '≥'} {self.minimum}"
+        if self.fraction:
+            text += ", or a share of them in [0.0, 1.0]"
+        return text + "".join(f", or {override_text(special)} for {meaning}" for special, meaning in self.specials)
+
+    def refusal(self, value: Any) -> ConfigError | None:
+        """The refusal of ``value`` (the key, the value, the rule, what the setting is); its fixes: the value
+        made valid (a number written as text, the integer of a whole float, the opposite of a negative one, the
+        nearest bound) else :attr:`example`, and the first special value."""
+        if self.accepts(value):
+            return None
+        shown = repr(value) if isinstance(value, str) else override_text(value)
+        return ConfigError(f"{self.key} = {shown}: {self.meaning} must be {self.rule()}",
+                           [values(self.key, self._near(value), keep=1),
+                            values(self.key, [special for special, _ in self.specials], keep=1)])
+
+    def _near(self, value: Any) -> list[Any]:
+        """Valid values near ``value``, the likeliest first, then :attr:`example`."""
+        out: list[Any] = []
+        if isinstance(value, str):
+            value = _number(value.strip())
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            if isinstance(value, float) and value.is_integer() and self.kind is int:
+                value = int(value)
+            out += [value, -value]
+            if self.maximum is not None and value > self.maximum:
+                out.append(self.maximum)
+            if self.fraction and isinstance(value, float) and value > 1:
+                out.append(1.0)
+            if not self.positive and value < self.minimum:
+                out.append(self.minimum)
+        out.append(self.example)
+        return [v for v in dict.fromkeys(out) if self.accepts(v)]
+
+
+def _number(text: str) -> Number | None:
+    """The number ``text`` writes (``"8"``, ``"1e3"``), or None."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return None
+
+
+SECONDS = "of seconds"
+UNLIMITED = (-1, "no limit")
+
+
+def numeric_settings() -> tuple[NumericSetting, ...]:
+    """Every numeric setting of the config (the recipe's and the Lightning ``Trainer``'s that the config
+    sets), its type, range and special values, checked before launch. The layout's sizes (``trainer.devices``,
+    ``strategy.D``, ``strategy.micro_batch_size``, ``data.global_batch_size``, ...) are the layout's rules
+    (:func:`resolve_layout`), ``trainer.peak_tflops`` and ``model.loss_chunk_tokens`` their own checks."""
+    return (
+        NumericSetting("seed", int, 0, "the seed of every rank's RNGs (Lightning's seed_everything)", 0,
+                       maximum=2**32 - 1),
+        NumericSetting("trainer.max_steps", int, 1, "the optimizer steps to train (Lightning's max_steps)", 40,
+                       specials=((-1, "no limit (trainer.max_epochs decides)"),)),
+        NumericSetting("trainer.max_epochs", int, 1, "the epochs to train at most (Lightning's max_epochs)", 1,
+                       specials=(UNLIMITED, (None, "Lightning's default (1000 epochs unless trainer.max_steps "
+                                                   "ends the run first)"))),
+        NumericSetting("trainer.log_every_n_steps", int, 0, "the steps between logged rows and progress lines (0: "
+                       "never)", 5, specials=((None, "Lightning's default of 50"),)),
+        NumericSetting("trainer.limit_val_batches", int, 0, "the validation batches per validation run", 0,
+                       fraction=True, specials=((None, "all of them"),)),
+        NumericSetting("trainer.gradient_clip_val", float, 0, "the largest gradient norm (0: no clipping)", 1.0,
+                       specials=((None, "no clipping"),)),
+        NumericSetting("checkpoint.every_n_steps", int, 1, "the training steps between two checkpoints", 100,
+                       specials=((None, "never"),)),
+        NumericSetting("stop_timeout_s", float, 0, "the time the ranks get to reach a step boundary and save "
+                       "after a stop signal", 120, positive=True, unit=SECONDS),
+        NumericSetting("nonfinite_loss_patience", int, 0, "the non-finite losses in a row that "
+                       "nonfinite_loss=skip skips before the run ends as diverged", 3),
+        NumericSetting("strategy.timeout_s", float, 0, "the time a p2p wait or collective waits before it gives up",
+                       120, positive=True, unit=SECONDS),
+        NumericSetting("metrics.window_size", int, 1, "the steps of one throughput window", 3),
+        NumericSetting("metrics.warmup_steps", int, 0, "the first windows and steps left out of the medians of "
+                       "results.json", 1),
+        NumericSetting("metrics.progress_interval_s", float, 0, "the least time between two progress lines", 1.0,
+                       unit=SECONDS),
+        NumericSetting("logger.drain_timeout_s", float, 0, "the longest wait for queued W&B rows", 300,
+                       positive=True, unit=SECONDS),
+        NumericSetting("scheduler.warmup_steps", int, 0, "the optimizer steps of the learning rate's linear "
+                       "warm-up", 10),
+        NumericSetting("scheduler.min_lr_ratio", float, 0, "the final learning rate as a share of optim.lr", 0.1,
+                       maximum=1),
+        NumericSetting("scheduler.total_steps", int, 1, "the optimizer steps the learning rate decays over", 100,
+                       specials=((None, "trainer.max_steps"),)),
+        NumericSetting("optim.lr", float, 0, "the learning rate", 0.001),
+        NumericSetting("optim.weight_decay", float, 0, "the weight decay", 0.0),
+        NumericSetting("optim.momentum", float, 0, "SGD's momentum", 0.9),
+    )
+
+
+def settings_schema() -> tuple[SettingRule, ...]:
+    """Every rule of one setting's own values: :func:`fixed_settings` and :func:`numeric_settings`, each key
+    once."""
+    return (*fixed_settings(), *numeric_settings())
+
+
+def setting_rule(key: str) -> SettingRule:
+    """The schema's rule of ``key``."""
+    return next(rule for rule in settings_schema() if rule.key == key)
 
 
 def fixed_settings() -> tuple[FixedSetting, ...]:
@@ -93,13 +262,24 @@ def _lookup(config: Mapping[str, Any], key: str) -> Any:
     return node
 
 
+def _check_rules(config: Mapping[str, Any], rules: Sequence[SettingRule]) -> None:
+    for rule in rules:
+        value = _lookup(config, rule.key)
+        if value is not _ABSENT and (refusal := rule.refusal(value)) is not None:
+            raise refusal
+
+
 def check_fixed_settings(config: Mapping[str, Any]) -> None:
     """Refuse a value outside its fixed set (``strategy.grad_sync=eagr``) for every key of
     :func:`fixed_settings` that ``config`` (the whole config, or ``{"strategy": ...}``) has."""
-    for setting in fixed_settings():
-        value = _lookup(config, setting.key)
-        if value is not _ABSENT and (refusal := setting.refusal(value)) is not None:
-            raise refusal
+    _check_rules(config, fixed_settings())
+
+
+def check_settings(config: Mapping[str, Any]) -> None:
+    """Refuse a value its rule of :func:`settings_schema` refuses (``strategy.grad_sync=eagr``,
+    ``trainer.max_steps=-5``, ``checkpoint.every_n_steps=abc``) for every key of the schema that ``config`` (the
+    whole config) has: the first check before launch (:func:`pipeline_recipes.recipe.checks.check_command`)."""
+    _check_rules(config, settings_schema())
 
 
 def _positive(name: str, value: Any, up_to: int = 16) -> int:
@@ -549,9 +729,8 @@ def check_devices(trainer: dict[str, Any], available_gpus: int | None, strategy:
 
 
 def check_drain_timeout(drain_timeout_s: Any) -> float:
-    """``logger.drain_timeout_s`` (:class:`pipeline_recipes.recipe.background_logger.BackgroundWandbLogger`): a positive
-    number of seconds."""
-    if isinstance(drain_timeout_s, bool) or not isinstance(drain_timeout_s, (int, float)) or not drain_timeout_s > 0:
-        raise ConfigError(f"logger.drain_timeout_s = {drain_timeout_s!r}: the longest wait for queued W&B rows must be "
-                          "a positive number of seconds", [values("logger.drain_timeout_s", [300])])
+    """``logger.drain_timeout_s`` (:class:`pipeline_recipes.recipe.background_logger.BackgroundWandbLogger`) as its
+    rule of :func:`numeric_settings` has it (a positive number of seconds), in seconds."""
+    if (refusal := setting_rule("logger.drain_timeout_s").refusal(drain_timeout_s)) is not None:
+        raise refusal
     return float(drain_timeout_s)

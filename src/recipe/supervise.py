@@ -2,7 +2,11 @@
 
 * **A stop signal** (SIGTERM, SIGINT, SIGUSR1) to ``train.py`` is forwarded to every worker: they agree on it
   and stop after the same step with the step reached saved (:mod:`pipeline_recipes.strategies.lightning.stop`). The
-  launcher waits at most ``stop_timeout_s`` for that, then kills the rest; a second signal kills them at once.
+  launcher waits at most ``stop_timeout_s`` for that, then kills the rest. A stop stays a stop: a later signal
+  (a scheduler's kill notice after its warning, a Ctrl-C after a SIGTERM) does not interrupt the save; only a second
+  Ctrl-C (SIGINT after SIGINT) cuts the wait short, and the job still ends stopped, saying what the cut skipped. A worker starts with the stop signals
+  held back (:func:`pipeline_recipes.core.signals.held_back`) and takes them once its handler is in place, so a
+  signal while the ranks start is never a rank's death.
 * **A rank that dies** (a signal, an exit status, an exception) or **hangs** (its heartbeat older than
   ``hang_s``, :mod:`pipeline_recipes.recipe.heartbeat`) ends the job: the others get ``grace_s`` to end,
   then are killed, and :func:`diagnose` names the rank that failed *first* and how (not a peer that only lost
@@ -21,14 +25,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import IO
 
 from pipeline_recipes.core import exits
 from pipeline_recipes.core.failures import HEARTBEAT_ENV, error_path, read_error
-from pipeline_recipes.core.signals import PARENT_PID_ENV, STOP_SIGNALS
+from pipeline_recipes.core.signals import PARENT_PID_ENV, STOP_SIGNALS, SignalRecord, held_back
 
 from .launch_mode import Launch, worker_env
 from .ending import JobEnd
@@ -48,6 +52,7 @@ class Outcome:
     detail: str = ""
     signum: int | None = None
     forwarded: bool = False  # the launcher received the stop signal and forwarded it
+    cut_short: int | None = None  # a later signal with which the launcher killed the stopping ranks
 
     @property
     def ok(self) -> bool:
@@ -133,11 +138,15 @@ class Workers:
                 except ProcessLookupError:
                     pass
 
-    def kill(self) -> None:
+    def kill_now(self) -> None:
+        """SIGKILL to every worker still running, marked killed by the launcher (no wait: a signal handler's)."""
         for i, proc in enumerate(self.procs):
             if proc.poll() is None:
                 self.killed.add(i)
         self.send(signal.SIGKILL)
+
+    def kill(self) -> None:
+        self.kill_now()
         for proc in self.procs:
             proc.wait()
         self.poll()
@@ -145,13 +154,15 @@ class Workers:
 
 class StopForwarder:
     """The launcher's handler of ``STOP_SIGNALS`` while its workers run: the first signal is forwarded to every
-    worker (they stop at a step boundary), a second one kills them."""
+    worker (they stop at a step boundary); a second Ctrl-C (SIGINT after SIGINT) kills them (:attr:`cut_short`), any
+    other later signal is noted and the stop goes on. ``record``: the launcher's signals so far (one that came before is the first)."""
 
-    def __init__(self, workers: Workers) -> None:
-        self.workers = workers
+    def __init__(self, workers: Workers, record: SignalRecord | None = None) -> None:
+        self.workers, self.record = workers, record
         self.signum: int | None = None
         self.at: float | None = None
-        self.forced = False
+        self.cut_short: int | None = None  # the signal that cut the stop short
+        self.notes: list[str] = []  # said by the watch loop (printing in a handler can re-enter a stream)
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopForwarder:
@@ -159,6 +170,8 @@ class StopForwarder:
             self._previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
             for signum in STOP_SIGNALS:
                 signal.signal(signum, self._handle)
+        if self.signum is None and self.record is not None and self.record.signum is not None:
+            self.signum, self.at = self.record.signum, time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -166,55 +179,67 @@ class StopForwarder:
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = exits.signal_name(signum)
         if self.signum is None:
             self.signum, self.at = signum, time.monotonic()
             self.workers.send(signum)
-        elif not self.forced:
-            self.forced = True
-            print(f"train.py: {exits.signal_name(signum)} again: killing every rank now", file=sys.stderr, flush=True)
-            self.workers.send(signal.SIGKILL)
+        elif signum == self.signum == signal.SIGINT and self.cut_short is None:  # Ctrl-C twice
+            self.cut_short = signum
+            self.notes.append(f"train.py: {name} again: cutting the stop short, every rank is killed now")
+            self.workers.kill_now()
+        elif self.cut_short is None:
+            self.notes.append(f"train.py: {name} during the stop of {exits.signal_name(self.signum)}: the ranks go on "
+                              "saving the step reached (a second Ctrl-C cuts the wait short)")
+
+    def say_notes(self) -> None:
+        while self.notes:
+            print(self.notes.pop(0), file=sys.stderr, flush=True)
 
 
 def launch_workers(job_file: Path, world_size: int, devices: int, log_dir: Path,
                    module: str = "pipeline_recipes.recipe.worker", grace_s: float = GRACE_S,
                    hang_s: float | None = None, launch: Launch | None = None,
-                   stop_timeout_s: float = 120.0, signum: int | None = None) -> Outcome:
+                   stop_timeout_s: float = 120.0, signals: SignalRecord | None = None) -> Outcome:
     """Start ``devices`` workers (``python -m module job_file``) of this node (``launch``: which node
     and where the ranks meet; default one node) of a job of ``world_size`` ranks, stream rank 0's output,
-    and watch them until they end (see the module docstring). ``signum``: a stop signal the launcher received
-    already (the workers get it as they start)."""
+    and watch them until they end (see the module docstring). ``signals``: the launcher's stop signals so far
+    (one received already reaches the workers as they start)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     launch = launch or Launch("self", 0, None)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the hub is offline only where the user says so
     port = launch.master_port or str(_free_port())
     workers = Workers(first_rank=launch.node_rank * devices)
-    with StopForwarder(workers) as stop:
-        if signum is not None:
-            stop.signum, stop.at = signum, time.monotonic()
+    with StopForwarder(workers, signals) as stop:
         try:
-            for local_rank in range(devices):
-                rank = workers.first_rank + local_rank
-                beat = log_dir / f"rank{rank}.heartbeat"
-                beat.unlink(missing_ok=True)
-                error_path(beat).unlink(missing_ok=True)
-                env = {**worker_env(base_env, launch, world_size, devices, local_rank, port), HEARTBEAT_ENV: str(beat),
-                       PARENT_PID_ENV: str(os.getpid())}
-                proc = subprocess.Popen([sys.executable, "-m", module, str(job_file)], env=env, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-                workers.procs.append(proc)
-                workers.beats.append(beat)
-                workers.logs.append(log_dir / f"rank{rank}.log")
-                pump = _LogPump(proc.stdout, workers.logs[-1], echo=rank == 0)
-                pump.start()
-                workers.pumps.append(pump)
-                if stop.signum is not None:  # a signal while starting: the workers not yet started get it too
-                    workers.send(stop.signum)
+            with held_back():  # the workers start with the stop signals held back, and so does this thread meanwhile
+                for local_rank in range(devices):
+                    _start(workers, module, job_file, log_dir, local_rank,
+                           worker_env(base_env, launch, world_size, devices, local_rank, port))
+            if stop.signum is not None:  # a signal before or while they started: each takes it once it can
+                workers.send(stop.signum)
             return _watch(workers, stop, grace_s, hang_s, stop_timeout_s)
         finally:
             if any(p.poll() is None for p in workers.procs):
                 workers.kill()
             for pump in workers.pumps:
                 pump.join(timeout=5)
+
+
+def _start(workers: Workers, module: str, job_file: Path, log_dir: Path, local_rank: int, env: dict[str, str]) -> None:
+    """Start one worker in its own session, its heartbeat and error files cleared, its output pumped to its log."""
+    rank = workers.first_rank + local_rank
+    beat = log_dir / f"rank{rank}.heartbeat"
+    beat.unlink(missing_ok=True)
+    error_path(beat).unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", module, str(job_file)],
+                            env={**env, HEARTBEAT_ENV: str(beat), PARENT_PID_ENV: str(os.getpid())}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    workers.procs.append(proc)
+    workers.beats.append(beat)
+    workers.logs.append(log_dir / f"rank{rank}.log")
+    pump = _LogPump(proc.stdout, workers.logs[-1], echo=rank == 0)
+    pump.start()
+    workers.pumps.append(pump)
 
 
 def _watch(workers: Workers, stop: StopForwarder, grace_s: float, hang_s: float | None,
@@ -224,6 +249,7 @@ def _watch(workers: Workers, stop: StopForwarder, grace_s: float, hang_s: float 
     failed_at: float | None = None
     timed_out_stop = False
     while True:
+        stop.say_notes()
         codes = workers.poll()
         if all(c is not None for c in codes):
             break
@@ -242,8 +268,12 @@ def _watch(workers: Workers, stop: StopForwarder, grace_s: float, hang_s: float 
     silent = _silent(workers, codes)
     if any(c is None for c in codes):
         workers.kill()
+    stop.say_notes()
     codes = [p.returncode for p in workers.procs]
-    return diagnose(workers, codes, silent, stop.signum, timed_out_stop, stop_timeout_s)
+    outcome = diagnose(workers, codes, silent, stop.signum, timed_out_stop, stop_timeout_s)
+    if stop.cut_short is not None and outcome.status == "stopped":
+        return replace(outcome, cut_short=stop.cut_short)
+    return outcome
 
 
 def _silent(workers: Workers, codes: list[int | None]) -> dict[int, float]:

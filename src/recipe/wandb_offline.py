@@ -3,7 +3,8 @@
 wandb 0.31 writes no ``wandb-summary.json`` offline: everything lives in the run's ``.wandb``
 file, a LevelDB-style log (7-byte file header, 32 KiB blocks, records of ``crc32 | length |
 type``) of ``wandb_internal_pb2.Record`` messages. This reads the run's name, group, job type,
-tags, config, summary and history, so tests and ``scripts/compare.py`` users can inspect offline runs.
+tags, config, summary and history, so tests and ``scripts/compare.py`` users can inspect offline runs. A run whose
+service was killed (a signal to the job reaches it too) or is still writing reads up to its last whole record.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def _records(data: bytes) -> list[bytes]:
         if kind == 0 and length == 0:  # zero padding to the end of the block
             pos += left - 7
             continue
+        if pos + length > len(data):  # still being written (W&B's service writes on after finish() returns)
+            break
         pending += data[pos:pos + length]
         pos += length
         if kind in (_FULL, _LAST):

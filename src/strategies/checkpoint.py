@@ -5,7 +5,8 @@ a directory::
 
     step-000003.ckpt/
       meta.json       format, layout (schedule, D, W, partition), epoch, step, parameter names/aliases,
-                      the model's Hydra config (also in trainer.pt; checked by the launcher before a resume)
+                      the model's Hydra config (also in trainer.pt; checked by the launcher before a resume),
+                      and the manifest: every other file of the directory with its size in bytes
       trainer.pt      Lightning's checkpoint dict without model and optimizer: loop progress (with the
                       data loader position), callbacks, LR schedulers, precision plugin, hyper-parameters
       stage0.pt ...   one file per pipeline stage, written by the lowest rank holding a copy of it:
@@ -26,6 +27,10 @@ torch's positional format for the unsplit model's trainable parameters in module
 ``PipelineModule.configure_optimizers`` builds), so it also resumes under ``strategy=single`` or
 ``ddp``; ``pipeline.param_names`` names each position. :func:`read_checkpoint` reads all three kinds
 (sharded directory, consolidated file, plain Lightning checkpoint of the same module).
+
+:func:`verify_checkpoint` proves a checkpoint complete before it is used: every file the manifest lists is there
+with its size, and every torch file (a zip archive whose records each carry a CRC-32) is whole and passes its
+records' CRCs.
 
 This module needs torch only (no Lightning, no process group): the strategy passes its barrier.
 """
@@ -52,6 +57,7 @@ SHARDED_FORMAT = "pipeline-sharded"
 CONSOLIDATED_FORMAT = "pipeline-consolidated"
 VERSION = 1
 META_FILE = "meta.json"
+MANIFEST_KEY = "manifest"  # meta.json: every other file of the directory (relative POSIX path) -> its size in bytes
 TRAINER_FILE = "trainer.pt"
 PARTIAL_SUFFIX = ".partial"  # a sharded checkpoint being written (renamed without it once complete)
 MODEL_CONFIG_KEY = "model_config"  # how to rebuild the model (a Hydra config), stored by PipelineModule
@@ -301,8 +307,8 @@ def save_sharded(
         try:
             target = partial / TRAINER_FILE
             write_trainer_state(trainer_state, target)
-            target = partial / META_FILE
-            target.write_text(json.dumps(meta, indent=1))
+            target = partial / META_FILE  # last: the manifest lists every file the ranks wrote
+            target.write_text(json.dumps({**meta, MANIFEST_KEY: file_sizes(partial)}, indent=1))
             if final.is_symlink() or final.is_file():
                 final.unlink()
             elif final.exists():
@@ -312,6 +318,12 @@ def save_sharded(
             failure = _write_failure(rank, target, err, None)
     agree(failure)
     return final
+
+
+def file_sizes(directory: Path) -> dict[str, int]:
+    """Every file under ``directory`` except its ``meta.json``: relative POSIX path -> size in bytes."""
+    files = (p for p in sorted(directory.rglob("*")) if p.is_file())
+    return {p.relative_to(directory).as_posix(): p.stat().st_size for p in files if p != directory / META_FILE}
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -492,26 +504,79 @@ class SavedCheckpoint:
     model_config: dict[str, Any] | None  # the Hydra config of the model it holds (old _target_ names upgraded)
 
 
+def verify_checkpoint(path: str | Path) -> None:
+    """Return when ``path`` is a complete, undamaged checkpoint; else raise a :class:`CheckpointError` whose one line
+    names the file and what is wrong with it.
+
+    A sharded directory: not a ``.partial`` save, ``meta.json`` readable, every file of its manifest present with
+    the size listed (a checkpoint written before the manifest: ``trainer.pt`` and every stage file present), and
+    every ``.pt`` file a whole zip archive whose records pass their CRC-32 check. A single file (a baseline's or a
+    consolidated checkpoint): a whole zip archive whose records pass their CRC-32 check. Every byte is read once.
+    """
+    path = Path(path)
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise CheckpointError(f"{path} is a save that did not finish (its name ends in '{PARTIAL_SUFFIX}')")
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if not path.is_dir():
+        damage = torch_file_damage(path)
+        if damage is not None:
+            raise CheckpointError(f"{path} is {damage}")
+        return
+    meta = read_meta(path)
+    listed: Mapping[str, int] = meta.get(MANIFEST_KEY) or {}
+    required = [TRAINER_FILE, *map(stage_file, range(len(meta["partition"])))]
+    names = list(dict.fromkeys([*required, *listed]))
+    missing = [name for name in names if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{path} is incomplete: it lacks {', '.join(missing)}")
+    for name, size in listed.items():
+        found = (path / name).stat().st_size
+        if found != size:
+            raise CheckpointError(f"{path}: {name} has {found} bytes, its {META_FILE} lists {size}"
+                                  + (" (cut short)" if found < size else ""))
+    if not listed:  # written before the manifest: every torch file there is
+        names += [p.relative_to(path).as_posix() for p in sorted(path.rglob("*.pt")) if p.is_file()]
+    for name in dict.fromkeys(n for n in names if n.endswith(".pt")):
+        damage = torch_file_damage(path / name)
+        if damage is not None:
+            raise CheckpointError(f"{path}: {name} is {damage}")
+
+
+def torch_file_damage(path: Path) -> str | None:
+    """What is wrong with the torch file ``path``, or None: a zip archive whose central directory torch's own reader
+    accepts (it checks more of it than Python's ``zipfile``) and whose every record passes its CRC-32 check."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return "not a complete torch file (a save cut short lacks the zip index at its end)"
+        torch._C.PyTorchFileReader(str(path))  # what torch.load opens it with; reads the index, not the records
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except Exception as err:  # a damaged index or header: BadZipFile, RuntimeError (torch), NotImplementedError...
+        return f"damaged: {_first_sentence(err)}"
+    return None if bad is None else f"damaged: its record {bad} fails its CRC-32 check"
+
+
+def _first_sentence(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
 def inspect_checkpoint(path: str | Path) -> SavedCheckpoint:
-    """What :class:`SavedCheckpoint` says of ``path``, or a :class:`CheckpointError` when it is not complete: a
-    ``.partial`` directory (a save that did not finish), a directory lacking ``meta.json``, ``trainer.pt`` or a stage
-    file, a file torch cannot read (a save cut short lacks the zip index at its end) or that is no Lightning checkpoint.
+    """What :class:`SavedCheckpoint` says of ``path``, or a :class:`CheckpointError` when it is not complete
+    (:func:`verify_checkpoint`: a ``.partial`` save, a missing or cut file, a damaged torch file) or is no
+    Lightning checkpoint.
 
     The model config comes from ``meta.json``, else (checkpoints written before it held one) from ``trainer.pt`` or
     the file itself, memory-mapped: the tensors are not read.
     """
     path = Path(path)
-    if path.name.endswith(PARTIAL_SUFFIX):
-        raise CheckpointError(f"{path} is a save that did not finish (its name ends in '{PARTIAL_SUFFIX}')")
+    verify_checkpoint(path)
     return _inspect_sharded(path) if path.is_dir() else _inspect_file(path)
 
 
 def _inspect_sharded(path: Path) -> SavedCheckpoint:
     meta = read_meta(path)
-    missing = [name for name in (TRAINER_FILE, *map(stage_file, range(len(meta["partition"]))))
-               if not (path / name).is_file()]
-    if missing:
-        raise CheckpointError(f"{path} is incomplete: it lacks {', '.join(missing)}")
     # meta.json holds the model config since it was added there; before, trainer.pt alone did
     config = meta[MODEL_CONFIG_KEY] if MODEL_CONFIG_KEY in meta else _read(path / TRAINER_FILE).get(MODEL_CONFIG_KEY)
     return SavedCheckpoint(path, True, meta.get("global_step"), upgrade_targets(config) if config else None)

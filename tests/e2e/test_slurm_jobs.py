@@ -5,9 +5,11 @@
   meet at the first node's name and train exactly like one machine with the same layout;
 * ``scancel --signal=TERM`` (the preemption notice) and ``scancel`` stop every rank after the same step with a
   checkpoint, ``results.json`` says ``stopped``, the job does not end as ``COMPLETED``, nothing is left running
-  (``proctrack/linuxproc`` and ``proctrack/pgid``);
-* ``scripts/train.sbatch`` (``--requeue``, ``--signal=USR1@…``): ``scontrol requeue`` (SIGTERM, then SLURM requeues
-  it) and the USR1 notice (``train.py`` stops, saves and requeues the job itself) both come back with
+  (``proctrack/linuxproc`` and ``proctrack/pgid``), with the default logger (W&B, whose service SLURM signals too
+  under ``proctrack/linuxproc``: one warning, the stop stands) as with ``logger=none``;
+* ``scripts/train.sbatch`` (``--requeue``, ``--signal=USR1@…``): the requeue loop with the default logger (stopped
+  and requeued held by ``scontrol requeuehold``, the newest save damaged, released: the damaged save is skipped in one
+  line) and the USR1 notice (``train.py`` stops, saves and requeues the job itself) both come back with
   ``ckpt_path=auto`` and end with the losses of the uninterrupted job;
 * ``salloc`` (job name ``interactive``), task counts inherited from ``sbatch``, a bad setting said once;
 * the sweep through Hydra's submitit launcher with the preset as shipped, on a CPU-only partition;
@@ -65,14 +67,31 @@ def _left_running(marker: str) -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line and "pytest" not in line]
 
 
-class Batch:
-    """One ``sbatch`` of ``scripts/train.sbatch`` on ``cluster``, its run directory and output."""
+def _job_processes(job_id: str) -> list[str]:
+    """``"PID command"`` of every process whose environment names SLURM job ``job_id``: the batch shell, srun,
+    ``train.py``, its workers and what they started (W&B's service among them), whatever their command line."""
+    marker = f"SLURM_JOB_ID={job_id}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0"):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name} {command[:200]}")
+        except OSError:
+            continue
+    return found
 
-    def __init__(self, cluster: Cluster, run_dir: Path, *sbatch: str, overrides: tuple[str, ...] = ()) -> None:
+
+class Batch:
+    """One ``sbatch`` of ``scripts/train.sbatch`` on ``cluster``, its run directory and output; ``layout``: the
+    settings of :data:`LAYOUT` (``logger=none`` among them) unless told."""
+
+    def __init__(self, cluster: Cluster, run_dir: Path, *sbatch: str, overrides: tuple[str, ...] = (),
+                 layout: list[str] = LAYOUT) -> None:
         self.cluster, self.run_dir, self.out = cluster, run_dir, run_dir.with_suffix(".out")
         env = {"RUN_DIR": str(run_dir), "TRAIN_PY": str(ROOT / "train.py"), "HF_HUB_OFFLINE": "1"}
         self.id = cluster.run("sbatch", "--parsable", "--export=ALL", f"--output={self.out}", *sbatch,
-                              str(ROOT / "scripts" / "train.sbatch"), *LAYOUT, *TWO_NODES, *overrides,
+                              str(ROOT / "scripts" / "train.sbatch"), *layout, *TWO_NODES, *overrides,
                               env={**_env(), **env}).stdout.strip().split(";")[0]
 
     def training(self, at_step: int = 3, timeout: float = 240) -> None:
@@ -87,9 +106,9 @@ class Batch:
 
 @pytest.fixture(scope="module")
 def cluster(slurm_clusters) -> Cluster:  # noqa: ANN001 - tests/support/slurm.py's factory
-    """Two nodes with room for several jobs at once, and KillWait 30 s (SLURM's default): after scancel's
-    SIGTERM the ranks have time to reach a step boundary and save before SIGKILL."""
-    return slurm_clusters.get(nodes=2, cpus_per_node=8, kill_wait=30)
+    """Two nodes with room for several jobs at once, and KillWait 30 s (SLURM's default, the private clusters'
+    too): after scancel's SIGTERM the ranks have time to reach a step boundary and save before SIGKILL."""
+    return slurm_clusters.get(nodes=2, cpus_per_node=8)
 
 
 @pytest.fixture(scope="module")
@@ -133,42 +152,80 @@ def test_srun_one_task_per_node_trains_like_one_machine(cluster: Cluster, refere
 
 
 def test_scancel_stops_every_rank_with_a_checkpoint(slurm_clusters, tmp_path: Path) -> None:  # noqa: ANN001
-    """``scancel --signal=TERM`` of a two-node job (``proctrack/linuxproc``) and a plain ``scancel`` of a one-node
-    job under ``proctrack/pgid`` (the workers' own sessions are outside the task's process group), at once."""
-    jobs = {}
-    for how, proctrack, nodes in (("scancel --signal=TERM", "linuxproc", 2), ("scancel", "pgid", 1)):
-        cluster = slurm_clusters.get(nodes=nodes, proctrack=proctrack, kill_wait=30, cpus_per_node=8)
-        jobs[how] = Batch(cluster, tmp_path / proctrack, f"--nodes={nodes}", "--cpus-per-task=2",
+    """``scancel --signal=TERM`` of a two-node job (``proctrack/linuxproc``) with the logger users run (W&B, offline:
+    SLURM signals its service with the ranks) and a plain ``scancel`` of a one-node job under ``proctrack/pgid`` (the
+    workers' own sessions are outside the task's process group) with ``logger=none``, at once."""
+    jobs, proctracks, loggers = {}, {}, {}
+    for how, proctrack, nodes, logger in (("scancel --signal=TERM", "linuxproc", 2, "default"),
+                                          ("scancel", "pgid", 1, "none")):
+        cluster = slurm_clusters.get(nodes=nodes, proctrack=proctrack, cpus_per_node=8)
+        proctracks[how], loggers[how] = proctrack, logger
+        layout = [o for o in LAYOUT if not o.startswith("logger=")] + ([] if logger == "default" else ["logger=none"])
+        jobs[how] = Batch(cluster, tmp_path / proctrack, f"--nodes={nodes}", "--cpus-per-task=2", layout=layout,
                           overrides=(f"trainer.num_nodes={nodes}", "trainer.max_steps=100000"))
     for how, job in jobs.items():
         job.training()
         job.cluster.run(*how.split(), job.id)
     for how, job in jobs.items():
-        state = job.ended()
+        state, proctrack, logger = job.ended(), proctracks[how], loggers[how]
+        output = job.output()  # train.py's, with rank 0's lines (each rank's own: logs/rank<r>.log)
+        logs = "".join(log.read_text(errors="replace") for log in job.run_dir.glob("logs/rank*.log"))
         assert state["JobState"] != "COMPLETED", state  # a stop never reads as success
         if how == "scancel --signal=TERM":
-            assert state["JobState"] == "FAILED" and state["ExitCode"] == "143:0", state
+            assert state["JobState"] == "FAILED" and state["ExitCode"] == "143:0", (state, output[-3000:])
         result = read_results(job.run_dir)
-        assert result.status == "stopped" and "SIGTERM received by" in result.reason, job.output()[-3000:]
+        assert result.status == "stopped" and "SIGTERM received by" in result.reason, output[-3000:]
         assert result.last_checkpoint == str(job.run_dir / "checkpoints" / f"step-{result.global_step:06d}.ckpt")
         assert (Path(result.last_checkpoint) / "meta.json").is_file()
         assert len(result.loss_history) == result.global_step >= 3
-        _wait(lambda job=job: not _left_running(str(job.run_dir)), 10, f"{how}: the job's processes to end")
+        assert "Traceback" not in output + logs, (output + logs)[-3000:]
+        # linuxproc: SLURM's SIGTERM reached W&B's service with the ranks (pgid: its own session is not signalled)
+        signalled_service = logger == "default" and proctrack == "linuxproc"
+        assert output.count("its backend is gone") == int(signalled_service), output[-3000:]  # one line, or none
+        assert (job.run_dir / "wandb").is_dir() == (logger == "default")
+
+        def left(job: Batch = job) -> list[str]:
+            return _left_running(str(job.run_dir)) + _job_processes(job.id)
+
+        try:
+            _wait(lambda: not left(), 10, f"{how}: the job's processes to end")
+        except AssertionError as error:
+            raise AssertionError(f"{error}; still running: {left()}") from None
+
+
+def _stop_those_training(cluster: Cluster, waiting: dict[str, Batch]) -> dict[str, Batch]:
+    """Stop each job of ``waiting`` that has trained 3 steps, as its key says, and drop it from ``waiting``: each is
+    stopped as soon as it can be (one waited for is not left to train to its end meanwhile)."""
+    for how, job in list(waiting.items()):
+        if _steps(job.run_dir) >= 3:
+            cluster.run(*(("scontrol", "requeuehold") if how == "requeue loop" else ("scancel", "--signal=USR1")),
+                        job.id)
+            del waiting[how]
+    return waiting
 
 
 def test_requeued_jobs_resume_by_themselves_and_end_with_the_uninterrupted_losses(
         cluster: Cluster, reference: subprocess.Popen, tmp_path: Path) -> None:
-    """Two jobs of ``scripts/train.sbatch`` at once: one requeued as a preemption does (``scontrol requeue``:
-    SIGTERM to every task, then SLURM requeues it), one sent what ``--signal=USR1@<s>`` sends before the time
-    limit (``train.py`` stops, saves and requeues the job itself)."""
-    jobs = {how: Batch(cluster, tmp_path / how.replace(" ", "_"), "--nodes=2", "--cpus-per-task=2")
-            for how in ("scontrol requeue", "USR1 notice")}
-    for how, job in jobs.items():
-        job.training()
-        if how == "scontrol requeue":
-            cluster.run("scontrol", "requeue", job.id)
-        else:
-            cluster.run("scancel", "--signal=USR1", job.id)
+    """Two jobs of ``scripts/train.sbatch`` at once. One goes round the requeue loop with the default logger: stopped
+    and requeued as a preemption does, but held (``scontrol requeuehold``: SIGTERM to every task, the step reached
+    saved, the job back in the queue), its newest checkpoint damaged meanwhile (``stage1.pt`` cut in half), then
+    released: it skips the damaged save in one line and resumes from the periodic one before it. The other is sent
+    what ``--signal=USR1@<s>`` sends before the time limit (``train.py`` stops, saves and requeues the job itself)."""
+    loop = [o for o in LAYOUT if not o.startswith(("logger=", "checkpoint."))]
+    jobs = {"requeue loop": Batch(cluster, tmp_path / "loop", "--nodes=2", "--cpus-per-task=2", layout=loop,
+                                  overrides=("checkpoint.every_n_steps=2", "checkpoint.keep=all")),
+            "USR1 notice": Batch(cluster, tmp_path / "USR1_notice", "--nodes=2", "--cpus-per-task=2")}
+    waiting = dict(jobs)
+    _wait(lambda: not _stop_those_training(cluster, waiting), 240, "both jobs to train 3 steps")
+    job = jobs["requeue loop"]
+    _wait(lambda: (job.run_dir / "results.json").exists() and read_results(job.run_dir).status == "stopped", 300,
+          f"job {job.id}'s first run to stop")
+    damaged = Path(read_results(job.run_dir).last_checkpoint)
+    before = sorted(p for p in (job.run_dir / "checkpoints").glob("step-*.ckpt") if p != damaged)[-1]
+    _wait(lambda: not _left_running(str(job.run_dir)), 60, f"job {job.id}'s first run to end")
+    stage = damaged / "stage1.pt"
+    stage.write_bytes(stage.read_bytes()[: stage.stat().st_size // 2])
+    cluster.run("scontrol", "release", job.id)
     expected = _reference_losses(reference)
     for how, job in jobs.items():
         # the stop, the checkpoint and SLURM's requeue take about a minute alone, up to twice that on a busy 2-core CI
@@ -179,7 +236,11 @@ def test_requeued_jobs_resume_by_themselves_and_end_with_the_uninterrupted_losse
         result = read_results(job.run_dir)
         assert result.status == "ok" and list(result.loss_history) == expected, how
         assert f"ckpt_path=auto: resuming from {job.run_dir / 'checkpoints'}" in output, how
-        if how == "USR1 notice":
+        assert "Traceback" not in output, f"{how}: {output[-4000:]}"
+        if how == "requeue loop":
+            assert (f"ckpt_path=auto: resuming from {before} (step {int(before.name[5:11])}); skipped {damaged.name}: "
+                    "stage1.pt has ") in output and "(cut short)" in output, output[-4000:]
+        else:
             assert f"SLURM job {job.id} requeued (scontrol requeue): it resumes with ckpt_path=auto" in output
 
 

@@ -2,6 +2,10 @@
 
 * A value outside a setting's fixed set (``strategy.grad_sync=eagr``) and a global batch that W·B does
   not divide stop ``train.py`` with exit status 2 and one message before any process starts.
+* So does a number of the wrong type or out of its range (``trainer.max_steps=-5``,
+  ``checkpoint.every_n_steps=abc``): the schema (:func:`~pipeline_recipes.recipe.settings.settings_schema`)
+  refuses it in the launcher's checks, in-process here, naming the key, the value and the rule, with fixes
+  that pass every check (the ``train.py`` runs are in ``tests/e2e/test_refused_values.py``).
 * A misspelled key of any config group (``model.n_layr=4``) gets the key it resembles, not Hydra's
   advice to append it.
 * The printed partition table lists the S = v·D stages that train and the worker holding each, as the
@@ -12,19 +16,32 @@ The ``train.py`` runs are refused before any worker starts (a second or two each
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import math
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
+from pipeline_recipes.core.node import NodeDevices
+from pipeline_recipes.recipe.checks import Command, check_command
+from pipeline_recipes.recipe.settings import (
+    ConfigError, NumericSetting, check_drain_timeout, check_settings, numeric_settings, resolve_layout,
+    settings_schema,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
+CONF = ROOT / "conf"
+GROUPS = frozenset(p.name for p in CONF.iterdir() if p.is_dir())
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -89,6 +106,190 @@ def test_an_unknown_concat_method_stops_before_launch(tmp_path: Path) -> None:
     assert "strategy.concat = 'forward_dubling'" in err
     assert all(v in err for v in (*CONCAT_METHODS, AUTO_CONCAT))
     assert "did you mean 'forward_doubling'?" in err
+
+
+# -- numbers: the schema's types and ranges --------------------------------------------------------------------
+
+
+@functools.cache
+def _composed(chosen: tuple[str, ...]) -> Any:
+    return compose("config", overrides=list(chosen))
+
+
+@pytest.fixture
+def composer() -> Iterator[Any]:
+    """Hydra's compose API over ``conf/``, once per choice of config groups (as ``test_suggested_fixes.py``),
+    initialised for one test at a time (``train.py``'s own key check initialises Hydra itself)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield _composed
+
+
+BASE = ("trainer=cpu", "logger=none", "preflight=false")
+STEPS = "an integer ≥ 1, or -1 for no limit"
+POSITIVE_SECONDS = "a positive number of seconds"
+
+BAD_VALUES = [  # (overrides, the refused key, its value as the message shows it, the rule in words)
+    (["trainer.max_steps=-5"], "trainer.max_steps", "-5", STEPS),
+    (["trainer.max_steps=0"], "trainer.max_steps", "0", STEPS),
+    (["trainer.max_steps=abc"], "trainer.max_steps", "'abc'", STEPS),  # a string from the command line
+    (["trainer.max_steps=2.5"], "trainer.max_steps", "2.5", STEPS),
+    (["trainer.max_steps=true"], "trainer.max_steps", "true", STEPS),  # a bool is not an int
+    (["trainer.max_steps=null"], "trainer.max_steps", "null", STEPS),  # Lightning takes no None
+    (["+trainer.max_epochs=-3"], "trainer.max_epochs", "-3", "an integer ≥ 1, or -1 for no limit, or null"),
+    (["trainer.log_every_n_steps=-1"], "trainer.log_every_n_steps", "-1", "an integer ≥ 0, or null"),
+    (["trainer.log_every_n_steps=x"], "trainer.log_every_n_steps", "'x'", "an integer ≥ 0, or null"),
+    (["trainer.limit_val_batches=1.5"], "trainer.limit_val_batches", "1.5",
+     "an integer ≥ 0, or a share of them in [0.0, 1.0], or null"),
+    (["trainer.limit_val_batches=-2"], "trainer.limit_val_batches", "-2", "an integer ≥ 0"),
+    (["trainer.gradient_clip_val=-0.5"], "trainer.gradient_clip_val", "-0.5", "a number ≥ 0, or null for no clipping"),
+    (["trainer.gradient_clip_val=abc"], "trainer.gradient_clip_val", "'abc'", "a number ≥ 0"),
+    (["checkpoint.every_n_steps=abc"], "checkpoint.every_n_steps", "'abc'", "an integer ≥ 1, or null for never"),
+    (["checkpoint.every_n_steps=-3"], "checkpoint.every_n_steps", "-3", "an integer ≥ 1, or null for never"),
+    (["checkpoint.every_n_steps=0"], "checkpoint.every_n_steps", "0", "an integer ≥ 1, or null for never"),
+    (["stop_timeout_s=0"], "stop_timeout_s", "0", POSITIVE_SECONDS),
+    (["stop_timeout_s=abc"], "stop_timeout_s", "'abc'", POSITIVE_SECONDS),
+    (["stop_timeout_s=nan"], "stop_timeout_s", "nan", POSITIVE_SECONDS),
+    (["stop_timeout_s=inf"], "stop_timeout_s", "inf", POSITIVE_SECONDS),
+    (["nonfinite_loss_patience=-1"], "nonfinite_loss_patience", "-1", "an integer ≥ 0"),
+    (["nonfinite_loss_patience=1.5"], "nonfinite_loss_patience", "1.5", "an integer ≥ 0"),
+    (["strategy.timeout_s=0"], "strategy.timeout_s", "0", POSITIVE_SECONDS),
+    (["strategy=dapple", "strategy.timeout_s=-10"], "strategy.timeout_s", "-10", POSITIVE_SECONDS),
+    (["strategy=ddp", "strategy.timeout_s=x"], "strategy.timeout_s", "'x'", POSITIVE_SECONDS),
+    (["metrics.window_size=0"], "metrics.window_size", "0", "an integer ≥ 1"),
+    (["metrics.warmup_steps=-1"], "metrics.warmup_steps", "-1", "an integer ≥ 0"),
+    (["metrics.warmup_steps=one"], "metrics.warmup_steps", "'one'", "an integer ≥ 0"),
+    (["metrics.progress_interval_s=-1"], "metrics.progress_interval_s", "-1", "a number of seconds ≥ 0"),
+    (["seed=-1"], "seed", "-1", "an integer in [0, 4294967295]"),
+    (["seed=4294967296"], "seed", "4294967296", "an integer in [0, 4294967295]"),
+    (["seed=abc"], "seed", "'abc'", "an integer in [0, 4294967295]"),
+    (["seed=null"], "seed", "null", "an integer in [0, 4294967295]"),  # a random seed per rank: copies differ
+    (["logger=wandb", "logger.drain_timeout_s=0"], "logger.drain_timeout_s", "0", POSITIVE_SECONDS),
+    (["logger=wandb", "logger.drain_timeout_s=null"], "logger.drain_timeout_s", "null", POSITIVE_SECONDS),
+    (["scheduler.warmup_steps=-1"], "scheduler.warmup_steps", "-1", "an integer ≥ 0"),
+    (["scheduler.min_lr_ratio=2"], "scheduler.min_lr_ratio", "2", "a number in [0, 1]"),
+    (["scheduler.total_steps=0"], "scheduler.total_steps", "0", "an integer ≥ 1, or null for trainer.max_steps"),
+    (["optim.lr=-0.1"], "optim.lr", "-0.1", "a number ≥ 0"),
+    (["optim=sgd", "optim.momentum=-1"], "optim.momentum", "-1", "a number ≥ 0"),
+]
+
+
+def _checked(command: Command, vet_fixes: bool = True) -> ConfigError | None:
+    """The refusal of ``command`` by the launcher's checks on a CPU node (None: it passes)."""
+    cfg = command.config()
+    assert cfg is not None, command.overrides
+    try:
+        check_command(cfg, command=command, node=NodeDevices(), env={}, vet_fixes=vet_fixes)
+    except ConfigError as err:
+        return err
+    return None
+
+
+@pytest.mark.parametrize("overrides, key, shown, rule", BAD_VALUES,
+                         ids=[" ".join(o) for o, *_ in BAD_VALUES])
+def test_a_bad_number_is_refused_before_launch_with_fixes_that_pass(composer: Any, overrides: list[str], key: str,
+                                                                    shown: str, rule: str) -> None:
+    """The launcher's checks (in-process: nothing is launched) refuse it first, naming the key, the value and the
+    rule; each fix names the key and, applied to the same command, passes every check."""
+    command = Command((*BASE, *overrides), composer, GROUPS)
+    err = _checked(command)
+    assert err is not None, overrides
+    message = str(err)
+    assert message.startswith(f"{key} = {shown}: "), message
+    assert f"must be {rule}" in message, message
+    assert err.fixes and all(set(fix) == {key} for fix in err.fixes), message
+    assert message.endswith("; set " + " or ".join(f"{key}={fix[key]}" for fix in err.fixes)), message
+    for fix in err.fixes:
+        again = _checked(command.with_fix(fix), vet_fixes=False)
+        assert again is None, f"{fix} is refused again: {again}"
+
+
+@pytest.mark.parametrize("overrides, fixes", [
+    (["trainer.max_steps=-5"], ["trainer.max_steps=5", "trainer.max_steps=-1"]),  # the likely intent, or no limit
+    (["checkpoint.every_n_steps=-3"], ["checkpoint.every_n_steps=3", "checkpoint.every_n_steps=null"]),
+    (["checkpoint.every_n_steps=abc"], ["checkpoint.every_n_steps=100", "checkpoint.every_n_steps=null"]),
+    (["checkpoint.every_n_steps='8'"], ["checkpoint.every_n_steps=8", "checkpoint.every_n_steps=null"]),
+    (["trainer.max_steps=3.0"], ["trainer.max_steps=3", "trainer.max_steps=-1"]),
+    (["seed=4294967296"], ["seed=4294967295"]),
+    (["stop_timeout_s=0"], ["stop_timeout_s=120"]),
+])
+def test_a_refused_number_proposes_the_value_meant(composer: Any, overrides: list[str], fixes: list[str]) -> None:
+    err = _checked(Command((*BASE, *overrides), composer, GROUPS))
+    assert [f"{k}={v}" for fix in err.fixes for k, v in fix.items()] == fixes
+
+
+@pytest.mark.parametrize("override", [
+    "trainer.max_steps=-1", "trainer.max_steps=1", "+trainer.max_epochs=-1", "+trainer.max_epochs=null",
+    "+trainer.max_epochs=2", "trainer.log_every_n_steps=0", "trainer.log_every_n_steps=null",
+    "trainer.limit_val_batches=0.25", "trainer.limit_val_batches=3", "trainer.limit_val_batches=null",
+    "trainer.gradient_clip_val=null", "trainer.gradient_clip_val=0", "trainer.gradient_clip_val=2",
+    "checkpoint.every_n_steps=null", "checkpoint.every_n_steps=1", "stop_timeout_s=0.5", "stop_timeout_s=600",
+    "nonfinite_loss_patience=0", "strategy.timeout_s=1e3", "metrics.window_size=1", "metrics.warmup_steps=0",
+    "metrics.progress_interval_s=0", "seed=0", "seed=4294967295", "scheduler.total_steps=null",
+    "scheduler.min_lr_ratio=0", "scheduler.min_lr_ratio=1.0", "optim.lr=0.0006",
+])
+def test_the_values_lightning_and_the_runtime_take_pass(composer: Any, override: str) -> None:
+    assert _checked(Command((*BASE, override), composer, GROUPS)) is None
+
+
+def test_the_schema_names_each_key_once_and_its_examples_pass() -> None:
+    keys = [rule.key for rule in settings_schema()]
+    assert len(keys) == len(set(keys))
+    for rule in numeric_settings():
+        assert rule.accepts(rule.example), rule.key
+        assert not rule.accepts(True) and not rule.accepts(float("nan")) and not rule.accepts("1"), rule.key
+        assert all(rule.accepts(special) for special, _ in rule.specials), rule.key
+    # the layout's sizes are the layout's rules (resolve_layout), not written again here
+    assert not set(keys) & {"trainer.devices", "trainer.num_nodes", "strategy.D", "strategy.W",
+                            "strategy.micro_batch_size", "data.global_batch_size", "trainer.peak_tflops",
+                            "model.loss_chunk_tokens"}
+
+
+def _options_holding(key: str) -> list[tuple[str, ...]]:
+    """The group choices whose config has ``key`` (read from the yaml files: the top level, or a group's options)."""
+    group, _, leaf = key.partition(".")
+    if not leaf:
+        return [()] if key in yaml.safe_load((CONF / "config.yaml").read_text()) else []
+    if group not in GROUPS:
+        return [()] if leaf in (yaml.safe_load((CONF / "config.yaml").read_text()).get(group) or {}) else []
+    return [(f"{group}={p.stem}",) for p in sorted((CONF / group).glob("*.yaml"))
+            if leaf in (yaml.safe_load(p.read_text()) or {})]
+
+
+ADDED_ONLY = {"trainer.max_epochs"}  # a Trainer argument no yaml sets (+trainer.max_epochs=…)
+
+
+def test_every_key_of_the_schema_is_a_setting_and_its_configured_values_pass(composer: Any) -> None:
+    """Each numeric key is in conf/ (a misspelled key would never be checked), and every option that sets it
+    passes (the defaults are valid values)."""
+    for rule in numeric_settings():
+        holders = _options_holding(rule.key)
+        if rule.key == "strategy.timeout_s":  # the pipeline schedules' base config has it
+            holders = [("strategy=gpipe",), ("strategy=ddp",)]
+            assert "timeout_s" in yaml.safe_load((CONF / "pipeline_strategy.yaml").read_text())
+        assert holders or rule.key in ADDED_ONLY, rule.key
+        for chosen in holders:
+            cfg = composer(chosen)
+            assert OmegaConf.select(cfg, rule.key, default="absent") != "absent", (rule.key, chosen)
+            check_settings(cfg)
+
+
+def test_every_recipe_passes_the_schema() -> None:
+    with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):  # as --config-dir recipes
+        for path in sorted((ROOT / "recipes").glob("*.yaml")):
+            check_settings(compose(path.stem, overrides=[f"hydra.searchpath=[file://{CONF}]"]))
+
+
+def test_the_drain_timeout_is_the_schemas_rule() -> None:
+    """logger.drain_timeout_s: the same rule before launch (check_settings) and in the logger itself."""
+    rule = next(r for r in numeric_settings() if r.key == "logger.drain_timeout_s")
+    assert isinstance(rule, NumericSetting) and check_drain_timeout(5) == 5.0
+    for bad in (0, -1.0, "300", None, True, math.inf):
+        with pytest.raises(ConfigError) as refused:
+            check_drain_timeout(bad)
+        assert str(refused.value) == rule.error(bad)
+        with pytest.raises(ConfigError) as refused:
+            check_settings({"logger": {"drain_timeout_s": bad}})
+        assert str(refused.value) == rule.error(bad)
 
 
 # -- the global batch ------------------------------------------------------------------------------------------

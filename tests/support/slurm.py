@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from slurm_cluster import Cluster, SlurmClusterError, missing_programs, start, stop_orphans
+from slurm_cluster import KILL_WAIT_S, Cluster, SlurmClusterError, missing_programs, start, stop_orphans
 
 __all__ = ["Cluster", "ClusterFactory", "SlurmClusterError", "skip_reason"]
 
@@ -57,8 +57,10 @@ class ClusterFactory:
         self._swept = False
 
     def get(self, nodes: int = 1, proctrack: str = "linuxproc", accounting: bool = False,
-            kill_wait: int = 2, cpus_per_node: int | None = None) -> Cluster:
+            kill_wait: int = KILL_WAIT_S, cpus_per_node: int | None = None) -> Cluster:
         """The session's cluster of this kind, started on first use; skips the test where none can start.
+        ``kill_wait``: Slurm's KillWait (SLURM's default 30 s: a step plus a checkpoint fit in it, as
+        ``docs/slurm.md`` asks; less kills a stopping job's ranks before they save).
         ``accounting=True`` adds ``sacct`` (slurmdbd on a private MariaDB, about 2 s more to start);
         ``cpus_per_node`` more CPUs than the host has lets several jobs run at once (default: the host's)."""
         reason = skip_reason(accounting)
