@@ -175,10 +175,7 @@ def _finished(out_dir: Path, layout: Layout, launch: Launch, resume: Resume, max
     reason = (f"nothing left to do: {resume.path} is at step {resume.step}, trainer.max_steps = {max_steps}; "
               "raise trainer.max_steps to train on")
     path = out_dir / "results.json"
-    try:
-        held = read_results(path)
-    except (OSError, ValueError):  # none left (a write that failed): the checkpoint alone says the job is done
-        held = RunResult()
+    held = _held_results(path)  # none left (a write that failed): the checkpoint alone says the job is done
     final_loss = held.final_loss if held.final_loss is not None or not held.loss_history else held.loss_history[-1]
     try:
         update_results(path, status="ok", reason=reason, global_step=resume.step, last_checkpoint=resume.path,
@@ -212,13 +209,18 @@ def _unwritable(err: OSError, path: Path) -> None:
     sys.exit(exits.FAILED)
 
 
+def _held_results(path: Path) -> RunResult:
+    """What ``results.json`` holds so far (rank 0's histories, a previous run's), or an empty result."""
+    try:
+        return read_results(path)
+    except (OSError, ValueError):
+        return RunResult()
+
+
 def _record_end(out_dir: Path, layout: Layout, outcome: Outcome) -> RunResult:
     """``results.json`` with how the job ended, over the histories rank 0 wrote (global rank 0 only)."""
     path = out_dir / "results.json"
-    try:
-        held = read_results(path)
-    except (OSError, ValueError):
-        held = RunResult()
+    held = _held_results(path)
     if outcome.status == "ok":
         if held.status == "ok":
             return held
