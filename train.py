@@ -50,7 +50,8 @@ SUBMITIT_LAUNCHERS = ("slurm", "submitit_slurm", "submitit_local")  # conf/hydra
 
 def check_launcher_plugin(argv: list[str]) -> None:
     """``hydra/launcher=slurm`` needs Hydra's submitit plugin; without it Hydra composes the preset
-    and then fails on launch with "Unknown plugin class", so say what to install instead."""
+    and then fails on launch with "Unknown plugin class", so say what to install instead. With it, the
+    preset's launcher (:mod:`hydra_plugins.pipeline_recipes_slurm.launcher`) is registered with Hydra."""
     chosen = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "hydra/launcher"]
     inspecting = any(a in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for a in argv)
     if not chosen or chosen[-1] not in SUBMITIT_LAUNCHERS or inspecting:  # --cfg hydra shows it without a run
@@ -69,6 +70,10 @@ def check_launcher_plugin(argv: list[str]) -> None:
         print(f"error: hydra/launcher={chosen[-1]} needs Hydra's submitit launcher plugin, which is not installed; "
               'pip install -e ".[slurm]" (hydra-submitit-launcher)', file=sys.stderr)
         sys.exit(2)
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.pipeline_recipes_slurm.launcher import SlurmLauncher
+
+    Plugins.instance().register(SlurmLauncher)  # an editable install's hydra_plugins package is not scanned by Hydra
 
 
 def _compose(args: Any, overrides: list[str]) -> DictConfig:

@@ -192,14 +192,14 @@ def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: 
                        act: int, params: int) -> list[dict]:
     from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
     from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
-    from pipeline_recipes.strategies.schedules import ScheduleError
+    from pipeline_recipes.strategies.schedules import ScheduleError, derive_layout
 
     rows = []
     for N in [*Ns, 1]:  # N = 1: PipeDream (one micro-batch per update)
         runners, simulated, stage_t_f = {}, {}, {}
         for name in efficiency_schedules(N):
-            config = PipelineConfig(name, world, 1)
             try:
+                config = PipelineConfig(derive_layout(name, world, world, N, B=1))
                 split = any(a.kind in "IW" for row in config.build(N).workers for a in row)
             except ScheduleError:  # N outside the schedule's rules (DualPipeV: N >= 2D)
                 continue
@@ -209,7 +209,7 @@ def _efficiency_worker(rank: int, world: int, Ns: list[int], t_f: float, steps: 
             stage_t_f[name] = t_f / chunks
             model = EmulatedPipeline(config.num_stages, t_f=stage_t_f[name], activation_numel=act, param_numel=params,
                                      split_backward=split)
-            engine = build_engine(model, config, 1, torch.device("cpu"))
+            engine = build_engine(model, config.layout, torch.device("cpu"))
             simulated[name] = _step_makespan(engine, N, stage_t_f[name], 2 * stage_t_f[name])
             runners[name] = (_Stream if engine.config.is_async else _Step)(engine, model.batch(N))
         durations: dict[str, dict[str, list[float]]] = {name: {k: [] for k in "FBIW"} for name in runners}
@@ -285,7 +285,8 @@ def _measured_action_times(durations: dict[str, list[float]]) -> tuple[float, fl
 def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, steps: int, warmup: int,
                       act: int, params: int) -> list[dict]:
     from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     rows = []
     for case in cases:
@@ -293,8 +294,8 @@ def _grad_sync_worker(rank: int, world: int, cases: list[dict], t_f: float, step
         runners = {}
         for mode in ("end", "eager", "eager_opt"):
             model = EmulatedPipeline(D, t_f=t_f, activation_numel=act, param_numel=params)
-            engine = build_engine(model, PipelineConfig(case["schedule"], D, 1, grad_sync=mode), world // D,
-                                    torch.device("cpu"))
+            layout = derive_layout(case["schedule"], world, D, world // D * N, B=1, grad_sync=mode)
+            engine = build_engine(model, layout, torch.device("cpu"))
             batch = model.batch(N)
             runners[mode] = (lambda e, b: lambda: e.train_step(b))(engine, batch)
         times = _rounds(runners, steps, warmup)
@@ -312,13 +313,14 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
     from torch import nn
 
     from pipeline_recipes.models.causal_lm import causal_lm_loss
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine, even_partition
+    from pipeline_recipes.strategies.runtime.engine import build_engine, even_partition
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     batch = _gpt2_batch(size, samples)
     runners: dict[str, Callable[[], Any]] = {}
     for name in ours:
         model = _gpt2(size)
-        engine = build_engine(model, PipelineConfig(name, world, samples // mbs), 1, torch.device("cpu"))
+        engine = build_engine(model, derive_layout(name, world, world, samples, B=samples // mbs), torch.device("cpu"))
         runners[f"ours:{name}"] = (lambda e: lambda: e.train_step(batch))(engine)
     for label in theirs:
         model = _gpt2(size)
@@ -347,12 +349,13 @@ def _vs_torch_worker(rank: int, world: int, size: dict[str, int], samples: int, 
 
 
 def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, steps: int, warmup: int) -> dict:
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
     from pipeline_recipes.core.pipeline_model import sequential_loss
+    from pipeline_recipes.strategies.runtime.engine import build_engine
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     batch = _gpt2_batch(size, samples)
     plain_model = _gpt2(size)
-    engine = build_engine(_gpt2(size), PipelineConfig("gpipe", 1, samples), 1, torch.device("cpu"))
+    engine = build_engine(_gpt2(size), derive_layout("gpipe", 1, 1, samples, B=samples), torch.device("cpu"))
 
     def plain() -> None:
         for p in plain_model.parameters():
@@ -369,13 +372,14 @@ def _overhead_worker(rank: int, world: int, size: dict[str, int], samples: int, 
 
 def _recompute_worker(rank: int, world: int, size: dict[str, int], schedule: str, samples: int, mbs: int,
                       steps: int, warmup: int) -> list[dict]:
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     batch = _gpt2_batch(size, samples)
     engines = {}
     for mode in ("none", "except_last", "always"):
-        engines[mode] = build_engine(_gpt2(size), PipelineConfig(schedule, world, samples // mbs, recompute=mode),
-                                       1, torch.device("cpu"))
+        layout = derive_layout(schedule, world, world, samples, B=samples // mbs, recompute=mode)
+        engines[mode] = build_engine(_gpt2(size), layout, torch.device("cpu"))
     times = _rounds({m: (lambda e: lambda: e.train_step(batch))(e) for m, e in engines.items()}, steps, warmup)
     rows = []
     for mode, engine in engines.items():

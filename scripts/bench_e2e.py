@@ -117,11 +117,12 @@ class _BareEngine:
     ``vs_torch`` part times, here in the job's processes."""
 
     def __init__(self, schedule: str, size: dict[str, int], samples: int, micro_batches: int, optimizer: OptimizerFactory) -> None:
-        from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+        from pipeline_recipes.strategies.runtime.engine import build_engine
+        from pipeline_recipes.strategies.schedules import derive_layout
 
-        self.engine = build_engine(build_gpt2(size), PipelineConfig(schedule, dist.get_world_size(),
-                                                                      samples // micro_batches),
-                                     1, torch.device("cpu"))
+        world = dist.get_world_size()
+        layout = derive_layout(schedule, world, world, samples, B=samples // micro_batches)
+        self.engine = build_engine(build_gpt2(size), layout, torch.device("cpu"))
         self.optimizer = optimizer(self.engine.local_parameters())
         g = torch.Generator().manual_seed(1)
         self.batch = {"input_ids": torch.randint(0, size["vocab"], (samples, size["seq"]), generator=g)}

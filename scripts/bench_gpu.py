@@ -415,13 +415,15 @@ def graph_stage(model: Any, batch: dict[str, Tensor], optimizer: torch.optim.Opt
     the blocks' calls, the second captures them. None and the reason where it cannot run."""
     from pipeline_recipes.strategies.compute.compile import repeated_blocks
     from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     if device.type != "cuda":
         return None, NEEDS_CUDA
     if micro_batch_size > CUDA_GRAPHS_MAX_MICRO_BATCH:
         return None, NOT_LAUNCH_BOUND
-    engine = build_engine(model, PipelineConfig(SCHEDULE, 1, micro_batch_size, cuda_graphs=True), 1, device)
+    samples = next(v.shape[0] for v in batch.values())  # the row's mini-batch: N = samples / B micro-batches
+    engine = build_engine(model, derive_layout(SCHEDULE, 1, 1, samples, B=micro_batch_size, cuda_graphs=True), device)
     layers = model.pipeline_layers()
     graphs = StageGraphs(engine.stage_layers, layers, repeated_blocks(layers), 0,
                          report=lambda line: print(f"[gpu bench] {line}", file=sys.stderr, flush=True))
@@ -530,11 +532,13 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int,
     from pipeline_recipes.models import build_model
     from pipeline_recipes.models.presets import preset
     from pipeline_recipes.recipe.flops import flops_per_token, matmul_parameters, resolve_utilisation, transformer_shape
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     model = build_model(name, init_seed=0, device="meta")
     seq_len, vocab = model.seq_len, int(model.config.vocab_size)
-    engines = {(mbs, n): build_engine(model, PipelineConfig(SCHEDULE, 1, mbs), 1, device) for mbs, n in MICRO_BATCHES}
+    engines = {(mbs, n): build_engine(model, derive_layout(SCHEDULE, 1, 1, mbs * n, B=mbs), device)
+               for mbs, n in MICRO_BATCHES}
     model.train()
     hf = model.reference()  # the transformers model on the same parameters
     hand = handwritten(hf).to(device).train()

@@ -7,8 +7,9 @@
 Each argument is a multirun directory, a job directory or a results.json file; directories are
 searched recursively. The table is sorted by samples/s (fastest first), then skipped and failed
 runs with their reason. The PNG (default ``compare.png`` in the first directory given) follows the
-Chimera paper's Figures 10-11: one panel per pipeline depth D, throughput per strategy, grouped by
-micro-batch size B (or by a W/B/N label when B alone does not tell runs apart).
+Chimera paper's Figures 10-11: one panel per pipeline depth D (its title gives the replicas W), throughput per
+strategy on one y-scale for all panels, grouped by micro-batch size B (or by a W/B/N label when B alone does not
+tell runs apart or they differ in W).
 
 No results.json, or a path that does not exist, exits with status 2 and an ``error: ...`` line.
 """
@@ -46,11 +47,21 @@ def _slot(result: RunResult, by_b: bool) -> tuple[tuple, str]:
     return (result.B or 0, result.W or 0, result.N or 0), f"W={result.W}\nB={result.B}\nN={result.N}"
 
 
+def panel_title(depth: int, panel: list[RunResult]) -> str:
+    """``D = 4, W = 2``: a panel's depth and the replicas W its runs had; ``W = 1, 2 (under each group)`` where they
+    had several (the bar groups are then labelled W/B/N: :func:`_slot`)."""
+    widths = sorted({r.W for r in panel if r.W is not None})
+    if len(widths) > 1:
+        return f"D = {depth}, W = {', '.join(map(str, widths))} (under each group)"
+    return f"D = {depth}" + (f", W = {widths[0]}" if widths else "")
+
+
 def chart(results: list[RunResult]) -> Figure:
-    """One panel per D: bars of samples/s per strategy, one group per B (or W/B/N). Where a
-    strategy has no successful run in a group, its skipped/failed status is written instead.
-    Repeated runs of one setting show the fastest. One legend for all panels (a strategy has one
-    colour everywhere), outside the panels, so it covers no bar."""
+    """One panel per D, titled with its W (:func:`panel_title`): bars of samples/s per strategy, one group per B (or
+    W/B/N where B alone does not tell the runs apart or they differ in W), on one y-scale shared by every panel.
+    Where a strategy has no successful run in a group, its skipped/failed status is written instead. Repeated runs
+    of one setting show the fastest. One legend for all panels (a strategy has one colour everywhere), outside the
+    panels, so it covers no bar."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # the Agg backend, no display needed
     from matplotlib.figure import Figure
 
@@ -62,12 +73,14 @@ def chart(results: list[RunResult]) -> Figure:
 
     fig = Figure(figsize=(max(4.5 * len(depths), 6.0) + 1.5, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, max(len(depths), 1), squeeze=False)[0]
+    # one throughput scale for every panel, so bars compare across D as within a panel
+    axes = fig.subplots(1, max(len(depths), 1), squeeze=False, sharey=True)[0]
     if not depths:
         axes[0].text(0.5, 0.5, "no runs with a layout", ha="center", va="center", transform=axes[0].transAxes)
     for ax, depth in zip(axes, depths):
         panel = [r for r in runs if r.D == depth]
-        by_b = len({(r.strategy, r.B) for r in panel}) == len({(r.strategy, r.B, r.W, r.N) for r in panel})
+        by_b = (len({(r.strategy, r.B) for r in panel}) == len({(r.strategy, r.B, r.W, r.N) for r in panel})
+                and len({r.W for r in panel}) == 1)  # else the groups say their W
         slots = sorted({_slot(r, by_b) for r in panel})
         present = [s for s in strategies if any(r.strategy == s for r in panel)]
         width = 0.8 / len(present)
@@ -88,9 +101,9 @@ def chart(results: list[RunResult]) -> Figure:
         ax.set_xticks(range(len(slots)), [label for _, label in slots])
         ax.set_xlim(-0.5, len(slots) - 0.5)
         ax.set_xlabel("micro-batch size B" if by_b else "layout")
-        ax.set_ylabel("throughput (samples/s)")
-        ax.set_title(f"D = {depth}")
+        ax.set_title(panel_title(depth, panel))
         ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("throughput (samples/s)")
     handles: dict[str, Any] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):

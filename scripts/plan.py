@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"got {args.reps} and {args.profile_seconds}")
     from omegaconf import OmegaConf
 
+    from pipeline_recipes.core.node import GPU_NAMES
     from pipeline_recipes.models.partition import format_partition_table
     from pipeline_recipes.planner.costs import format_bytes, parse_bytes
     from pipeline_recipes.planner.estimate import with_run_memory
@@ -101,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     costs = load_or_profile(cfg.model, cache_dir=args.cache, refresh=args.refresh, comm=args.comm,
                             batch_sizes=[int(b) for b in args.profile_batches.split(",")], reps=args.reps,
-                            device="cuda" if accelerator in ("gpu", "cuda") else "cpu", log=log,
+                            device="cuda" if accelerator in GPU_NAMES else "cpu", log=log,
                             budget_s=args.profile_seconds or None)
     # the profile runs without autocast; a bf16-mixed run's activations and weight copies come from the estimate
     costs = with_run_memory(costs, OmegaConf.to_container(cfg.model, resolve=True), precision=trainer.get("precision"),
-                            device="cuda" if accelerator in ("gpu", "cuda") else "cpu")
+                            device="cuda" if accelerator in GPU_NAMES else "cpu")
     budget = device_budget(accelerator, override=parse_bytes(args.budget) if args.budget else None,
                            process_bytes=costs.comm.process_bytes)
     plans = plan_all(costs, devices, global_batch, budget, ranks_per_node=per_node,
@@ -179,7 +180,8 @@ def _plan_cluster(cfg, spec, args) -> int:
           f"all-reduce {spec.allreduce}; model {costs.model}, {costs.num_layers} pipeline layers, precision {precision}")
     print(f"NOTE: {costs.meta['derived']}")
     print(f"the best layout of each of {len(plans)} schedules for global batch {global_batch}; budget {budget.describe()}")
-    print(format_table(plans, args.top or None))
+    if not args.compare:  # --compare prints the same layouts once, with more columns, below
+        print(format_table(plans, args.top or None))
     best = best_per_schedule(plans)
     if args.partition != "runtime":  # how train.py runs each schedule's split (None: no model.*_cost pair gives it)
         from pipeline_recipes.planner.partition_search import partition_overrides

@@ -135,17 +135,18 @@ def _measure_worker(rank: int, world: int, spec: str | dict[str, Any], layouts: 
 
     from pipeline_recipes.models.partition import balanced_partition
     from pipeline_recipes.planner.profile import _peak_in_ranges
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     runs = []
     for name, W, D, B, N, pipes, concat, recompute, sync in layouts:
         torch.manual_seed(0)
         model = build_measured_model(spec)
-        config = PipelineConfig(name, D, B, pipelines=pipes, concat=concat,
-                                recompute=recompute, grad_sync=sync)
+        layout = derive_layout(name, W * D, D, W * B * N, B=B, pipelines=pipes, concat=concat, recompute=recompute,
+                               grad_sync=sync)
         partition = (model.partition(D) if hasattr(model, "partition")
                      else balanced_partition([1.0] * len(model.pipeline_layers()), D))  # = planner.runtime_partition
-        engine = build_engine(model, config, W, torch.device("cpu"), partition=partition)
+        engine = build_engine(model, layout, torch.device("cpu"), partition=partition)
         params = engine.local_parameters()
         opt = torch.optim.AdamW(params, lr=1e-4)
         full = batch_of(model, W * B * N, seed=1)
@@ -213,7 +214,7 @@ def _row(compute: str, costs: Any, layout: tuple, results: list[dict]) -> dict[s
     from pipeline_recipes.planner.recommend import plan_one
 
     name, W, D, B, N, pipes, concat, recompute, sync = layout
-    cand = Candidate(name, W, D, B, N, pipes, concat, recompute, sync)
+    cand = Candidate.of(name, W, D, B, N, pipes, concat, recompute, sync)
     plan = plan_one(costs, cand)
     measured_s = max(r["time_s"] for r in results)
     measured_peak = [int(r["peak_bytes"]) for r in results]

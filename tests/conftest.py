@@ -1,6 +1,13 @@
 """Tests never contact the Hugging Face hub: the library only goes offline when told to, so the tests
 say so here (before ``datasets``/``transformers`` are imported) and in the environments of the
-processes they start."""
+processes they start.
+
+Nor do they run as part of an enclosing SLURM job: run inside an allocation (``salloc -N1 -n2 python -m pytest``,
+an ``sbatch`` script, ``srun``), this process carries the job's ``SLURM_*`` variables, and Lightning's
+``SLURMEnvironment`` (which reads ``SLURM_NTASKS``) or the launcher would take the tests, and every ``train.py`` they
+start, for tasks of that job. They are dropped here, before any test module computes an environment from
+``os.environ``; a test that wants a SLURM job sets its own variables, and the SLURM tests give their commands a
+private cluster's environment (``tests/support/slurm.py``)."""
 
 import json
 import os
@@ -13,6 +20,10 @@ pytest_plugins = ["slurm"]  # tests/support/slurm.py: private SLURM cluster fixt
 
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
+
+NOT_SLURMS = ("SLURM_INSTALL_LOG",)  # .ci/run's, read by tests/support/slurm.py: not a job's
+for _var in [key for key in os.environ if key.startswith("SLURM_") and key not in NOT_SLURMS]:
+    del os.environ[_var]
 
 
 @pytest.fixture(autouse=True)

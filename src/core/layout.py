@@ -1,10 +1,14 @@
 """The run's layout, resolved once by the launcher and read by every worker: plain data (Chimera Table 1: W, D, B,
 N, B̂; §3.3 for the placement of stages on workers).
 
-:func:`pipeline_recipes.recipe.settings.resolve_layout` derives and validates it before any process starts; the job
-file carries it to the workers (:meth:`Layout.as_dict`, :meth:`Layout.from_dict`), whose strategy, engine and tables
-read it instead of deriving it again. What a worker can observe itself (its world size, the batch it is given) it
-checks against the layout (:meth:`Layout.check_world_size`) rather than deriving the layout from it.
+:func:`pipeline_recipes.strategies.schedules.derivation.derive_layout` derives and validates a pipeline's layout (the
+launcher calls it through :func:`pipeline_recipes.recipe.settings.resolve_layout` before any process starts, the
+planner for each layout it compares); the job file carries it to the workers (:meth:`Layout.as_dict`,
+:meth:`Layout.from_dict`), whose strategy, engine (``build_engine(model, layout, device)``), topology and tables read
+it instead of deriving it again. The engine's config and the planner's candidates hold a layout rather than copies
+of W, D, B and N (the schedules' rules still take their raw settings). What a worker can observe itself (its world
+size, the batch it is given) it checks against the layout (:meth:`Layout.check_world_size`) rather than deriving the
+layout from it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["Layout", "LayoutMismatch"]
+__all__ = ["BASELINES", "Layout", "LayoutMismatch"]
+
+BASELINES = ("ddp", "single")  # the strategies that are not pipelines (D = 1, N = 1; conf/strategy/<name>.yaml)
 
 
 class LayoutMismatch(ValueError):

@@ -12,6 +12,7 @@ from typing import Any
 from .fixes import ConfigError, values
 
 AUTO = "auto"
+GPU_NAMES = ("gpu", "cuda")  # the trainer.accelerator values that mean CUDA devices
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ from ``transformers`` configs (no weights unless ``pretrained`` names a checkpoi
 
 Public API::
 
-    build_model(name_or_cfg, **overrides) -> HFPipelineModel   # presets: model_names()
+    build_model(name_or_cfg, **overrides) -> HFPipelineModel   # presets: model_names(), conf/model/*.yaml
     build_gpt2(**cfg) / build_bert(**cfg) / build_decoder(**cfg)  # Hydra targets of conf/model/*.yaml
     model.reference()                                           # the unsplit HF model, same parameters
     model.layer_costs(kind) / model.partition(stages, kind) / model.partition_table(partition, kind)
@@ -26,7 +26,7 @@ _EXPORTS = {
     "DecoderPipelineModel": "decoder", "build_decoder": "decoder",
     "GPT2PipelineModel": "gpt2", "build_gpt2": "gpt2",
     "balanced_partition": "partition", "format_partition_table": "partition", "stage_costs": "partition",
-    "PAPER_PARAMS": "presets", "PRESETS": "presets", "build_model": "presets", "hydra_config": "presets",
+    "PAPER_PARAMS": "presets", "build_model": "presets", "hydra_config": "presets",
     "model_names": "presets", "preset": "presets",
     "FAMILIES": "families", "ModelFamily": "families", "decoder_families": "families", "model_family": "families",
 }

@@ -30,7 +30,9 @@ Qwen2 models) make the embedding layer and the head share one ``Parameter``, lis
 
 Only the families whose ``<Family>Model.forward`` is exactly the above are accepted (the decoder entries of
 :data:`~pipeline_recipes.models.families.FAMILIES`);
-others (Gemma scales its embeddings, Gemma 2 soft-caps logits, ...) would train a different model.
+others (Gemma scales its embeddings, Gemma 2 soft-caps logits, ...) would train a different model here. Such a
+family is an adapter of its own, a :class:`DecoderPipelineModel` whose layers do what its forward does, built by
+:func:`build_decoder_as`, and its registry entry naming that adapter's builder.
 
 ``pretrained=<hub name or local directory>`` takes the architecture from the checkpoint's
 ``config.json`` and, in :meth:`DecoderPipelineModel.materialize`, reads from its safetensors only the
@@ -52,7 +54,7 @@ from pipeline_recipes.core.pipeline_model import Batch
 
 from .base import build_on_meta, finish_build, make_hf_config
 from .causal_lm import CausalLMPipelineModel
-from .families import FAMILIES, decoder_families
+from .families import decoder_families, model_family
 from .lm_loss import DEFAULT_CHUNK_TOKENS, ChunkedLMHead, check_chunk_tokens
 from .masks import MaskCache
 from .pretrained import checkpoint_config, load_layers
@@ -164,15 +166,12 @@ def plain(value: Any) -> Any:
 
 
 def family_classes(family: str) -> tuple[type, type]:
-    """The ``transformers`` config and causal-LM classes of a supported family."""
+    """The ``transformers`` config and causal-LM classes of a family whose forward is Llama's."""
     if family not in decoder_families():
         raise ValueError(f"model family {family!r} is not supported by the decoder adapter; supported: "
                          f"{', '.join(decoder_families())} (their HF forward is embeddings -> decoder layers with "
                          "rotary embeddings -> RMSNorm -> lm_head, which the pipeline layers reproduce)")
-    import transformers
-
-    spec = FAMILIES[family]
-    return getattr(transformers, spec.config_class), getattr(transformers, spec.model_class)
+    return model_family(family).classes()
 
 
 def build_decoder(
@@ -186,7 +185,7 @@ def build_decoder(
     init_seed: int | None = None,
     device: str | torch.device | None = None,
     pretrained: str | None = None,
-    data_family: str = "gpt2",
+    data_family: str | None = None,
     loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     **config: Any,
 ) -> DecoderPipelineModel:
@@ -198,15 +197,43 @@ def build_decoder(
     ``pretrained``: a hub name or local directory whose ``config.json`` gives the architecture (the
     fields given here must agree with it, see :func:`~pipeline_recipes.models.pretrained.checkpoint_config`) and whose
     weights replace the initialisation, layer by layer as each rank materialises its own.
-    ``data_family``: the data format the data configs read (causal-LM blocks, as GPT-2's).
+    ``data_family``: the data format the data configs read, the family's
+    (:attr:`~pipeline_recipes.models.families.ModelFamily.data_format`: causal-LM blocks, as GPT-2's); None: that one.
     ``loss_chunk_tokens``: tokens whose logits the loss computes at a time (``None``: the head returns
     the whole logits).
     ``device`` and ``init_seed`` as in :func:`~pipeline_recipes.models.gpt2.build_gpt2`.
     """
-    if data_family != "gpt2":
-        raise ValueError(f"model.data_family={data_family!r}: decoder-only models train on causal-LM data "
-                         "(data_family: gpt2)")
-    config_cls, model_cls = family_classes(family)
+    family_classes(family)
+    return build_decoder_as(DecoderPipelineModel, name, seq_len, family=family,
+                            attn_implementation=attn_implementation, embedding_cost=embedding_cost,
+                            head_cost=head_cost, init_seed=init_seed, device=device, pretrained=pretrained,
+                            data_family=data_family, loss_chunk_tokens=loss_chunk_tokens, **config)
+
+
+def build_decoder_as(
+    pipeline_class: type[DecoderPipelineModel],
+    name: str,
+    seq_len: int,
+    *,
+    family: str,
+    attn_implementation: str = "sdpa",
+    embedding_cost: float = 0.0,
+    head_cost: float = 0.0,
+    init_seed: int | None = None,
+    device: str | torch.device | None = None,
+    pretrained: str | None = None,
+    data_family: str | None = None,
+    loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    **config: Any,
+) -> DecoderPipelineModel:
+    """:func:`build_decoder`'s work for any registered decoder family (its ``transformers`` classes from
+    :data:`~pipeline_recipes.models.families.FAMILIES`), as ``pipeline_class``: the adapter of a decoder whose
+    forward differs from Llama's subclasses :class:`DecoderPipelineModel` with its layers and builds it here."""
+    spec = model_family(family)
+    if data_family not in (None, spec.data_format):
+        raise ValueError(f"model.data_family={data_family!r}: model.family={family!r} trains on "
+                         f"{spec.data_format!r} data (data_family: {spec.data_format})")
+    config_cls, model_cls = spec.classes()
     config.pop("compile", None)  # model.compile: the trainer compiles the blocks (pipeline_recipes.strategies.compute.compile)
     config = {k: plain(v) for k, v in config.items()}
     hf_config = make_hf_config(config_cls, {**config, "attn_implementation": attn_implementation})
@@ -214,6 +241,6 @@ def build_decoder(
         hf_config = checkpoint_config(pretrained, family, hf_config, given=set(config))
         hf_config._attn_implementation = attn_implementation
     hf, seed = build_on_meta(model_cls, hf_config, init_seed)
-    model = DecoderPipelineModel(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost,
-                                 init_seed=seed, pretrained=pretrained or None, loss_chunk_tokens=loss_chunk_tokens)
+    model = pipeline_class(hf, name=name, seq_len=seq_len, embedding_cost=embedding_cost, head_cost=head_cost,
+                           init_seed=seed, pretrained=pretrained or None, loss_chunk_tokens=loss_chunk_tokens)
     return finish_build(model, device)

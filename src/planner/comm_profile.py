@@ -41,10 +41,11 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S
 from pipeline_recipes.strategies.harness.emulated import EmulatedPipeline, hold
-from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+from pipeline_recipes.strategies.runtime.engine import build_engine
 from pipeline_recipes.strategies.runtime.grad_sync import GradientSynchronizer
-from pipeline_recipes.strategies.schedules import build_schedule, simulate, specs
+from pipeline_recipes.strategies.schedules import build_schedule, derive_layout, simulate, specs
 from pipeline_recipes.strategies.harness.spawn import run_world
 
 from .costs import AlphaBeta, allreduce_from_pair, quantile, robust_line
@@ -98,14 +99,16 @@ def _comm_worker(rank: int, world: int, sizes: Sequence[int], reps: int, steps: 
         # as the runtime runs it: gradients packed into a flat buffer, all-reduced, unpacked
         weight = torch.nn.Parameter(torch.zeros(size // 4))
         weight.grad = torch.zeros_like(weight)
-        sync = GradientSynchronizer({0: [weight]}, {0: dist.group.WORLD}, [], None, timedelta(seconds=120))
+        sync = GradientSynchronizer({0: [weight]}, {0: dist.group.WORLD}, [], None,
+                                    timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         # in a step the all-reduce follows a backward: its buffers are not in cache
         allreduce[size] = _timed_samples(sync.finish, reps, before=lambda: evict.add_(1.0))
     configs = []
     for name in CALIBRATION_SCHEDULES:
-        model = EmulatedPipeline(2, t_f=CALIBRATION_T_F, activation_numel=CALIBRATION_NUMEL, param_numel=1)
-        engine = build_engine(model, PipelineConfig(name, 2, 1), 1, torch.device("cpu"))
-        configs += [(name, n, engine, model.batch(n)) for n in CALIBRATION_N]
+        for n in CALIBRATION_N:  # a layout has one N: an engine per N
+            model = EmulatedPipeline(2, t_f=CALIBRATION_T_F, activation_numel=CALIBRATION_NUMEL, param_numel=1)
+            engine = build_engine(model, derive_layout(name, 2, 2, n, B=1), torch.device("cpu"))
+            configs.append((name, n, engine, model.batch(n)))
     steps_s: dict[str, dict[int, list[float]]] = {name: {} for name in CALIBRATION_SCHEDULES}
     for r in range(steps + 2):  # interleaved: a slow spell of the machine hits every configuration alike
         for name, n, engine, batch in configs:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline_recipes.models.families import candidate_keys, transformer_shape
+
 from .cluster import ClusterSpec
 from .costs import LinearFit, fit_line
 from .estimate import estimate_costs
@@ -103,17 +105,20 @@ def precision_key(precision: Any) -> str:
 
 
 def layer_flops(costs: ModelCosts, model_cfg: Mapping[str, Any]) -> list[float]:
-    """Forward FLOPs per sample of each layer (module docstring)."""
+    """Forward FLOPs per sample of each layer (module docstring); ``h`` is the attention width of the model family's
+    FLOP shape (:func:`~pipeline_recipes.models.families.transformer_shape`, the model FLOPs' too)."""
     s = float(model_cfg["seq_len"])
-    h = float(model_cfg.get("n_embd") or model_cfg.get("hidden_size") or 0)
+    shape = transformer_shape(model_cfg)
+    h = float(shape[1]) if shape is not None else 0.0
     if h <= 0:
-        raise ValueError(f"model {model_cfg.get('name')}: no n_embd / hidden_size to count attention FLOPs")
+        raise ValueError(f"model {model_cfg.get('name')}: its config gives no attention width "
+                         f"({' / '.join(candidate_keys(model_cfg, 'width_key'))}) to count attention FLOPs")
     out = []
-    for layer in costs.layers:
-        kind = layer.name.split(".")[0]
-        if kind.startswith("embed"):
+    last = len(costs.layers) - 1
+    for i, layer in enumerate(costs.layers):  # every adapter's layers: the embeddings, the blocks, the head
+        if i == 0:
             out.append(0.0)
-        elif kind == "block":
+        elif i < last:
             out.append(2.0 * layer.params * s + 4.0 * s * s * h)
         else:
             out.append(2.0 * layer.params * s)

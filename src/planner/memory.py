@@ -38,6 +38,7 @@ from functools import lru_cache
 import psutil
 import torch
 
+from pipeline_recipes.core.node import GPU_NAMES
 from pipeline_recipes.strategies.schedules import Schedule, get_spec, slots_needed
 from pipeline_recipes.strategies.schedules.asynchronous import stashed_versions
 from pipeline_recipes.strategies.schedules.comm import CommPlan, plans
@@ -257,7 +258,7 @@ class Budget:
 def device_budget(accelerator: str = "cpu", *, override: int | None = None, process_bytes: int = 0) -> Budget:
     """The memory budget of this machine: free host RAM (psutil) for CPU ranks, or the first GPU's
     total memory per rank; ``override`` (bytes) replaces the measured amount."""
-    if accelerator in ("gpu", "cuda"):
+    if accelerator in GPU_NAMES:
         if override is not None:
             return Budget(per_rank=int(override), source="given")
         if not torch.cuda.is_available():

@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
 from pipeline_recipes.models.partition import balanced_partition
 from pipeline_recipes.strategies.runtime.grad_sync import launch_plan
 from pipeline_recipes.strategies.runtime.recompute import recompute_stages
+from pipeline_recipes.core.layout import Layout
 from pipeline_recipes.strategies.schedules import (
-    AUTO_CONCAT, DEFAULT_SCHEDULE, Schedule, Settings, best_concat, build_schedule, get_spec, names, resolve_concat,
-    simulate, specs,
+    AUTO_CONCAT, DEFAULT_SCHEDULE, LayoutRefusal, Schedule, ScheduleSpec, best_concat, build_schedule, derive_layout,
+    derive_sizes, get_spec, layout_of, names, resolve_concat, simulate, specs,
 )
 from pipeline_recipes.strategies.schedules.asynchronous import steady_step, steady_step_makespan, window
 from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE
@@ -51,32 +52,85 @@ RECOMPUTE = (DEFAULT_RECOMPUTE, "always")  # the recomputation choices the plann
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout (Chimera Table 1): W replicas × D stages, micro-batch B, N micro-batches per worker."""
+    """One layout the planner compares (Chimera Table 1): a :class:`~pipeline_recipes.core.layout.Layout` (W replicas
+    × D stages, micro-batch B, N micro-batches per worker and the schedule's settings), read through its fields."""
 
-    strategy: str
-    W: int
-    D: int
-    B: int
-    N: int
-    pipelines: int = 1
-    concat: str = "direct"
-    recompute: str = DEFAULT_RECOMPUTE
-    grad_sync: str = DEFAULT_GRAD_SYNC
-    chunks: int | None = None  # stages per worker (interleaved 1F1B); None: the schedule's own
-    cuda_graphs: bool = False  # strategy.cuda_graphs: each held micro-batch's graph pool counts (planner.memory)
+    layout: Layout
+
+    @classmethod
+    def of(cls, strategy: str, W: int, D: int, B: int, N: int, pipelines: int = 1, concat: str = "direct",
+           recompute: str = DEFAULT_RECOMPUTE, grad_sync: str = DEFAULT_GRAD_SYNC, chunks: int | None = None,
+           cuda_graphs: bool = False) -> Candidate:
+        """The candidate of these sizes and settings, as given (:func:`~pipeline_recipes.strategies.schedules.layout_of`;
+        :func:`candidates` enumerates those the rules accept)."""
+        return cls(layout_of(get_spec(strategy), W, D, B, N, pipelines, concat, chunks=chunks, grad_sync=grad_sync,
+                             recompute=recompute, cuda_graphs=cuda_graphs))
+
+    def replace(self, **changes: object) -> Candidate:
+        """This candidate with some of :meth:`of`'s settings changed."""
+        settings = {"strategy": self.strategy, "W": self.W, "D": self.D, "B": self.B, "N": self.N,
+                    "pipelines": self.pipelines, "concat": self.concat, "recompute": self.recompute,
+                    "grad_sync": self.grad_sync, "chunks": self.chunks, "cuda_graphs": self.cuda_graphs}
+        return Candidate.of(**{**settings, **changes})  # type: ignore[arg-type]
+
+    @property
+    def strategy(self) -> str:
+        return self.layout.strategy
+
+    @property
+    def W(self) -> int:
+        return self.layout.W
+
+    @property
+    def D(self) -> int:
+        return self.layout.D
+
+    @property
+    def B(self) -> int:
+        return self.layout.B
+
+    @property
+    def N(self) -> int:
+        return self.layout.N
+
+    @property
+    def pipelines(self) -> int:
+        return self.layout.pipelines
+
+    @property
+    def concat(self) -> str:
+        return self.layout.concat
+
+    @property
+    def recompute(self) -> str:
+        return self.layout.recompute or DEFAULT_RECOMPUTE
+
+    @property
+    def grad_sync(self) -> str:
+        return self.layout.grad_sync or DEFAULT_GRAD_SYNC
+
+    @property
+    def chunks(self) -> int | None:
+        """Stages per worker (interleaved 1F1B); None: the schedule's own."""
+        return self.layout.chunks
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """strategy.cuda_graphs: each held micro-batch's graph pool counts (planner.memory)."""
+        return self.layout.cuda_graphs
 
     @property
     def world_size(self) -> int:
-        return self.W * self.D
+        return self.layout.world_size
 
     @property
     def S(self) -> int:
         """Stages the model is split into (v·D)."""
-        return get_spec(self.strategy).total_stages(self.D, self.chunks)
+        return self.layout.stages
 
     @property
     def global_batch_size(self) -> int:
-        return self.W * self.B * self.N
+        return self.layout.global_batch_size
 
     def schedule(self) -> Schedule:
         return schedule_of(self.strategy, self.D, self.N, self.pipelines, self.resolved().concat, self.chunks)
@@ -89,12 +143,12 @@ class Candidate:
         if self.concat != AUTO_CONCAT:
             return self
         if costs is None or not get_spec(self.strategy).concat:
-            return replace(self, concat=resolve_concat(self.strategy, self.D, self.N, self.pipelines, self.B,
-                                                       self.concat))
+            return self.replace(concat=resolve_concat(self.strategy, self.D, self.N, self.pipelines, self.B,
+                                                      self.concat))
         part = partition_for(costs, self.S, partition)
         method = best_concat(self.D, self.N, self.pipelines, self.B, generator=partial(_built, self.strategy),
-                             costs=lambda m: stage_costs(costs, replace(self, concat=m), part))
-        return replace(self, concat=method)
+                             costs=lambda m: stage_costs(costs, self.replace(concat=m), part))
+        return self.replace(concat=method)
 
     def schedule_key(self) -> tuple:
         """What its schedule depends on (layouts that differ only in B, W, recomputation, gradient sync
@@ -175,30 +229,39 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
     if unknown:
         raise ValueError(f"unknown schedule(s) {unknown}; choose from {', '.join(names())}")
     out: list[Candidate] = []
+    sizes = get_spec(DEFAULT_SCHEDULE)  # W and N at a given B are every schedule's (derive_sizes)
     for D in (d for d in range(1, devices + 1) if devices % d == 0 and d <= num_layers):
-        W = devices // D
-        if global_batch_size % W:
-            continue
-        for B in _powers_of_two(global_batch_size // W):
-            if (global_batch_size // W) % B:
+        for B in _powers_of_two(global_batch_size):
+            try:
+                _, _, N, _ = derive_sizes(sizes, devices, D, global_batch_size, B=B)
+            except LayoutRefusal:  # W·B does not divide the global batch
                 continue
-            N = global_batch_size // (W * B)
             if N > max_micro_batches:
                 continue
             for name in schedules:
                 if D == 1 and name != DEFAULT_SCHEDULE:
                     continue  # one stage: every schedule is plain gradient accumulation
-                spec = get_spec(name)
-                chunk_choices = CHUNK_CHOICES if spec.chunks.choosable else (None,)
-                for pipes, concat in spec.planner_variants(D, N, B):
-                    for v in chunk_choices:
-                        if spec.total_stages(D, v) > num_layers:
-                            continue
-                        for mode in recompute:
-                            settings = Settings(spec.name, D, N, B, pipes, concat, v, grad_sync=grad_sync,
-                                                recompute=mode)
-                            if not spec.errors(settings):
-                                out.append(Candidate(spec.name, W, D, B, N, pipes, concat, mode, grad_sync, v))
+                out += _layouts_of(get_spec(name), devices, D, B, N, global_batch_size, num_layers, recompute,
+                                   grad_sync)
+    return out
+
+
+def _layouts_of(spec: ScheduleSpec, devices: int, D: int, B: int, N: int, global_batch_size: int, num_layers: int,
+                recompute: Sequence[str], grad_sync: str) -> list[Candidate]:
+    """The candidates of one schedule at D and B (N micro-batches): each of its registry variants and chunk choices
+    and each recomputation mode, as :func:`~pipeline_recipes.strategies.schedules.derive_layout` derives and checks
+    them (the arithmetic and the rules; the schedules are built only for the candidates predicted)."""
+    out = []
+    for pipes, concat in spec.planner_variants(D, N, B):
+        for v in CHUNK_CHOICES if spec.chunks.choosable else (None,):
+            for mode in recompute:
+                try:
+                    layout = derive_layout(spec, devices, D, global_batch_size, B=B, pipelines=pipes, concat=concat,
+                                           chunks=v, grad_sync=grad_sync, recompute=mode, num_layers=num_layers,
+                                           validate=False)
+                except LayoutRefusal:
+                    continue
+                out.append(Candidate(layout))
     return out
 
 

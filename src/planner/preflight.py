@@ -14,14 +14,15 @@ which the launcher checks against every other rule of the command. :func:`predic
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from functools import lru_cache, partial
 from typing import Any
 
 from pipeline_recipes.core.fixes import ConfigError, Fix, Proposal
+from pipeline_recipes.core.layout import Layout
+from pipeline_recipes.core.layout import BASELINES
+from pipeline_recipes.core.node import GPU_NAMES
 from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.schedules import DEFAULT_SCHEDULE, get_spec
-from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE
 
 from .costs import format_bytes
 from .estimate import estimate_costs
@@ -30,8 +31,6 @@ from .model_costs import ADAMW_STATES, ModelCosts
 from .parallel import map_grouped, workers_for
 from .predict import Candidate, candidates, runtime_partition
 
-BASELINES = ("ddp", "single")
-GPU_ACCELERATORS = ("gpu", "cuda")
 REPORT = "report"  # preflight=report: print the prediction as one JSON line, launch nothing
 
 
@@ -85,42 +84,37 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     return getattr(obj, key, default)
 
 
-def candidate_from_config(cfg: Mapping[str, Any], layout: Any) -> Candidate:
-    """The :class:`Candidate` of a resolved config and its :class:`pipeline_recipes.recipe.settings.Layout` (or a dict
-    with ``strategy, W, D, B, N, pipelines``). Baselines are one stage: ``ddp``/``single`` = D 1, N 1."""
-    strategy = dict(_get(cfg, "strategy", {}) or {})
-    name = str(_get(layout, "strategy", strategy.get("name", DEFAULT_SCHEDULE)))
-    W, D, B, N = (int(_get(layout, k)) for k in ("W", "D", "B", "N"))
-    if name in BASELINES:
-        return Candidate(DEFAULT_SCHEDULE, W, 1, B, N, 1, "direct", "none", "end")
-    concat = str(_get(layout, "concat", None) or strategy.get("concat") or "direct")  # the layout's is resolved
-    return Candidate(name, W, D, B, N, int(_get(layout, "pipelines", 1) or 1),
-                     concat if get_spec(name).concat else "direct",
-                     str(strategy.get("recompute") or DEFAULT_RECOMPUTE), str(strategy.get("grad_sync") or DEFAULT_GRAD_SYNC),
-                     strategy.get("chunks"), bool(strategy.get("cuda_graphs", False)))
+def candidate_of(layout: Layout) -> Candidate:
+    """The :class:`Candidate` of the layout the launcher resolved
+    (:func:`pipeline_recipes.recipe.settings.resolve_layout`):
+    its W, D, B, N, pipelines, concatenation method (``auto`` resolved), recomputation, gradient sync, chunks and CUDA
+    graphs, as the layout has them. Baselines are one stage: ``ddp``/``single`` = D 1, N 1."""
+    if layout.strategy in BASELINES:
+        return Candidate.of(DEFAULT_SCHEDULE, layout.W, 1, layout.B, layout.N, 1, "direct", "none", "end")
+    return Candidate(layout)
 
 
 def run_precision(trainer: Mapping[str, Any]) -> tuple[str, str]:
     """``(device, precision)`` the ranks run with: ``cuda`` for a GPU accelerator, else ``cpu``, and
     ``trainer.precision`` (``auto``, which the launcher resolves first: ``bf16-mixed`` on a GPU, as on
     every GPU with native bf16, else ``32-true``)."""
-    device = "cuda" if str(trainer.get("accelerator", "cpu")) in GPU_ACCELERATORS else "cpu"
+    device = "cuda" if str(trainer.get("accelerator", "cpu")) in GPU_NAMES else "cpu"
     precision = trainer.get("precision")
     if precision in (None, "auto"):
         precision = "bf16-mixed" if device == "cuda" else "32-true"
     return device, str(precision)
 
 
-def _setup(cfg_dict: Mapping[str, Any], layout: Any) -> tuple[ModelCosts, Candidate, int, bool, str]:
+def _setup(cfg_dict: Mapping[str, Any], layout: Layout) -> tuple[ModelCosts, Candidate, int, bool, str]:
     trainer = dict(_get(cfg_dict, "trainer", {}) or {})
     device, precision = run_precision(trainer)
     costs = estimate_costs(_get(cfg_dict, "model"), precision=precision, device=device)
-    cand = candidate_from_config(cfg_dict, layout)
+    cand = candidate_of(layout)
     per_node = min(int(trainer.get("devices", cand.world_size) or cand.world_size), cand.world_size)
     return costs, cand, per_node, device == "cpu", precision  # gloo keeps sent tensors until the step ends
 
 
-def predict_layout(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | None = None) -> dict[str, Any]:
+def predict_layout(cfg_dict: Mapping[str, Any], layout: Layout, *, budget_bytes: int | None = None) -> dict[str, Any]:
     """The layout's prediction as a JSON-ready record (``preflight=report``): the peak bytes of every
     rank (``predicted_peak_bytes_per_rank``, rank ``r`` = worker ``r % D`` of replica ``r // D``) and
     of what it consists on the largest rank; ``budget_bytes``/``fits`` where this machine runs the
@@ -131,7 +125,7 @@ def predict_layout(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: in
     budget = _budget_or_none(costs.device, budget_bytes)
     fits = None if budget is None else budget.fits(mem.per_rank, per_node)
     return {"predicted_peak_bytes_per_rank": mem.per_rank, "model": costs.model, "device": costs.device,
-            "precision": precision, "strategy": str(_get(layout, "strategy", cand.strategy)),
+            "precision": precision, "strategy": layout.strategy,
             "W": cand.W, "D": cand.D, "B": cand.B, "N": cand.N,
             "states_bytes": int(worst.states), "autocast_weight_copies_bytes": int(worst.casts),
             "activations_bytes": int(worst.activations), "cuda_graph_pools_bytes": int(worst.graph_pools),
@@ -146,7 +140,7 @@ def _budget_or_none(device: str, budget_bytes: int | None) -> Budget | None:
         return None
 
 
-def preflight(cfg_dict: Mapping[str, Any], layout: Any, *, budget_bytes: int | None = None,
+def preflight(cfg_dict: Mapping[str, Any], layout: Layout, *, budget_bytes: int | None = None,
               budget: Budget | None = None, max_options: int = 5) -> None:
     """Raise :class:`PreflightError` if the layout's predicted peak memory per rank exceeds the device
     memory; return ``None`` otherwise.
@@ -204,7 +198,7 @@ def _walked(costs: ModelCosts, key: tuple, budget: Budget, per_node: int, keep_s
     """:func:`_fitting_options` once per ``key``: what the search reads of the refused layout (its schedule, its
     processes and global batch, its gradient sync and CUDA graphs), whatever its D and B."""
     strategy, world, batch, recompute, grad_sync, cuda_graphs = key
-    like = Candidate(strategy, 1, world, 1, batch, recompute=recompute, grad_sync=grad_sync, cuda_graphs=cuda_graphs)
+    like = Candidate.of(strategy, 1, world, 1, batch, recompute=recompute, grad_sync=grad_sync, cuda_graphs=cuda_graphs)
     return tuple(_fitting_options(costs, like, budget, per_node, keep_sends, SEARCHED))
 
 
@@ -213,7 +207,7 @@ def _without_graphs(costs: ModelCosts, cand: Candidate, budget: Budget, per_node
     """What ``strategy.cuda_graphs=false`` would fit, so that a refusal never leaves the graphs' pools an
     unstated way out: this layout, if only its pools do not fit; else up to ``limit`` layouts without them
     (each fix with its predicted peak)."""
-    eager = replace(cand, cuda_graphs=False)
+    eager = cand.replace(cuda_graphs=False)
     mem = predict_memory(costs, eager, keep_sends=keep_sends)
     if budget.fits(mem.per_rank, per_node):
         return [(dict(EAGER), mem.max_rank)]
@@ -254,7 +248,7 @@ def _fitting_options(costs: ModelCosts, cand: Candidate, budget: Budget, per_nod
                                          grad_sync=cand.grad_sync), key=rank)
             if _states_bound(costs, c, budget, per_node) <= budget.limit()]
     if cand.cuda_graphs:  # the user's strategy.cuda_graphs=true holds for the suggestions: those it can run, pools counted
-        walk = [replace(c, cuda_graphs=True) for c in walk
+        walk = [c.replace(cuda_graphs=True) for c in walk
                 if cuda_graphs_error(True, get_spec(c.strategy), c.recompute, c.schedule()) is None]
     partitions = {S: runtime_partition(costs, S) for S in {c.S for c in walk}}  # the split ignores the schedule
     peaks = partial(_peaks, costs, keep_sends, partitions)

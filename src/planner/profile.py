@@ -52,6 +52,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from pipeline_recipes.datamodules.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
 from pipeline_recipes.models import build_model, preset
+from pipeline_recipes.models.families import data_format
 from pipeline_recipes.strategies.runtime.executor import loss_counts, micro_batch_loss
 from pipeline_recipes.core.pipeline_model import call_layer, run_layers
 from pipeline_recipes.strategies.runtime.recompute import SavedBytes, parameter_storages
@@ -95,9 +96,10 @@ def cache_key(model_cfg: Mapping[str, Any], device: str, settings: Mapping[str, 
 
 
 def make_batch(model: nn.Module, size: int, seed: int = 0) -> dict[str, Tensor]:
-    """A synthetic mini-batch of ``size`` samples shaped like the training data of ``model``."""
+    """A synthetic mini-batch of ``size`` samples shaped like the training data of ``model`` (its family's data
+    format, :func:`~pipeline_recipes.models.families.data_format`)."""
     vocab, seq = int(model.config.vocab_size), int(model.seq_len)
-    if getattr(model, "family", "") == "bert":
+    if data_format(getattr(model, "family", "")) == "bert":
         data = SyntheticBertDataset(size, seq, vocab, seed=seed)
     else:
         data = SyntheticGPT2Dataset(size, seq, vocab, seed=seed)

@@ -32,13 +32,11 @@ from typing import Any
 from pipeline_recipes.core.fixes import ConfigError, values
 from pipeline_recipes.core.errors import did_you_mean
 
-from pipeline_recipes.core.node import AUTO, NodeDevices, cpus_per_rank, loader_settings, probe_node
-
-from .settings import GPU_NAMES
+from pipeline_recipes.core.layout import BASELINES
+from pipeline_recipes.core.node import AUTO, GPU_NAMES, NodeDevices, cpus_per_rank, loader_settings, probe_node
 
 CPU_DEVICES = 2  # `trainer=auto` without CUDA and without trainer.devices: the README's 2-process CPU job
 FP16_MIXED = ("16-mixed", "16")  # Lightning's spellings of fp16 autocast with a GradScaler
-BASELINES = ("ddp", "single")
 CUDA_CONTEXT_BYTES = 512 * 2**20  # what one process's CUDA context and kernels hold outside torch's allocator
 MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's values
 MATMUL_KEY = "float32_matmul_precision"  # trainer.float32_matmul_precision: ours, not a Trainer argument

@@ -15,6 +15,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from pipeline_recipes.core.node import GPU_NAMES
 from pipeline_recipes.planner.cluster import ClusterSpec
 from pipeline_recipes.planner.derived_costs import described_budget, described_costs
 from pipeline_recipes.planner.estimate import with_run_memory
@@ -47,9 +48,9 @@ def auto_overrides(overrides: Sequence[str], config_dir: str | Path, *, cache_di
     accelerator = str(trainer.get("accelerator", "cpu"))
     per_node, nodes = int(trainer.get("devices", 1)), int(trainer.get("num_nodes", 1))
     costs = load_or_profile(cfg.model, cache_dir=cache_dir, comm=comm, log=log,
-                            device="cuda" if accelerator in ("gpu", "cuda") else "cpu")
+                            device="cuda" if accelerator in GPU_NAMES else "cpu")
     costs = with_run_memory(costs, OmegaConf.to_container(cfg.model, resolve=True), precision=trainer.get("precision"),
-                            device="cuda" if accelerator in ("gpu", "cuda") else "cpu")  # the run's autocast
+                            device="cuda" if accelerator in GPU_NAMES else "cpu")  # the run's autocast
     budget = device_budget(accelerator, override=budget_bytes, process_bytes=costs.comm.process_bytes)
     best = best_config(costs, per_node * nodes, int(cfg.data.global_batch_size), budget, num_nodes=nodes)
     return _replace_strategy(rest, best, log)

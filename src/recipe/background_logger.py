@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import sys
 import threading
@@ -48,6 +49,7 @@ LOST_WAIT_S = 10.0  # the longest wait for W&B (the writer, wandb.finish, its te
 GONE_ERRORS = frozenset({"MailboxClosedError", "HandleAbandonedError", "WandbAttachFailedError",
                          "WandbServiceConnectionError", "WandbServiceNotOwnedError"})
 CONNECTION_LOST_NOTICE = "socket.send() raised exception."  # asyncio's, for writes to a socket whose peer is gone
+SHOW_INFO = "WANDB_SHOW_INFO"  # wandb 0.31's setting show_info: whether it prints its information lines
 
 
 def _not_a_lost_connection(record: logging.LogRecord) -> bool:
@@ -61,6 +63,28 @@ def quiet_lost_connection_notices() -> None:
     logger = logging.getLogger("asyncio")
     if _not_a_lost_connection not in logger.filters:
         logger.addFilter(_not_a_lost_connection)
+
+
+def quiet_wandb_info() -> None:
+    """W&B prints none of its information lines: its banner at ``wandb.init`` and, at ``wandb.finish``, its history
+    and summary panels and its sync advice (34 lines an offline run; the figures are in the run and ``results.json``);
+    its warnings and errors still print. :func:`finish_wandb` says where the run is, and how to upload it, in one
+    line (:func:`run_location`). Called before the run starts, in a job's process only (wandb reads the setting
+    once, when it sets itself up); ``WANDB_SHOW_INFO=true`` in the environment keeps W&B's own lines."""
+    os.environ.setdefault(SHOW_INFO, "false")
+
+
+def run_location(run: Any) -> str | None:
+    """One line for W&B's run ``run``: an offline one's directory and the command that uploads it, a live one's
+    address and local copy; None where the run cannot tell (its settings unreadable)."""
+    try:
+        sync_dir, offline = run.sync_dir, run.offline
+        url = None if offline else run.url
+    except Exception:  # noqa: BLE001 - a run that cannot say where it is gets no line, never an error
+        return None
+    if offline or not url:
+        return f"wandb: offline run in {sync_dir}; upload it with: wandb sync {sync_dir}"
+    return f"wandb: run at {url} (local copy in {sync_dir})"
 
 
 def service_exited() -> bool | None:
@@ -288,7 +312,9 @@ def finish_wandb(loggers: Sequence[Any], run_error: BaseException | None | objec
     background writer stopped, then ``wandb.finish()``, every wait bounded (the loggers' ``drain_timeout_s``;
     :data:`LOST_WAIT_S` once the service is gone), then W&B's teardown (its service's end, which its exit hook would
     wait for without a bound). A service that is gone or does not answer in time is :func:`lose_backend`'s one
-    warning; another error of ``wandb.finish()`` is raised only after a run that raised nothing itself."""
+    warning; another error of ``wandb.finish()`` is raised only after a run that raised nothing itself. Then one line
+    says where the run is and how to upload it (:func:`run_location`, in place of W&B's own block:
+    :func:`quiet_wandb_info`)."""
     if run_error is _HANDLED:
         run_error = sys.exc_info()[1]
     wandb_loggers = [lg for lg in loggers if isinstance(lg, WandbLogger)]
@@ -301,6 +327,7 @@ def finish_wandb(loggers: Sequence[Any], run_error: BaseException | None | objec
             with contextlib.suppress(Exception):  # never hide the error that ended the run
                 logger.stop()
     gone = next((lg for lg in wandb_loggers if lost(lg) is not None), None)
+    location = run_location(wandb.run) if wandb.run is not None else None  # before finish() lets it go
     limits = [lg.drain_timeout_s for lg in wandb_loggers if isinstance(lg, BackgroundWandbLogger)]
     limit = LOST_WAIT_S if gone is not None else max(limits, default=300.0)
     error = call_bounded(wandb.finish, limit, "wandb.finish()")  # one W&B run per job
@@ -317,5 +344,7 @@ def finish_wandb(loggers: Sequence[Any], run_error: BaseException | None | objec
     error = call_bounded(wandb.teardown, LOST_WAIT_S if gone is not None else limit, "wandb.teardown()")
     if error is not None and not (isinstance(error, SystemExit) and not error.code):
         lose_backend(gone or wandb_loggers[0], error)
+    if location is not None:
+        print(location, flush=True)
     if raised is not None:
         raise raised

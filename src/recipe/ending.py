@@ -8,8 +8,11 @@ The last line of every job that ran is one of::
     stopped: SIGTERM received by rank 1; stopped after step 17; checkpoint <path> (resume: ckpt_path=auto)
     error: training diverged: rank 0 raised TrainingDiverged: training loss is nan at step 5 ...
     error: job failed: rank 1 (host) killed by SIGKILL (signal 9: kill -9, the out-of-memory killer, or a scheduler)
+    error: job failed: rank 0 (host) raised PeerTimeoutError: rank 1 stopped answering: rank 0 waited 60s for the
+        gradient all-reduce of stage 0, the limit of 60s (strategy.timeout_s); ...
 
-and ``results.json`` says the same (``status``, ``reason``).
+and ``results.json`` says the same (``status``, ``reason``). A peer lost in a p2p wait or in a collective is said one
+way, by the rank that lost it (:mod:`pipeline_recipes.core.transport`).
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
 
+from pipeline_recipes.models.families import transformer_shape
+
 # Dense peak TFLOP/s per device: (bf16/fp16 tensor cores, fp32), from the vendors' data sheets.
 # Matched against torch.cuda.get_device_name() in this order (first substring that matches wins).
 PEAK_TFLOPS: tuple[tuple[str, str, float, float], ...] = (
@@ -103,28 +105,12 @@ def flops_per_token(params: int, n_layer: int, d_model: int, seq_len: int) -> in
     return 6 * int(params) + 12 * int(n_layer) * int(d_model) * int(seq_len)
 
 
-_LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers")
-_WIDTH_KEYS = ("n_embd", "hidden_size", "d_model")
-
-
-def transformer_shape(model_cfg: Mapping[str, Any]) -> tuple[int, int] | None:
-    """``(layers, attention width)`` from a model config (GPT-2's ``n_layer``/``n_embd`` or the
-    ``num_hidden_layers`` / ``hidden_size`` of most transformers configs); None when the config names
-    neither. The attention term scales with the query heads' width: ``num_attention_heads · head_dim``
-    where the config sets ``head_dim`` (Llama 3, Qwen3), else the hidden size. Grouped-query attention
-    shrinks only the key/value projections, which the parameter count already has."""
-    layers = next((model_cfg[k] for k in _LAYER_KEYS if model_cfg.get(k) is not None), None)
-    width = next((model_cfg[k] for k in _WIDTH_KEYS if model_cfg.get(k) is not None), None)
-    if model_cfg.get("head_dim") is not None and model_cfg.get("num_attention_heads") is not None:
-        width = int(model_cfg["head_dim"]) * int(model_cfg["num_attention_heads"])
-    return (int(layers), int(width)) if layers is not None and width is not None else None
-
-
 def model_flops_per_token(model_cfg: Mapping[str, Any], seq_len: int | None = None,
                           model: nn.Module | None = None) -> int | None:
     """FLOPs per training token of the model a ``conf/model`` config builds (on the meta device: no
-    memory, no random numbers drawn; ``model`` is counted instead when its builder takes no ``device``);
-    None when the config is not a transformer this module knows."""
+    memory, no random numbers drawn; ``model`` is counted instead when its builder takes no ``device``), with
+    the layers and attention width of its family's FLOP shape
+    (:func:`~pipeline_recipes.models.families.transformer_shape`); None when the config gives no shape."""
     shape = transformer_shape(model_cfg)
     seq = seq_len if seq_len is not None else model_cfg.get("seq_len")
     if shape is None or seq is None:

@@ -9,8 +9,8 @@ the pipeline strategy and the stage table read that layout (:func:`build_strateg
 
 from __future__ import annotations
 
-import inspect
 import logging
+import re
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +23,8 @@ from lightning.pytorch.loggers import WandbLogger
 
 from pipeline_recipes.core.layout import Layout
 from pipeline_recipes.core.signals import SignalRecord
-from pipeline_recipes.strategies.lightning.strategy import PipelineModule, PipelineStrategy, share_gpus
+from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S
+from pipeline_recipes.strategies.lightning.strategy import CONFIG_KEYS, PipelineModule, PipelineStrategy, share_gpus
 from pipeline_recipes.strategies.lightning.precision import with_precision_plugin
 from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 from pipeline_recipes.strategies.lightning.verified_checkpoint import VerifiedCheckpoint
@@ -41,19 +42,55 @@ from .progress import ProgressLine
 from .resume import CHECKPOINT_DIR
 
 LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"  # Lightning 2.6's advert, logged by every Trainer
+# Lightning's INFO lines that repeat what the recipe's own lines say (the layout line names the accelerator and
+# the processes, the strategy's line every rank's place, the last line the steps run), each matched from its start
+NOT_NEWS = (
+    re.escape(LITLOGGER_TIP),
+    r"GPU available: ", r"TPU available: ", r"HPU available: ",  # the accelerator banner
+    r"LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES: ",  # every GPU rank's device list
+    r"Initializing distributed: GLOBAL_RANK: ", r"-+\ndistributed_backend=",  # the process group's banner
+    r"`Trainer\.fit` stopped: `max_steps=\d+` reached\.",  # the configured end (other ends still print)
+)
+# the loggers Lightning writes those lines to (rank_zero_info's module logger is whichever package set it last)
+NOTICE_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                  "lightning.fabric.utilities.distributed", "lightning.pytorch.accelerators.cuda")
+_NOT_NEWS = re.compile("|".join(f"(?:{pattern})" for pattern in NOT_NEWS))
+
+
+def is_news(record: logging.LogRecord) -> bool:
+    """False for an INFO (or lower) record of :data:`NOT_NEWS`; a warning or an error is always news."""
+    return record.levelno > logging.INFO or _NOT_NEWS.match(record.getMessage()) is None
 
 
 def quiet_library_notices() -> None:
     """Drop library messages that say nothing about this run, each matched by its text: Lightning's own use
-    of torch's deprecated ``LeafSpec`` (a ``FutureWarning`` from its ``_pytree`` module), its litlogger tip (an
-    INFO record of its rank-zero logger), and its advice to prepend ``srun`` wherever ``srun`` exists (the
-    recipe reads SLURM itself, :mod:`pipeline_recipes.recipe.launch_mode`: the workers of a one-task-per-node job
-    are no SLURM tasks, on purpose)."""
+    of torch's deprecated ``LeafSpec`` (a ``FutureWarning`` from its ``_pytree`` module), its advice to prepend
+    ``srun`` wherever ``srun`` exists (the recipe reads SLURM itself, :mod:`pipeline_recipes.recipe.launch_mode`: the
+    workers of a one-task-per-node job are no SLURM tasks, on purpose), and the INFO lines of :data:`NOT_NEWS` (its
+    litlogger tip, its accelerator and process-group banners, the ``max_steps`` end). Its warnings all stay (e.g.
+    "GPU available but not used")."""
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
     warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: not str(record.msg).startswith(LITLOGGER_TIP))
+    for name in NOTICE_LOGGERS:
+        logger = logging.getLogger(name)
+        if is_news not in logger.filters:
+            logger.addFilter(is_news)
+
+
+def quiet_resume_notice(checkpointing: list[Any], ckpt_path: str | None) -> None:
+    """A run resuming from a save in its own checkpoint directory: ModelCheckpoint's "Checkpoint directory …
+    exists and is not empty" is that save, no news, and is dropped for that directory only. A run that does not
+    resume from it (a fresh run into a used job directory, ``ckpt_path=auto`` that found no complete save, a resume
+    from elsewhere) still gets the warning: its saves go next to ones it did not write."""
+    if ckpt_path is None:
+        return
+    resumed = Path(ckpt_path).resolve()
+    for callback in checkpointing:
+        directory = Path(callback.dirpath).resolve()
+        if resumed == directory or directory in resumed.parents:
+            warnings.filterwarnings("ignore", message=re.escape(
+                f"Checkpoint directory {callback.dirpath} exists and is not empty.") + "$")
 
 
 def is_rank_zero() -> bool:
@@ -135,8 +172,7 @@ def build_strategy(strategy_cfg: dict[str, Any], layout: Layout) -> Any:
     leaves ``micro_batch_size`` null."""
     target = get_object(strategy_cfg["_target_"])
     if isinstance(target, type) and issubclass(target, PipelineStrategy):
-        layout_settings = set(inspect.signature(PipelineStrategy.__init__).parameters)
-        passed_on = {k: v for k, v in strategy_cfg.items() if k not in layout_settings and not k.startswith("_")}
+        passed_on = {k: v for k, v in strategy_cfg.items() if k not in CONFIG_KEYS and not k.startswith("_")}
         return target.from_layout(layout, **passed_on, timeout_s=float(strategy_cfg["timeout_s"]))
     unset_batch = strategy_cfg.get("micro_batch_size", 0) is None
     return instantiate(strategy_cfg, **({"micro_batch_size": layout.B} if unset_batch else {}))
@@ -174,11 +210,12 @@ def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
     if checkpointing:
         trainer_cfg["enable_checkpointing"] = True
     ckpt_path = cfg.get("ckpt_path")  # resolved (auto) and checked by the launcher: recipe.resume
+    quiet_resume_notice(checkpointing, ckpt_path)
     metrics_cfg = cfg.get("metrics", {})
     throughput = ReplicaThroughputMonitor(layout.W, window_size=int(metrics_cfg.get("window_size", 3)))
     seq_len = (cfg.get("data") or {}).get("seq_len") or cfg["model"].get("seq_len")
     stop = StopOnSignal(signals, raise_at_end=False,
-                        timeout=timedelta(seconds=float(cfg["strategy"].get("timeout_s", 120))))
+                        timeout=timedelta(seconds=float(cfg["strategy"].get("timeout_s", COLLECTIVE_TIMEOUT_S))))
     metrics = PipelineMetrics(layout, spec.out_dir, throughput, warmup_steps=int(metrics_cfg.get("warmup_steps", 1)),
                               flops_per_token=model_flops_per_token(cfg["model"], seq_len, model),
                               peak_tflops=peak_tflops, ending=lambda _: stop_ending(stop).as_status())

@@ -1,6 +1,6 @@
 """Run one Hydra job: check the layout, start fresh worker processes, collect the results.
 
-Every job of a ``-m`` sweep gets its own fresh processes (``python -m recipe.worker``, one per
+Every job of a ``-m`` sweep gets its own fresh processes (``python -m pipeline_recipes.recipe.worker``, one per
 local rank, with the environment Lightning's own launcher would set), so nothing leaks from one
 job to the next and no child re-runs the sweep (the failure of Lightning's script re-launcher
 under Hydra, Lightning #15737 and #18175). The parent never imports Lightning.
@@ -42,6 +42,7 @@ from pipeline_recipes.core.disk import no_space, no_space_message
 from pipeline_recipes.core.errors import TrainingDiverged
 from pipeline_recipes.core.failures import describe_exception
 from pipeline_recipes.core.signals import SignalRecord, early_signal
+from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S, STOP_TIMEOUT_S
 
 from .checks import Checked, check_command, hydra_command
 from .launch_mode import Launch, is_global_zero, rank_env
@@ -136,15 +137,15 @@ def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals
         outcome = _run_here(spec, launch, signals)
     else:
         outcome = launch_workers(job_file, layout.world_size, int(trainer_cfg["devices"]), out_dir / "logs",
-                                 hang_s=float(cfg.strategy.get("timeout_s", 120)), launch=launch,
-                                 stop_timeout_s=float(cfg.get("stop_timeout_s", 120)), signals=signals)
+                                 hang_s=float(cfg.strategy.get("timeout_s", COLLECTIVE_TIMEOUT_S)), launch=launch,
+                                 stop_timeout_s=float(cfg.get("stop_timeout_s", STOP_TIMEOUT_S)), signals=signals)
     return _conclude(out_dir, layout, outcome, launch, multirun)
 
 
 def _lock(lock: RunLock, cfg: DictConfig, multirun: bool, signals: SignalRecord) -> None:
     """Hold the job directory for this job. A requeued SLURM job whose previous run still holds it waits as long
     as that run may take to stop (``stop_timeout_s``, then its ranks' end) and a margin, or until a stop signal."""
-    wait_s = float(cfg.get("stop_timeout_s", 120)) + GRACE_S + LOCK_MARGIN_S
+    wait_s = float(cfg.get("stop_timeout_s", STOP_TIMEOUT_S)) + GRACE_S + LOCK_MARGIN_S
     warning = lock.acquire(os.environ, wait_s, key="hydra.sweep.dir" if multirun else "hydra.run.dir",
                            say=lambda line: print(line, flush=True), interrupted=lambda: signals.received)
     if warning:

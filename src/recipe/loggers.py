@@ -12,7 +12,10 @@ it imports neither Lightning nor torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline_recipes.core.errors import did_you_mean
@@ -25,6 +28,9 @@ if TYPE_CHECKING:
     from lightning.pytorch.loggers import Logger
 
 FROM_RUN = "from_run"  # the yaml's key mapping logger arguments to run values
+# Lightning's CSVLogger warns whenever its directory is not empty, and the job directory always holds job.yaml and
+# logs/; it deletes only its metrics.csv, so the warning is news only where that file is there (a resumed run's rows)
+CSV_DIR_NOTICE = r"Experiment logs directory .* exists and is not empty\. Previous log files in this directory"
 RUN_VALUES = ("dir", "name", "group", "strategy", "tags")
 DRAIN_TIMEOUT = "drain_timeout_s"  # BackgroundWandbLogger's own argument
 
@@ -106,14 +112,37 @@ def without_writer_keys(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def instantiate_loggers(spec: JobSpec) -> list[Logger]:
     """The run's loggers (none or one), each given the resolved config and the derived layout as
-    hyperparameters."""
+    hyperparameters. A W&B logger's run prints none of W&B's information lines
+    (:func:`~pipeline_recipes.recipe.background_logger.quiet_wandb_info`); Lightning's CSV logger says its directory
+    is not empty only where it holds a ``metrics.csv`` for it to delete (:data:`CSV_DIR_NOTICE`)."""
     cfg = spec.config.get("logger") or {}
     check_logger(cfg)
     arguments = logger_arguments(cfg, run_values(spec))
     if arguments is None:
         return []
     from hydra.utils import instantiate
+    from lightning.pytorch.loggers import WandbLogger
+
+    from .background_logger import quiet_wandb_info  # local: Lightning loads in the workers only
 
     logger = instantiate(arguments)
-    logger.log_hyperparams({**spec.config, "derived": spec.layout.as_dict()})
+    if isinstance(logger, WandbLogger):
+        quiet_wandb_info()  # before the run starts (log_hyperparams): its block becomes finish_wandb's one line
+    with _without_csv_false_alarm(logger):
+        logger.log_hyperparams({**spec.config, "derived": spec.layout.as_dict()})  # a CSV logger opens its file here
     return [logger]
+
+
+@contextlib.contextmanager
+def _without_csv_false_alarm(logger: Logger) -> Iterator[None]:
+    """Inside it, :data:`CSV_DIR_NOTICE` is dropped when ``logger`` is a CSV logger whose directory holds no metrics
+    file (nothing to delete); any other logger, or one that would delete rows, is left as it is."""
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+    if not isinstance(logger, CSVLogger) or (Path(logger.log_dir) / ExperimentWriter.NAME_METRICS_FILE).exists():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=CSV_DIR_NOTICE)
+        yield

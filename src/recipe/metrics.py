@@ -44,6 +44,7 @@ from lightning.pytorch.loggers import WandbLogger
 from pipeline_recipes.core.errors import TrainingDiverged
 from pipeline_recipes.core.layout import Layout
 from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy, reporting_step
+from pipeline_recipes.strategies.runtime.collectives import wait_collective
 from pipeline_recipes.strategies.schedules import Action, Schedule, simulate
 from pipeline_recipes.strategies.schedules.actions import KINDS
 from pipeline_recipes.strategies.schedules.render import save_png
@@ -157,11 +158,12 @@ def theory_bubble_ratio(schedule: Schedule, rows: Sequence[Sequence[tuple[Action
 
 
 def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:
-    """One row per rank (a collective: every rank takes part); a single process gives one row."""
+    """One row per rank (a collective: every rank takes part); a single process gives one row. A rank lost during
+    it is named like a lost p2p peer (:func:`pipeline_recipes.strategies.runtime.collectives.wait_collective`)."""
     if not (dist.is_available() and dist.is_initialized()):
         return local.reshape(1, -1)
     rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, local)
+    wait_collective(dist.all_gather(rows, local, async_op=True), None, "the metrics all-gather", time.monotonic())
     return torch.stack(rows)
 
 

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-GPU_ACCELERATORS = ("gpu", "cuda")
+from pipeline_recipes.core.node import GPU_NAMES
+
 CPUS_PER_GPU_TASK = 8  # a GPU rank's loader processes (data.num_workers=auto takes min(4, CPUs per rank)) and host side
 CPUS_PER_CPU_TASK = 1  # a CPU rank runs one torch thread (recipe/job.py)
 
 
 def slurm_gpus_per_node(accelerator: str, devices: int) -> int | None:
     """GPUs per node to ask SLURM for: ``trainer.devices`` under ``trainer=gpu``, none otherwise."""
-    return int(devices) if str(accelerator) in GPU_ACCELERATORS else None
+    return int(devices) if str(accelerator) in GPU_NAMES else None
 
 
 def slurm_cpus_per_task(accelerator: str) -> int:
     """CPUs per task (one task is one rank): a CPU rank's one thread, or a GPU rank's loaders."""
-    return CPUS_PER_GPU_TASK if str(accelerator) in GPU_ACCELERATORS else CPUS_PER_CPU_TASK
+    return CPUS_PER_GPU_TASK if str(accelerator) in GPU_NAMES else CPUS_PER_CPU_TASK
 
 
 def register() -> None:

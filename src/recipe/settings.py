@@ -19,27 +19,31 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any
 
 from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.schedules import (
-    AUTO_CONCAT, CONCAT_METHODS, CONFIG, DEFAULT_SCHEDULE, ScheduleError, ScheduleSpec, Settings, build_schedule,
-    get_spec, names, resolve_concat,
+    AUTO_CONCAT, CONCAT_METHODS, CONFIG, DEFAULT_SCHEDULE, LayoutRefusal, ScheduleError, ScheduleSpec, derive_layout,
+    get_spec, names,
 )
 from pipeline_recipes.strategies.schedules.rules import (
     DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE, GRAD_SYNC_MODES, RECOMPUTE_MODES, Refusal,
 )
 
 from pipeline_recipes.core.errors import did_you_mean
-from pipeline_recipes.core.layout import Layout
+from pipeline_recipes.core.layout import BASELINES, Layout
+from pipeline_recipes.core.node import GPU_NAMES
+from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S, STOP_TIMEOUT_S
 from pipeline_recipes.core.fixes import (
     ConfigError, Fix, Proposal, fixes_of, override_text, override_value, values, vet,
 )
+from pipeline_recipes.models.families import candidate_keys, config_key
 
-__all__ = ["ConfigError", "FixedSetting", "Layout", "NumericSetting", "SettingRule", "check_devices",
-           "check_drain_timeout", "check_fixed_settings", "check_model", "check_settings", "did_you_mean",
-           "fixed_settings", "numeric_settings", "resolve_layout", "setting_rule", "settings_schema"]
+__all__ = ["BASELINES", "ConfigError", "FixedSetting", "Layout", "NumericSetting", "SettingRule", "check_devices",
+           "check_drain_timeout", "check_fixed_settings", "check_model", "check_settings", "cuda_graphs_device_error",
+           "fixed_settings", "layers_key", "num_layers", "numeric_settings", "refuses", "resolve_layout",
+           "setting_rule", "settings_schema"]
 
 
 NONFINITE_LOSS = ("stop", "skip")  # strategies.lightning.PipelineModule
@@ -202,11 +206,11 @@ def numeric_settings() -> tuple[NumericSetting, ...]:
         NumericSetting("checkpoint.every_n_steps", int, 1, "the training steps between two checkpoints", 100,
                        specials=((None, "never"),)),
         NumericSetting("stop_timeout_s", float, 0, "the time the ranks get to reach a step boundary and save "
-                       "after a stop signal", 120, positive=True, unit=SECONDS),
+                       "after a stop signal", STOP_TIMEOUT_S, positive=True, unit=SECONDS),
         NumericSetting("nonfinite_loss_patience", int, 0, "the non-finite losses in a row that "
                        "nonfinite_loss=skip skips before the run ends as diverged", 3),
         NumericSetting("strategy.timeout_s", float, 0, "the time a p2p wait or collective waits before it gives up",
-                       120, positive=True, unit=SECONDS),
+                       COLLECTIVE_TIMEOUT_S, positive=True, unit=SECONDS),
         NumericSetting("metrics.window_size", int, 1, "the steps of one throughput window", 3),
         NumericSetting("metrics.warmup_steps", int, 0, "the first windows and steps left out of the medians of "
                        "results.json", 1),
@@ -302,9 +306,6 @@ def _batch_proposals(global_batch_size: int, step: int) -> list[Proposal]:
     return [values("data.global_batch_size", below, keep=1), values("data.global_batch_size", above, keep=1)]
 
 
-BASELINES = ("ddp", "single")
-
-
 def _baseline_layout(name: str, world: int, D: int, global_batch_size: int, precision: str | None) -> Layout:
     """``ddp``: W = world size replicas of the whole model; ``single``: one process. Both take the
     replica's whole mini-batch in one pass (B = B̂/W, N = 1); ``strategy.micro_batch_size`` is unused."""
@@ -345,24 +346,31 @@ def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
 
 
 EXTRA_LAYERS = 2  # pipeline layers besides a model's blocks: the embedding and the head
-BLOCK_KEYS = ("n_layer", "num_hidden_layers")  # a model config's blocks: GPT-2's name, transformers' other one
 
 
 def num_layers(model: Mapping[str, Any]) -> int:
-    """Pipeline layers of a model config: its blocks plus the embedding and the head."""
-    return int(model.get(BLOCK_KEYS[0], model.get(BLOCK_KEYS[1]))) + EXTRA_LAYERS
+    """Pipeline layers of a model config: its blocks (the key its family registers,
+    :func:`~pipeline_recipes.models.families.config_key`) plus the embedding and the head."""
+    key = config_key(model, "layers_key")
+    if key is None:
+        raise ConfigError(f"the model config (model.family = {model.get('family')!r}) sets no number of blocks: "
+                          f"none of {', '.join(f'model.{k}' for k in candidate_keys(model, 'layers_key'))}")
+    return int(model[key]) + EXTRA_LAYERS
 
 
 def layers_key(model: Mapping[str, Any]) -> str | None:
     """The override that sets a model config's blocks (``model.n_layer``), or None."""
-    return next((f"model.{key}" for key in BLOCK_KEYS if key in model), None)
+    key = config_key(model, "layers_key")
+    return None if key is None else f"model.{key}"
 
 
 def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_size: int, num_layers: int, *,
                    layers_key: str | None = None, vet_fixes: bool = True) -> Layout:
-    """Derive W and N and check every rule of the pipeline layout (the schedule's own rules come from its
-    registry spec). A refusal keeps the fixes with which this function passes (``vet_fixes``; the launcher
-    checks them against the whole command instead, :mod:`pipeline_recipes.recipe.checks`); ``layers_key``: the
+    """The layout of a config's settings: the config's own checks (its keys, the processes, the baselines), then a
+    pipeline's layout derived and checked by :func:`pipeline_recipes.strategies.schedules.derive_layout` (the one
+    derivation of W, B, N and S; the schedule's rules come from its registry spec), whose refusal becomes a
+    :class:`~pipeline_recipes.core.fixes.ConfigError` with candidate fixes of the config. A refusal keeps the fixes
+    with which this function passes (``vet_fixes``; the launcher checks them against the whole command instead, :mod:`pipeline_recipes.recipe.checks`); ``layers_key``: the
     model's setting of its blocks (``model.n_layer``), so that a refusal may propose more of them."""
     try:
         return _resolve(strategy, trainer, global_batch_size, num_layers, layers_key)
@@ -440,55 +448,43 @@ def _resolve(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_siz
     if spec is None:
         return _baseline_layout(name, world, D, global_batch_size, trainer.get("precision"))
     fixed_n = spec.fixed_micro_batches
-    one_per_update = fixed_n is not None and strategy.get("micro_batch_size") is None  # B = B̂ / (W·N)
-    B = 1 if one_per_update else _positive("strategy.micro_batch_size", strategy.get("micro_batch_size"))
-    W = strategy.get("W") or (world // D if world % D == 0 else 1)
-    around = _Around(spec, strategy, trainer, world, D, W, B, global_batch_size, num_layers, layers_key)
-    if world % D:
-        raise around.error(f"strategy.D = {D} does not divide the {world} processes (trainer.devices × "
-                           "trainer.num_nodes)", around.stages())
-    if W * D != world:
-        raise around.error(f"W·D = {W}·{D} = {W * D} but trainer.devices × trainer.num_nodes = {world}",
-                           [values("strategy.W", [None, world // D]),
-                            values("strategy.D", [world // W] if world % W == 0 else [])])
-    if one_per_update:
-        if global_batch_size % (W * fixed_n):
-            raise around.error(f"data.global_batch_size = {global_batch_size} is not divisible by W·N = "
-                               f"{W}·{fixed_n} (strategy={name} takes B = global batch / (W·N), N = {fixed_n}), so "
-                               f"it must be a multiple of {W * fixed_n}",
-                               _batch_proposals(global_batch_size, W * fixed_n))
-        B = global_batch_size // (W * fixed_n)
-    S = spec.total_stages(D, strategy.get("chunks"))
-    if S > num_layers:
-        per = S // D
-        raise around.error(
-            f"strategy.D = {D}" + (f" with {per} stages per worker (S = {S})" if per > 1 else " stages")
-            + f" but the model has only {num_layers} pipeline layers (at least one per stage)",
-            around.stages() + (around.changing("chunks") if spec.chunks.choosable else []))
-    if global_batch_size % (W * B):
-        raise around.error(_batch_problem(global_batch_size, W, B, world, D, strategy.get("W") is not None),
-                           around.micro_batches())
-    N = global_batch_size // (W * B)
-    settings = Settings(name, D, N, B, strategy.get("pipelines"), strategy.get("concat"), strategy.get("chunks"),
-                        grad_sync=strategy.get("grad_sync", DEFAULT_GRAD_SYNC),
-                        recompute=strategy.get("recompute", DEFAULT_RECOMPUTE),
-                        naming=CONFIG)
-    errors = spec.errors(settings)
-    if errors:
-        raise around.refused(errors[0])
-    pipelines = settings.pipelines or spec.pipelines.default
-    requested = str(settings.concat or "direct") if spec.concat else "direct"
-    concat = _resolved_concat(name, D, N, pipelines, B, requested)
-    schedule = _check_schedule(spec, D, N, B, pipelines, concat, settings.chunks, around)
-    cuda_graphs = strategy.get("cuda_graphs", False)
-    refusal = cuda_graphs_device_error(cuda_graphs, trainer.get("accelerator")) or cuda_graphs_error(
-        cuda_graphs, spec, strategy.get("recompute", DEFAULT_RECOMPUTE), schedule)
-    if refusal is not None:
-        raise around.refused(refusal)
-    return Layout(name, world, W, D, B, N, global_batch_size, pipelines, _variant(strategy, spec, pipelines, concat),
-                  concat, requested == "auto", S if S != D else None, cuda_graphs, chunks=settings.chunks,
-                  grad_sync=settings.grad_sync, recompute=settings.recompute, placement=schedule.placement,
-                  precision=trainer.get("precision"))
+    B = None if fixed_n is not None and strategy.get("micro_batch_size") is None else _positive(
+        "strategy.micro_batch_size", strategy.get("micro_batch_size"))
+    cuda_graphs, recompute = strategy.get("cuda_graphs", False), strategy.get("recompute", DEFAULT_RECOMPUTE)
+    graph_rules = (lambda _: cuda_graphs_device_error(cuda_graphs, trainer.get("accelerator")),
+                   partial(cuda_graphs_error, cuda_graphs, spec, recompute))
+    try:
+        return derive_layout(spec, world, D, global_batch_size, B=B, W=strategy.get("W"),
+                             pipelines=strategy.get("pipelines"), concat=strategy.get("concat"),
+                             chunks=strategy.get("chunks"), grad_sync=strategy.get("grad_sync", DEFAULT_GRAD_SYNC),
+                             recompute=recompute, cuda_graphs=cuda_graphs, num_layers=num_layers,
+                             precision=trainer.get("precision"), schedule_rules=graph_rules, naming=CONFIG)
+    except LayoutRefusal as err:
+        around = _Around(spec, strategy, trainer, world, D, err.W, err.B, global_batch_size, num_layers, layers_key)
+        raise _with_fixes(err, around, fixed_n) from err.__cause__
+
+
+def _with_fixes(err: LayoutRefusal, around: _Around, fixed_n: int | None) -> ConfigError:
+    """The launcher's refusal of a layout that :func:`~pipeline_recipes.strategies.schedules.derive_layout` refused:
+    its message with candidate fixes of the config for the kind of setting that may fix it."""
+    world, D, W = around.world, around.D, around.W
+    if err.kind == "rule":
+        return around.refused(err.problem)
+    if err.kind == "schedule":
+        return ConfigError(str(err.problem))
+    if err.kind == "halving":
+        even = [b for b in _divisors(around.global_batch_size // W) if b % 2 == 0]
+        return around.error(err.problem, [values("strategy.micro_batch_size", even),
+                                          values("strategy.concat", ["direct", "forward_doubling"])])
+    proposals = {
+        "stages": around.stages,
+        "replicas": lambda: [values("strategy.W", [None, world // D]),
+                             values("strategy.D", [world // W] if world % W == 0 else [])],
+        "fixed_batch": lambda: _batch_proposals(around.global_batch_size, W * (fixed_n or 1)),
+        "layers": lambda: around.stages() + (around.changing("chunks") if around.spec.chunks.choosable else []),
+        "batch": around.micro_batches,
+    }[err.kind]()
+    return around.error(err.problem, proposals)
 
 
 KIND_KEYS = {"stages": "strategy.D", "pipelines": "strategy.pipelines", "concat": "strategy.concat",
@@ -595,31 +591,6 @@ class _Around:
         return out + [values("strategy", [n for n in (*names(), *BASELINES) if n != name], keep=2)]
 
 
-@lru_cache(maxsize=1024)
-def _resolved_concat(name: str, D: int, N: int, pipelines: int, B: int, requested: str) -> str:
-    """:func:`resolve_concat`, once per layout (``auto`` simulates every method)."""
-    return resolve_concat(name, D, N, pipelines, B, requested)
-
-
-@lru_cache(maxsize=1024)
-def _built(name: str, D: int, N: int, pipelines: int, concat: str, chunks: int | None, B: int) -> Any:
-    """The validated schedule of a layout, built once (a refusal's candidate fixes check the same ones again)."""
-    return build_schedule(name, D, N, pipelines, concat, chunks=chunks, micro_batch_size=B)
-
-
-def _batch_problem(global_batch_size: int, W: int, B: int, world: int, D: int, w_set: bool) -> str:
-    """N = B̂ / (W·B) must be whole: name both settings and where W comes from."""
-    step = W * B
-    origin = (f"strategy.W = {W}" if w_set else
-              f"{W} replicas: trainer.devices × trainer.num_nodes = {world} processes / strategy.D = {D}")
-    head = (f"data.global_batch_size = {global_batch_size} is not divisible by W·B = {W}·{B} = {step} "
-            f"(W = {origin}; B = strategy.micro_batch_size = {B}): N = data.global_batch_size / (W·B) "
-            f"micro-batches per step must be whole, so data.global_batch_size must be a multiple of {step}")
-    if global_batch_size % W:
-        return head + f", and no strategy.micro_batch_size helps while it is not a multiple of W = {W}"
-    return head + f" or strategy.micro_batch_size a divisor of data.global_batch_size / W = {global_batch_size // W}"
-
-
 def _check_trainer_keys(trainer: dict[str, Any]) -> None:
     """``trainer.*`` keys the recipe cannot take: a Trainer strategy (the ``strategy`` group derives the
     layout) and a peak that is not positive."""
@@ -633,30 +604,6 @@ def _check_trainer_keys(trainer: dict[str, Any]) -> None:
                           "for MFU) or null (looked up from the GPU's name)", [values("trainer.peak_tflops", [None])])
 
 
-def _check_schedule(spec: Any, D: int, N: int, B: int, pipelines: int, concat: str, chunks: int | None = None,
-                    around: _Around | None = None) -> Any:
-    """Build (and validate) the schedule the workers will run, so a bad combination stops here; returns it."""
-    name = spec.name
-    try:
-        schedule = _built(name, D, N, pipelines, concat, chunks, B)
-    except ValueError as err:
-        extra = f", concat = {concat}" if spec.concat else ""
-        raise ConfigError(f"strategy={name} with D = {D}, N = {N} micro-batches{extra}: {err}") from err
-    halved = any(a.half is not None for acts in schedule.workers for a in acts)
-    if halved and B % 2:
-        problem = (f"concat = backward_halving splits micro-batches in two halves, but strategy.micro_batch_size "
-                   f"= {B} is odd")
-        if around is None:
-            raise ConfigError(problem)
-        even = [b for b in _divisors(around.global_batch_size // around.W) if b % 2 == 0]
-        raise around.error(problem, [values("strategy.micro_batch_size", even),
-                                     values("strategy.concat", ["direct", "forward_doubling"])])
-    return schedule
-
-
-GPU_NAMES = ("gpu", "cuda")  # trainer.accelerator values that mean CUDA devices (recipe.accelerator re-exports it)
-
-
 def cuda_graphs_device_error(value: Any, accelerator: Any) -> str | None:
     """``strategy.cuda_graphs = true`` needs CUDA devices (``trainer.accelerator`` None or auto: not known yet,
     checked again once the launcher resolved it)."""
@@ -667,22 +614,6 @@ def cuda_graphs_device_error(value: Any, accelerator: Any) -> str | None:
                    "trainer=auto on a node with CUDA) or set strategy.cuda_graphs=false", ("cuda_graphs", "accelerator"))
 
 
-def _variant(strategy: dict[str, Any], spec: Any, pipelines: int, concat: str = "direct") -> str:
-    """Settings beyond the schedule's defaults: concatenation method, pipelines, gradient sync, recomputation."""
-    parts = []
-    if spec.concat and concat != "direct":
-        parts.append(concat)
-    if spec.pipelines.choices is not None and pipelines != spec.pipelines.default:
-        parts.append(f"{pipelines}pipes")
-    if spec.chunks.choosable and strategy.get("chunks") not in (None, spec.chunks.default):
-        parts.append(f"v{strategy['chunks']}")
-    if strategy.get("grad_sync", DEFAULT_GRAD_SYNC) != DEFAULT_GRAD_SYNC:
-        parts.append(f"sync_{strategy['grad_sync']}")
-    if strategy.get("recompute", DEFAULT_RECOMPUTE) != DEFAULT_RECOMPUTE:
-        parts.append(f"recompute_{strategy['recompute']}")
-    return "+".join(parts)
-
-
 def check_model(model: dict[str, Any], data: dict[str, Any]) -> None:
     """Shapes the model cannot take: a sequence longer than its position table; a loss chunk that is
     not a positive number of tokens."""
@@ -691,10 +622,11 @@ def check_model(model: dict[str, Any], data: dict[str, Any]) -> None:
         raise ConfigError(f"model.loss_chunk_tokens = {chunk!r}: the tokens whose logits the LM loss computes at a "
                           "time must be a positive integer, or null for the whole micro-batch at once",
                           [values("model.loss_chunk_tokens", [4096, None])])
-    positions = model.get("n_positions", model.get("max_position_embeddings"))
+    positions_key = config_key(model, "positions_key")
+    positions = None if positions_key is None else model[positions_key]
     seq_len = data.get("seq_len", model.get("seq_len"))
     if positions is not None and seq_len is not None and int(seq_len) > int(positions):
-        key = "model.n_positions" if "n_positions" in model else "model.max_position_embeddings"
+        key = f"model.{positions_key}"
         raise ConfigError(f"sequence length {seq_len} (model.seq_len / data.seq_len) exceeds the model's {positions} "
                           f"positions ({key}): model.seq_len must be ≤ {positions}, or {key} ≥ {seq_len}",
                           [values("model.seq_len", [positions]), values("data.seq_len", [positions]),

@@ -33,6 +33,7 @@ from typing import IO
 from pipeline_recipes.core import exits
 from pipeline_recipes.core.failures import HEARTBEAT_ENV, error_path, read_error
 from pipeline_recipes.core.signals import PARENT_PID_ENV, STOP_SIGNALS, SignalRecord, held_back
+from pipeline_recipes.core.timeouts import STOP_TIMEOUT_S
 
 from .launch_mode import Launch, worker_env
 from .ending import JobEnd
@@ -199,7 +200,7 @@ class StopForwarder:
 def launch_workers(job_file: Path, world_size: int, devices: int, log_dir: Path,
                    module: str = "pipeline_recipes.recipe.worker", grace_s: float = GRACE_S,
                    hang_s: float | None = None, launch: Launch | None = None,
-                   stop_timeout_s: float = 120.0, signals: SignalRecord | None = None) -> Outcome:
+                   stop_timeout_s: float = STOP_TIMEOUT_S, signals: SignalRecord | None = None) -> Outcome:
     """Start ``devices`` workers (``python -m module job_file``) of this node (``launch``: which node
     and where the ranks meet; default one node) of a job of ``world_size`` ranks, stream rank 0's output,
     and watch them until they end (see the module docstring). ``signals``: the launcher's stop signals so far

@@ -1,4 +1,4 @@
-"""Entry point of one training process: ``python -m recipe.worker <job.yaml>``.
+"""Entry point of one training process: ``python -m pipeline_recipes.recipe.worker <job.yaml>``.
 
 :mod:`pipeline_recipes.recipe.launch` starts one per rank with Lightning's environment variables (``LOCAL_RANK``,
 ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning joins them instead

@@ -154,6 +154,7 @@ def test_split_documents() -> None:
 
 
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.slow
 def test_text_file_offline_bpe(tmp_path: Path, family: str) -> None:
     corpus = write_corpus(tmp_path / "corpus.txt")
     cache = tmp_path / "cache"

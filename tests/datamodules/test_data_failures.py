@@ -304,6 +304,7 @@ def test_a_local_copy_without_the_validation_split_names_the_split_settings(tmp_
         prepare_data(data)
 
 
+@pytest.mark.slow
 def test_a_refused_layout_does_not_import_the_data_modules_or_torch(tmp_path: Path) -> None:
     """The launcher's error handler needs no data import: a layout error stays a fraction of a second."""
     cmd = [sys.executable, "-X", "importtime", str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}",

@@ -66,6 +66,7 @@ def reference_blocks(text: str, tokenizer, seq_len: int) -> np.ndarray:
     return np.asarray(stream[:n * seq_len]).reshape(n, seq_len)
 
 
+@pytest.mark.slow
 def test_gpt2_blocks_with_a_saved_tokenizer(tmp_path: Path, corpus: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -107,6 +107,7 @@ def test_the_committed_record_re_derives_from_its_per_round_times() -> None:
         assert row["throughput_ratio"] == paired(job[theirs], job["job"]), (row["ours"], row["theirs"])
 
 
+@pytest.mark.slow
 def test_planner_timer_reports_a_childs_own_cpu_memory_and_cache() -> None:
     """A child that burns CPU and holds 200 MB: its CPU seconds and peak RSS (``wait4``), its exit status,
     and the empty cache directory it was given (the planner must measure, not read a cache). The timer
@@ -133,12 +134,11 @@ def test_hop_seconds_recovers_the_transfer_time_the_simulator_was_given() -> Non
     backwards; a step no longer than the simulation without messages reads 0."""
     import bench
 
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
-    from pipeline_recipes.strategies.schedules import simulate
+    from pipeline_recipes.strategies.schedules import build_schedule, simulate
 
     for name, D, N, t_w in [("dapple", 2, 4, None), ("gpipe", 3, 5, None), ("interleaved_1f1b", 2, 4, None),
                             ("zbv", 2, 4, 0.01), ("chimera", 4, 4, None)]:
-        schedule = PipelineConfig(name, D, 1).build(N)
+        schedule = build_schedule(name, D, N)
         step = simulate(schedule, 0.02, 0.04, t_w=t_w, t_comm=0.003).makespan
         assert bench.hop_seconds(schedule, step, 0.02, 0.04, t_w) == pytest.approx(0.003, rel=1e-6), name
         assert bench.hop_seconds(schedule, simulate(schedule, 0.02, 0.04, t_w=t_w).makespan, 0.02, 0.04, t_w) == 0.0

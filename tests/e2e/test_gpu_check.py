@@ -76,6 +76,7 @@ def test_handwritten_model_computes_the_transformers_loss_and_gradients(name: st
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.slow
 def test_compiled_rows_compute_the_eager_loss_and_gradients_and_switch_off(name: str) -> None:
     """fp32 on the CPU, ``aot_eager``: the stage model's blocks compiled by ``compile_blocks`` run compiled
     only inside the row's context (the transformers model shares them), and give the loss and gradients

@@ -15,6 +15,7 @@ No process is left behind by any of them.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -135,7 +136,8 @@ def ended(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
         every = list(jobs.values())
         wait_until(lambda: jobs["racer"].proc.poll() is not None, every, timeout=120)
         jobs["racer"].finish()
-        time.sleep(3.0)  # the requeued run has passed its checks and waits for the lock
+        wait_until(lambda: "waiting up to" in jobs["requeued"].log.read_text(errors="replace"), every,
+                   timeout=120)  # the requeued run has passed its checks and waits for the lock
         jobs["holder"].signal(signal.SIGTERM)  # the previous run stops; the requeued one takes over
         wait_until(lambda: jobs["holder"].proc.poll() is not None, every, timeout=200)
         jobs["holder"].finish()
@@ -250,14 +252,16 @@ def test_a_damaged_save_is_skipped_and_a_finished_job_stays_finished(tmp_path: P
     stage1.write_bytes(stage1.read_bytes()[:full // 2])
     reason = f"stage1.pt has {full // 2} bytes, its meta.json lists {full} (cut short)"
 
-    given = Job(tmp_path / "other", *settings, f"ckpt_path={damaged}")
+    copies = tmp_path / "copy" / "checkpoints"  # given explicitly by another job while ``auto`` resumes beside it
+    shutil.copytree(checkpoints, copies)
+    given = Job(tmp_path / "other", *settings, f"ckpt_path={copies / damaged.name}")
+    auto = Job(run_dir, *settings, "ckpt_path=auto")
     given.finish(timeout=120)
     assert given.proc.returncode == 2, given.output[-3000:]
-    assert (f"error: ckpt_path={damaged}: {reason}; the newest complete checkpoint in {checkpoints} is "
+    assert (f"error: ckpt_path={copies / damaged.name}: {reason}; the newest complete checkpoint in {copies} is "
             f"{intact.name}") in given.output.splitlines() and "Traceback" not in given.output
     assert not (tmp_path / "other" / "logs").exists() and not given.seen  # no rank started
 
-    auto = Job(run_dir, *settings, "ckpt_path=auto")
     auto.finish(timeout=300)
     assert auto.proc.returncode == 0, auto.output[-3000:]
     assert f"ckpt_path=auto: resuming from {intact} (step 2); skipped {damaged.name}: {reason}" in \

@@ -11,8 +11,10 @@ Real jobs (2 gloo ranks, DAPPLE on a tiny GPT-2), started side by side, each hit
 * a full disk (a small tmpfs) where the checkpoints go: "no space left on device" and where, no partial
   files, the previous checkpoint intact and loadable.
 
-Then a job resumed from the stopped job's checkpoint (``ckpt_path=auto`` in its job directory) reproduces
-the uninterrupted job's losses exactly. No worker is left running after any of them.
+Then a job resumed from the stopped job's checkpoint (``ckpt_path=auto`` in its job directory, started as soon as
+the stop has ended) reproduces the uninterrupted job's losses exactly. No worker is left running after any of them.
+The full disk and a sweep with a failing and a refused point run beside the others (one batch of jobs, not one
+after another).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -33,7 +37,7 @@ from pipeline_recipes.recipe.results import read_results
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-STEPS = 40
+STEPS = 20  # the stops come after step 3; the reference and the resumed job train to the end
 COMMON = ["trainer=cpu", "model=gpt2-tiny", "strategy=dapple", "strategy.D=2", "logger=none",
           f"trainer.max_steps={STEPS}", "data.global_batch_size=8", "trainer.log_every_n_steps=1",
           "metrics.progress_interval_s=0", "strategy.timeout_s=60"]
@@ -91,15 +95,19 @@ class Job:
         return [p.pid for p in self.workers.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def run_jobs(jobs: list[Job], timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
+def run_jobs(jobs: list[Job], timeout: float = 300, then: dict[Job, Callable[[], Job]] | None = None) -> None:
+    """Run ``jobs`` to their end, each hit by its fault; ``then[job]`` starts a job once ``job`` has ended (it is
+    added to ``jobs``), while the others go on."""
+    deadline, then = time.monotonic() + timeout, dict(then or {})
     try:
-        while any(j.proc.poll() is None for j in jobs):
+        while then or any(j.proc.poll() is None for j in jobs):
             assert time.monotonic() < deadline, "jobs did not end in time"
-            for job in jobs:
+            for job in list(jobs):
                 if job.proc.poll() is None and not job.workers:
                     job.find_workers()
                 job.poke()
+                if job in then and job.proc.poll() is not None:
+                    jobs.append(then.pop(job)())
             time.sleep(0.1)
         for job in jobs:
             job.finish(timeout=30)
@@ -109,8 +117,42 @@ def run_jobs(jobs: list[Job], timeout: float = 300) -> None:
                 job.proc.kill()
 
 
+def _mount_tmpfs(disk: Path, size: str) -> str | None:
+    """A tmpfs of ``size`` at ``disk`` (a full disk made small); why it cannot be mounted here, or None."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return "mounting a small tmpfs (the full disk) needs root"
+    disk.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True)
+    return f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}" if mounted.returncode != 0 else None
+
+
 @pytest.fixture(scope="module")
-def ended(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
+def beside(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The jobs that need no fault, started before :func:`ended`'s and run beside them: the job whose checkpoints
+    fill a small disk, and a sweep with a failing and a refused point. Each test waits for its own."""
+    root = tmp_path_factory.mktemp("beside")
+    disk = root / "disk"
+    runs: dict[str, Any] = {"disk": disk, "sweep": root / "sweep", "no_disk": _mount_tmpfs(disk, "7m")}
+    try:
+        if runs["no_disk"] is None:  # a checkpoint of this model takes 4 MiB: the first fits, the second does not
+            runs["full"] = Job(root, "full", None, "checkpoint.every_n_steps=5", run_dir=disk / "run")
+        with open(root / "sweep.out", "w") as out, open(root / "sweep.err", "w") as err:
+            runs["sweep_proc"] = subprocess.Popen(
+                [sys.executable, str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={runs['sweep']}", *COMMON,
+                 "trainer.max_steps=2", "optim.lr=1e30", "trainer.gradient_clip_val=null", "strategy.D=2,3"],
+                cwd=root, env=ENV, text=True, stdout=out, stderr=err)
+        runs["sweep_out"], runs["sweep_err"] = root / "sweep.out", root / "sweep.err"
+        yield runs
+    finally:
+        for proc in (runs.get("sweep_proc"), getattr(runs.get("full"), "proc", None)):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        if runs["no_disk"] is None:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory: pytest.TempPathFactory, beside: dict[str, Any]) -> dict[str, Job]:
     root = tmp_path_factory.mktemp("stops")
     jobs = {
         "reference": Job(root, "reference", None),
@@ -119,7 +161,15 @@ def ended(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
         "kill_rank1": Job(root, "kill_rank1", ("1", signal.SIGKILL)),
         "kill_rank0": Job(root, "kill_rank0", ("0", signal.SIGKILL)),
     }
-    run_jobs(list(jobs.values()))
+
+    def requeued() -> Job:  # the stopped job run again: the same job directory, the same command
+        run_dir = root / "requeued"
+        shutil.copytree(jobs["term_rank1"].dir, run_dir)
+        jobs["requeued"] = Job(root, "requeued", None, "checkpoint.every_n_steps=100", "ckpt_path=auto",
+                               run_dir=run_dir)
+        return jobs["requeued"]
+
+    run_jobs(list(jobs.values()), timeout=420, then={jobs["term_rank1"]: requeued})
     return jobs
 
 
@@ -146,15 +196,11 @@ def test_ctrl_c_to_train_py_stops_every_rank_and_exits_130(ended: dict[str, Job]
     _stopped(job, signal.SIGINT, f"SIGINT received by train.py (pid {job.proc.pid}), forwarded to every rank")
 
 
-def test_a_stopped_job_resumed_with_ckpt_path_auto_ends_with_the_uninterrupted_losses(
-        ended: dict[str, Job], tmp_path: Path) -> None:
+def test_a_stopped_job_resumed_with_ckpt_path_auto_ends_with_the_uninterrupted_losses(ended: dict[str, Job]) -> None:
     reference = read_results(ended["reference"].dir)
     assert ended["reference"].proc.returncode == 0 and reference.status == "ok"
-    stopped = ended["term_rank1"]
-    run_dir = tmp_path / "requeued"
-    shutil.copytree(stopped.dir, run_dir)  # a requeued job: the same job directory, the same command
-    resumed = Job(tmp_path, "requeued", None, "checkpoint.every_n_steps=100", "ckpt_path=auto", run_dir=run_dir)
-    run_jobs([resumed])
+    resumed = ended["requeued"]  # started on a copy of the SIGTERM-stopped job's directory once it had ended
+    run_dir = resumed.dir
     assert resumed.proc.returncode == 0, resumed.output[-3000:]
     result = read_results(run_dir)
     assert f"ckpt_path=auto: resuming from {run_dir / 'checkpoints'}" in resumed.output
@@ -173,64 +219,53 @@ def test_a_killed_rank_is_named_with_its_signal(ended: dict[str, Job], killed: s
     assert res.status == "failed" and res.reason == said
     assert len(res.loss_history) >= 1  # the losses reached (rank 0 writes them as it goes)
     peer_log = (job.dir / "logs" / f"rank{peer}.log").read_text()
-    in_action = f"the connection to rank {rank} closed after" in peer_log  # a p2p wait says how, and when
-    assert in_action or "Connection reset by peer" in peer_log or "Connection closed by peer" in peer_log  # a collective
+    said_how = f"the connection to rank {rank} closed after" in peer_log  # a p2p wait or a collective says how, and when
+    in_action = said_how and " failed in action " in peer_log  # a p2p wait inside an action (not a collective)
+    assert said_how or "Connection reset by peer" in peer_log or "Connection closed by peer" in peer_log  # the loss's
     if in_action and peer == 0:  # rank 0's output is the job's: its failed action's grid is above the last line
         assert f">{0}" in job.output[:job.output.rindex(job.last_line)]
     assert not job.left_running()
 
 
-def test_a_full_disk_is_said_and_leaves_the_previous_checkpoint_intact(tmp_path: Path) -> None:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small tmpfs (the full disk) needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:  # a checkpoint of this model takes 4 MiB: the first fits, the second does not
-        job = Job(tmp_path, "full", None, "checkpoint.every_n_steps=5", run_dir=disk / "run")
-        run_jobs([job])
-        assert job.proc.returncode == 1, job.output[-3000:]
-        assert job.last_line.startswith(f"error: job failed: rank ") and "no space left on device: rank " in \
-            job.last_line and str(disk / "run" / "checkpoints" / "step-000010.ckpt.partial") in job.last_line
-        res = read_results(disk / "run")
-        assert res.status == "failed" and "no space left on device" in res.reason and len(res.loss_history) >= 10
-        checkpoints = sorted(p.name for p in (disk / "run" / "checkpoints").iterdir())
-        assert checkpoints == ["step-000005.ckpt"] and res.last_checkpoint.endswith("step-000005.ckpt")
-        from pipeline_recipes.strategies.checkpoint import read_checkpoint
+def test_a_full_disk_is_said_and_leaves_the_previous_checkpoint_intact(beside: dict[str, Any]) -> None:
+    if beside["no_disk"]:
+        pytest.skip(beside["no_disk"])
+    disk, job = beside["disk"], beside["full"]
+    run_jobs([job])
+    assert job.proc.returncode == 1, job.output[-3000:]
+    assert job.last_line.startswith(f"error: job failed: rank ") and "no space left on device: rank " in \
+        job.last_line and str(disk / "run" / "checkpoints" / "step-000010.ckpt.partial") in job.last_line
+    res = read_results(disk / "run")
+    assert res.status == "failed" and "no space left on device" in res.reason and len(res.loss_history) >= 10
+    checkpoints = sorted(p.name for p in (disk / "run" / "checkpoints").iterdir())
+    assert checkpoints == ["step-000005.ckpt"] and res.last_checkpoint.endswith("step-000005.ckpt")
+    from pipeline_recipes.strategies.checkpoint import read_checkpoint
 
-        full = read_checkpoint(disk / "run" / "checkpoints" / "step-000005.ckpt")
-        assert full.meta["global_step"] == 5 and full.model
-        assert not job.left_running()
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+    full = read_checkpoint(disk / "run" / "checkpoints" / "step-000005.ckpt")
+    assert full.meta["global_step"] == 5 and full.model
+    assert not job.left_running()
 
 
-def test_a_sweep_with_a_failing_and_a_refused_point_lists_both_and_exits_1(tmp_path: Path) -> None:
+def test_a_sweep_with_a_failing_and_a_refused_point_lists_both_and_exits_1(beside: dict[str, Any]) -> None:
     """Point 0 diverges while it trains, point 1 is refused before launch: the sweep goes on after each, its end
     lists both with their status and reason, and it exits 1."""
-    sweep = tmp_path / "sweep"
-    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={sweep}", *COMMON,
-                           "trainer.max_steps=2", "optim.lr=1e30", "trainer.gradient_clip_val=null",
-                           "strategy.D=2,3"], cwd=tmp_path, env=ENV, text=True, capture_output=True, timeout=300)
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stderr.strip().splitlines()[-1] == (
+    sweep, proc = beside["sweep"], beside["sweep_proc"]
+    proc.wait(timeout=300)
+    stdout, stderr = beside["sweep_out"].read_text(), beside["sweep_err"].read_text()
+    assert proc.returncode == 1, stdout[-3000:] + stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
         "error: sweep: 2 of 2 points did not train to the end (1 diverged, 1 skipped)")
-    table = done.stdout[done.stdout.rindex("strategy  W"):].splitlines()
+    table = stdout[stdout.rindex("strategy  W"):].splitlines()
     assert any("diverged: rank " in row and "training loss is nan" in row for row in table)
     assert any("skipped: strategy.D = 3 does not divide the 2 processes" in row for row in table)
     assert [read_results(sweep / str(n)).status for n in (0, 1)] == ["diverged", "skipped"]
 
 
 def test_a_full_disk_under_the_job_directory_is_said_before_hydra_writes(tmp_path: Path) -> None:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small tmpfs (the full disk) needs root")
     disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    no_disk = _mount_tmpfs(disk, "64k")
+    if no_disk:
+        pytest.skip(no_disk)
     try:
         subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'fill'}", "bs=4k", "count=64"], capture_output=True)
         done = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={disk / 'run'}", *COMMON],

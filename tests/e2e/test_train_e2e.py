@@ -24,22 +24,80 @@ def _train(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.Co
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _check_trained(run_dir: Path, result: subprocess.CompletedProcess, strategy: str) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "final train/loss" in result.stdout
+    assert f"layout: {strategy}" in result.stdout
+    metrics = (run_dir / "metrics.csv").read_text()
+    assert "train/loss" in metrics
+
+
+# the README's command: DAPPLE, W = 2 replicas × D = 2 stages on 4 processes
+DAPPLE_ON_FOUR = ("strategy=dapple", "strategy.D=2", "trainer.devices=4", "trainer.max_steps=3",
+                  "data.global_batch_size=8", "logger=csv", "trainer.log_every_n_steps=1")
+
+
+@pytest.fixture(scope="module")
+def dapple_on_four(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One run of :data:`DAPPLE_ON_FOUR`: a strategy that trains, and the one-node reference of the two-node run."""
+    run_dir = tmp_path_factory.mktemp("dapple_on_four")
+    return run_dir, _train(run_dir, *DAPPLE_ON_FOUR)
+
+
+@pytest.mark.slow
+def test_train_py_runs_dapple_on_four_processes(dapple_on_four: tuple[Path, subprocess.CompletedProcess]) -> None:
+    _check_trained(*dapple_on_four, "dapple")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, devices, extra",
-    [("dapple", 4, ["strategy.D=2"]), ("gems", 2, []), ("interleaved_1f1b", 2, ["strategy.chunks=2"]),
-     ("dualpipev", 2, [])],  # chimera: the test below; gpipe: the same-batches run
+    [("gems", 2, []), ("interleaved_1f1b", 2, ["strategy.chunks=2"]),
+     ("dualpipev", 2, [])],  # dapple: the test above; chimera: the test below; gpipe: the same-batches run
 )
 def test_train_py_runs_each_strategy(tmp_path: Path, strategy: str, devices: int, extra: list[str]) -> None:
     result = _train(tmp_path, f"strategy={strategy}", f"trainer.devices={devices}", "trainer.max_steps=3", "trainer.log_every_n_steps=1",
                     "data.global_batch_size=8", "logger=csv", *extra)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "final train/loss" in result.stdout
-    assert f"layout: {strategy}" in result.stdout
-    metrics = (tmp_path / "metrics.csv").read_text()
-    assert "train/loss" in metrics
+    _check_trained(tmp_path, result, strategy)
 
 
+@pytest.mark.slow
+def test_two_nodes_over_loopback_equal_one_node(tmp_path: Path,
+                                                dapple_on_four: tuple[Path, subprocess.CompletedProcess]) -> None:
+    """2 "nodes" × 2 processes (NODE_RANK, MASTER_ADDR/PORT as on a cluster) = the same layout's 4 processes on one
+    node (:func:`dapple_on_four`): the same losses, and only rank 0 (node 0) reports."""
+    from distributed import free_port
+
+    from pipeline_recipes.recipe.results import find_results
+
+    common = ["strategy=dapple", "strategy.D=2", "trainer.max_steps=3", "data.global_batch_size=8", "logger=none"]
+    port = str(free_port())
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    nodes = [
+        subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / f'node{n}'}",
+                          "trainer.devices=2", "trainer.num_nodes=2", *common], cwd=tmp_path, text=True,
+                         env={**env, "NODE_RANK": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for n in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    one_node_dir, one_node_run = dapple_on_four
+    assert one_node_run.returncode == 0, one_node_run.stdout[-3000:] + one_node_run.stderr[-3000:]
+    (two_nodes,) = find_results([tmp_path / "node0"])
+    (one_node,) = find_results([one_node_dir])
+    assert (two_nodes.world_size, two_nodes.W, len(two_nodes.peak_memory_bytes)) == (4, 2, 4)
+    assert (one_node.world_size, one_node.W, one_node.D) == (two_nodes.world_size, two_nodes.W, two_nodes.D)
+    assert two_nodes.loss_history == pytest.approx(one_node.loss_history, abs=1e-6)
+    assert not (tmp_path / "node1" / "results.json").exists()  # rank 0 (node 0) reports
+
+
+@pytest.mark.slow
 def test_bad_layout_stops_before_launch(tmp_path: Path) -> None:
     result = _train(tmp_path, "strategy.D=3", "trainer.devices=4", timeout=120)
     assert result.returncode == 2
@@ -110,8 +168,9 @@ def test_train_py_asynchronous_strategies_train(tmp_path: Path, strategy: str, e
 @pytest.mark.slow
 def test_every_strategy_sees_the_same_batches(tmp_path: Path) -> None:
     """single, ddp (W = 2) and two pipelines (GPipe D = 2; DAPPLE W = 2 × D = 1) with the same seed and
-    global batch, and GPipe's command once more: the same samples every step, so the same fp32 losses
-    (gpt2-tiny has no dropout; bit for bit for the same command) and the same learning rates. Rank 0 prints its progress line every step; the single run shows
+    global batch: the same samples every step, so the same fp32 losses (gpt2-tiny has no dropout; that the same
+    command gives the same losses bit for bit, tests/e2e/test_stops.py shows, across a stop and a resume too) and
+    the same learning rates. Rank 0 prints its progress line every step; the single run shows
     Lightning's progress bar instead (a user's trainer key over the recipe's); W&B names and tags
     carry strategy, model, W, D and B."""
     from pipeline_recipes.recipe.wandb_offline import find_offline_runs
@@ -122,14 +181,12 @@ def test_every_strategy_sees_the_same_batches(tmp_path: Path) -> None:
             "ddp": ["strategy=ddp", "strategy.D=1", "trainer.devices=2"],
             "gpipe": ["strategy=gpipe", "strategy.D=2", "trainer.devices=2"],
             "dapple": ["strategy=dapple", "strategy.D=1", "trainer.devices=2"]}
-    jobs["gpipe_again"] = jobs["gpipe"]  # the same command twice: the same losses, bit for bit
     results, outputs = run_train_jobs(tmp_path, common, jobs)
-    assert results["gpipe_again"]["loss_history"] == results["gpipe"]["loss_history"]
     assert "layout: gpipe" in outputs["gpipe"] and "layout: dapple" in outputs["dapple"]
-    finals = [next(line for line in outputs[name].splitlines() if "final train/loss" in line).split("=")[1].split()[0]
-              for name in ("gpipe", "gpipe_again")]
-    assert finals[0] == finals[1]
     reference = results["single"]
+    for name, output in outputs.items():  # the last line's loss is the history's last, at 4 decimals
+        final = next(line for line in output.splitlines() if "final train/loss" in line).split("=")[1].split()[0]
+        assert final == f"{results[name]['loss_history'][-1]:.4f}", name
     assert len(reference["loss_history"]) == len(reference["lr_history"]) == 3
     for name, result in results.items():
         assert result["loss_history"] == pytest.approx(reference["loss_history"], abs=1e-5), name

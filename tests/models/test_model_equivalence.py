@@ -129,7 +129,8 @@ def _pipeline_vs_hf(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     out = []
     for case in cases:
@@ -145,8 +146,8 @@ def _pipeline_vs_hf(rank: int, world: int, cases: list[dict]) -> list[dict]:
             info["padded"] = int((mask == 0).any(-1).sum())  # padded sequences over the 3 steps
             info["mask_effect"] = _mask_sensitivity(full, batches[0])
         names = {id(p): n for n, p in model.named_parameters()}  # before the engine drops remote layers
-        config = PipelineConfig(case["schedule"], D, B, None, "direct", 60.0)
-        engine = build_engine(model, config, W, torch.device("cpu"), partition=model.partition(D))
+        layout = derive_layout(case["schedule"], W * D, D, W * N * B, B=B)
+        engine = build_engine(model, layout, torch.device("cpu"), partition=model.partition(D), timeout_s=60.0)
         params = engine.local_parameters()
         real = {id(t) for t in (*model.reference().parameters(), *model.reference().buffers()) if not t.is_meta}
         local = {id(t) for ls in engine.stage_layers.values() for layer in ls for t in (*layer.parameters(), *layer.buffers())}

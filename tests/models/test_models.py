@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline_recipes.models import PAPER_PARAMS, PRESETS, build_model, hydra_config, model_names
+from pipeline_recipes.models import PAPER_PARAMS, build_model, hydra_config, model_names
 from pipeline_recipes.core.pipeline_model import call_layer, run_layers, sequential_loss, split_batch
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
@@ -241,15 +241,25 @@ def test_build_model_from_mapping_and_errors() -> None:
         build_model("gpt2-tiny", seq_len=65)
 
 
-def test_yaml_configs_mirror_presets() -> None:
-    """Every named preset has its yaml, equal to it; a yaml may also stand alone (a size a user adds)."""
+def test_presets_are_the_yaml_configs_of_registered_families() -> None:
+    """A preset is its yaml, read as it is; each names a registered family, whose builder is its ``_target_``, whose
+    data format its ``data_family`` (where it says one) and whose keys hold its blocks, width and positions."""
+    from pipeline_recipes.models import FAMILIES
+
     files = {p.stem: yaml.safe_load(p.read_text()) for p in CONF.glob("*.yaml")}
-    assert set(model_names()) <= set(files), sorted(set(model_names()) - set(files))
-    for name in model_names():
-        assert files[name] == hydra_config(name), name
+    assert model_names() == sorted(files)
+    for name, cfg in files.items():
+        assert hydra_config(name) == cfg, name
+        family = FAMILIES[cfg["family"]]
+        assert cfg["_target_"] == family.builder, name
+        assert cfg.get("data_family", cfg["family"]) == family.data_format, name
+        assert all(isinstance(cfg[key], int) for key in (family.layers_key, family.width_key, family.positions_key))
     assert files["gpt2-tiny"]["tie_word_embeddings"] is True
     assert {"gpt2", "bert48", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "bert-base", "bert-large",
-            "gpt2-tiny", "bert-tiny"} <= set(PRESETS)
+            "gpt2-tiny", "bert-tiny", "llama3-1b", "llama-tiny", "qwen2-tiny"} <= set(files)
+    cfg = hydra_config("llama3-1b")
+    cfg["rope_parameters"]["factor"] = 1.0  # a copy: the next reader gets the file's
+    assert hydra_config("llama3-1b")["rope_parameters"]["factor"] == 32.0
 
 
 def test_hydra_instantiate_with_overrides() -> None:
@@ -284,8 +294,8 @@ def test_each_registered_family_names_its_transformers_classes() -> None:
 
 
 def test_a_model_size_is_one_yaml(tmp_path: Path) -> None:
-    """A size that is only a yaml (no preset) composes as ``model=<name>`` and builds: the family's builder
-    comes from its yaml's ``_target_``, the family from the registry."""
+    """A size is one yaml (here in a copy of ``conf/``): it composes as ``model=<name>`` and builds: the family's
+    builder comes from its yaml's ``_target_``, the family from the registry."""
     import shutil
 
     from hydra import compose, initialize_config_dir

@@ -82,7 +82,7 @@ def toy(num_layers: int = 4, *, params: int = 100, stored: float = 1000.0, out: 
 def test_peak_memory_toy_by_hand() -> None:
     """4 layers of 100 fp32 parameters, 1000 B stored per layer and sample, D = 2, GPipe, N = 2, B = 1."""
     costs = toy()
-    cand = Candidate("gpipe", 1, 2, 1, 2)
+    cand = Candidate.of("gpipe", 1, 2, 1, 2)
     mem = predict_memory(costs, cand, [range(0, 2), range(2, 4)], keep_sends=False, receive_ahead=False)
     # weights 800 + AdamW 2·800 + 2 micro-batches × 2 layers × 1000 bytes in flight, when the first
     # backward allocates its last layer's gradient (400) before freeing that layer's activations
@@ -91,14 +91,14 @@ def test_peak_memory_toy_by_hand() -> None:
     # recompute: stage 0 keeps nothing, stage 1 its 100-byte input per micro-batch; a backward
     # re-materialises one micro-batch of the stage (2000 bytes): the peak is the second backward, with
     # every gradient (800) allocated and, on stage 1, that micro-batch's input still kept
-    rec = predict_memory(costs, replace(cand, recompute="always"), [range(0, 2), range(2, 4)],
+    rec = predict_memory(costs, cand.replace(recompute="always"), [range(0, 2), range(2, 4)],
                          keep_sends=False, receive_ahead=False)
     assert [w.peak for w in rec.workers] == [3200 + 2000, 3200 + 100 + 2000]
 
 
 def test_peak_memory_tied_weights_counted_once_per_rank() -> None:
     costs = replace(toy(), tied=((0, 3, 400),))
-    one = predict_memory(costs, Candidate("gpipe", 1, 1, 1, 1), [range(0, 4)], keep_sends=False, receive_ahead=False)
+    one = predict_memory(costs, Candidate.of("gpipe", 1, 1, 1, 1), [range(0, 4)], keep_sends=False, receive_ahead=False)
     # 4 layers × 400 bytes, minus the tied copy: 1200 bytes of weights, ×4 with gradients and AdamW
     assert one.workers[0].states == 1200 * 4
 
@@ -109,7 +109,7 @@ def test_activation_peak_matches_in_flight_count(name: str, D: int, N: int, pipe
     """Equal stages: activation peak = bytes per micro-batch × peak in-flight micro-batches
     (:func:`strategies.schedules.peak_activations`); no parameters, so the peak is activations only."""
     costs = toy(D * 2, params=0)
-    cand = Candidate(name, 1, D, 1, N, pipes)
+    cand = Candidate.of(name, 1, D, 1, N, pipes)
     schedule = cand.schedule()
     part = [range(2 * s, 2 * s + 2) for s in range(D)]
     inflight = peak_activations(schedule)
@@ -129,7 +129,7 @@ def test_synced_gradients_are_bucket_views_from_the_start() -> None:
     part = [range(0, 1), range(1, 2)]
     peaks = {}
     for sync in ("end", "eager"):
-        cand = Candidate("chimera", 1, 2, 1, 2, 2, grad_sync=sync)
+        cand = Candidate.of("chimera", 1, 2, 1, 2, 2, grad_sync=sync)
         schedule = cand.schedule()
         assert [str(a) for a in schedule.workers[0]] == ["0F0", "1F1p1", "1B1p1", "0B0"]
         peaks[sync] = worker_peak(costs, cand, schedule, 0, part, keep_sends=False, receive_ahead=False).peak
@@ -152,29 +152,29 @@ def test_chimera_not_slower_than_dapple_at_n_equals_d() -> None:
     costs = toy(8)
     for D in (2, 4, 8):
         part = [range(s * 8 // D, (s + 1) * 8 // D) for s in range(D)]
-        t = {name: predict_time(costs, Candidate(name, 1, D, 1, D, 2 if name == "chimera" else 1), part).iteration_s
+        t = {name: predict_time(costs, Candidate.of(name, 1, D, 1, D, 2 if name == "chimera" else 1), part).iteration_s
              for name in ("gpipe", "dapple", "chimera")}
         assert t["chimera"] <= t["dapple"] + 1e-12
         assert t["gpipe"] == pytest.approx(t["dapple"])
     # D = 4: chimera's bubbles are (D-2) against 2(D-1) (Chimera §2): strictly faster
     part4 = [range(2 * s, 2 * s + 2) for s in range(4)]
-    assert predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2), part4).iteration_s < \
-        predict_time(costs, Candidate("dapple", 1, 4, 1, 4), part4).iteration_s
+    assert predict_time(costs, Candidate.of("chimera", 1, 4, 1, 4, 2), part4).iteration_s < \
+        predict_time(costs, Candidate.of("dapple", 1, 4, 1, 4), part4).iteration_s
 
 
 def test_time_includes_rabenseifner_allreduce_and_recompute() -> None:
     comm = CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(1e-3, 1e-6))
     costs = replace(toy(4, params=1000), comm=comm, layers=tuple(replace(x, fwd=LinearFit(0, 0), bwd=LinearFit(0, 0))
                                                                  for x in toy(4, params=1000).layers))
-    pred = predict_time(costs, Candidate("gpipe", 4, 1, 1, 1), [range(0, 4)])
+    pred = predict_time(costs, Candidate.of("gpipe", 4, 1, 1, 1), [range(0, 4)])
     ar = lambda r, n: rabenseifner(r, n, 1e-3, 1e-6)  # noqa: E731
     # gradients of 4 × 1000 fp32 parameters over W = 4 copies, plus the step's two scalar all-reduces
     # over the 4 ranks (loss normalisers; the final loss, whose 2-rank cost is in the calibrated step_s)
     assert pred.sync_s == pytest.approx(ar(4, 4 * 4000))
     assert pred.iteration_s == pytest.approx(ar(4, 4 * 4000) + ar(4, 8) + ar(4, 8) - ar(2, 8))
     base = toy(4)
-    none = predict_time(base, Candidate("dapple", 1, 2, 1, 4), [range(0, 2), range(2, 4)])
-    rec = predict_time(base, Candidate("dapple", 1, 2, 1, 4, recompute="always"), [range(0, 2), range(2, 4)])
+    none = predict_time(base, Candidate.of("dapple", 1, 2, 1, 4), [range(0, 2), range(2, 4)])
+    rec = predict_time(base, Candidate.of("dapple", 1, 2, 1, 4, recompute="always"), [range(0, 2), range(2, 4)])
     assert rec.t_b == pytest.approx(tuple(b + f for b, f in zip(none.t_b, none.t_f)))
 
 
@@ -184,12 +184,13 @@ def test_end_sync_fuses_the_buckets_copied_on_the_same_workers() -> None:
     zero = tuple(replace(x, fwd=LinearFit(0, 0), bwd=LinearFit(0, 0)) for x in toy(4, params=1000).layers)
     costs = replace(toy(4, params=1000), comm=comm, layers=zero)
     part = [range(s, s + 1) for s in range(4)]
-    pred = predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2), part)
+    pred = predict_time(costs, Candidate.of("chimera", 1, 4, 1, 4, 2), part)
     assert pred.sync_s == pytest.approx(rabenseifner(2, 2 * 4000, 1e-3, 1e-6))  # not 2 × ar(2, 4000)
-    eager = predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="eager"), part)
+    eager = predict_time(costs, Candidate.of("chimera", 1, 4, 1, 4, 2, grad_sync="eager"), part)
     assert eager.sync_s == pytest.approx(2 * rabenseifner(2, 4000, 1e-3, 1e-6))  # launched apart: not fused
 
 
+@pytest.mark.slow
 def test_emulated_pipeline_profiles_without_sharing_cores() -> None:
     """The emulated stages (sleeps with real tensors, Chimera §3.4's cost model) are profiled like a
     model; they hold no core, so no stretch."""
@@ -201,8 +202,8 @@ def test_emulated_pipeline_profiles_without_sharing_cores() -> None:
                              shares_cores=False)
     assert costs.cores == 0 and costs.num_layers == 4
     assert all(layer.fwd(1) >= 0.002 and layer.bwd(2) >= 0.008 for layer in costs.layers)  # t·B, t_b = 2 t_f
-    busy = predict_time(replace(costs, cores=2), Candidate("gpipe", 1, 4, 1, 8), [range(s, s + 1) for s in range(4)])
-    free = predict_time(costs, Candidate("gpipe", 1, 4, 1, 8), [range(s, s + 1) for s in range(4)])
+    busy = predict_time(replace(costs, cores=2), Candidate.of("gpipe", 1, 4, 1, 8), [range(s, s + 1) for s in range(4)])
+    free = predict_time(costs, Candidate.of("gpipe", 1, 4, 1, 8), [range(s, s + 1) for s in range(4)])
     assert free.compute_s < busy.compute_s  # 4 ranks on 2 shared cores would be stretched
 
 
@@ -224,14 +225,14 @@ def test_eager_sync_hides_allreduce_behind_bubbles() -> None:
     comm = CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 1e-4))
     costs = replace(toy(8), comm=comm)
     part = [range(2 * s, 2 * s + 2) for s in range(4)]
-    end = predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="end"), part)
-    eager = predict_time(costs, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="eager"), part)
+    end = predict_time(costs, Candidate.of("chimera", 1, 4, 1, 4, 2, grad_sync="end"), part)
+    eager = predict_time(costs, Candidate.of("chimera", 1, 4, 1, 4, 2, grad_sync="eager"), part)
     assert eager.sync_s < end.sync_s
     assert eager.iteration_s < end.iteration_s
     # CPU ranks on every core: what overlaps computation takes its core time, only idle time hides it
     busy = replace(costs, cores=4)
-    eager_cpu = predict_time(busy, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="eager"), part)
-    end_cpu = predict_time(busy, Candidate("chimera", 1, 4, 1, 4, 2, grad_sync="end"), part)
+    eager_cpu = predict_time(busy, Candidate.of("chimera", 1, 4, 1, 4, 2, grad_sync="eager"), part)
+    end_cpu = predict_time(busy, Candidate.of("chimera", 1, 4, 1, 4, 2, grad_sync="end"), part)
     assert eager_cpu.iteration_s >= eager.iteration_s and end_cpu.iteration_s == pytest.approx(end.iteration_s)
 
 
@@ -293,7 +294,7 @@ def test_concat_auto_with_the_planners_measured_costs() -> None:
 
     assert [c.concat for c in candidates(4, 16, 6) if c.strategy == "chimera" and (c.D, c.B, c.pipelines) == (4, 2, 2)
             and c.recompute == "none"] == list(concat_choices(4, 8, 2))
-    auto = Candidate("chimera", 1, 4, 2, 8, 2, "auto")
+    auto = Candidate.of("chimera", 1, 4, 2, 8, 2, "auto")
     assert auto.resolved().concat == best_concat(4, 8, 2, 2) == "backward_halving"  # ties fd, half the activations
     assert auto.schedule().concat == "backward_halving"
     proportional = toy(4)  # every pass proportional to B: halves cost what whole micro-batches do
@@ -303,7 +304,7 @@ def test_concat_auto_with_the_planners_measured_costs() -> None:
                                                for layer in proportional.layers))
     assert auto.resolved(fixed).concat == "forward_doubling"
     assert plan_one(fixed, auto).candidate.concat == "forward_doubling"
-    halving = replace(auto, concat="backward_halving")  # predicted alone, auto runs what the runtime would
+    halving = auto.replace(concat="backward_halving")  # predicted alone, auto runs what the runtime would
     assert predict_time(fixed, auto).iteration_s == predict_time(fixed, halving).iteration_s
 
 
@@ -330,7 +331,7 @@ def test_minmax_partition_equals_balanced_partition_for_additive_costs() -> None
 
 
 def test_partition_by_time_isolates_the_slow_head() -> None:
-    part = recommend_partition(skewed(), Candidate("dapple", 1, 4, 1, 4), "time")
+    part = recommend_partition(skewed(), Candidate.of("dapple", 1, 4, 1, 4), "time")
     assert [len(r) for r in part][-1] == 1  # the 12-unit head alone; 3-unit blocks elsewhere
     assert part[0].start == 0 and part[-1].stop == 8
 
@@ -339,20 +340,21 @@ def test_partition_by_memory_unloads_the_first_stage_under_1f1b() -> None:
     """DAPPLE's first stage keeps D micro-batches in flight, the last one: with equal layers the
     memory objective gives the first stage fewer layers than the last (CAPTURE §III-C)."""
     costs = toy(12, params=10)
-    cand = Candidate("dapple", 1, 4, 1, 8)
+    cand = Candidate.of("dapple", 1, 4, 1, 8)
     part = recommend_partition(costs, cand, "memory", keep_sends=False)
     sizes = [len(r) for r in part]
     assert sizes[0] < sizes[-1]
     even = [range(3 * s, 3 * s + 3) for s in range(4)]
     peak = max(w.peak for w in predict_memory(costs, cand, part, keep_sends=False).workers)
     assert peak < max(w.peak for w in predict_memory(costs, cand, even, keep_sends=False).workers)
-    chimera = recommend_partition(skewed(), Candidate("chimera", 1, 4, 1, 4, 2), "memory")
+    chimera = recommend_partition(skewed(), Candidate.of("chimera", 1, 4, 1, 4, 2), "memory")
     assert [i for r in chimera for i in r] == list(range(8))
 
 
 # -- recommend, CLI, pre-flight, cache ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plan_all_ranks_fitting_first_and_best_config() -> None:
     costs = toy(6)
     plans = plan_all(costs, 4, 16, Budget(per_rank=10**12))
@@ -377,6 +379,7 @@ def test_plan_all_gives_the_same_rows_spread_over_processes() -> None:
     assert len(serial) > 64 and [p.to_json() for p in spread] == [p.to_json() for p in serial]
 
 
+@pytest.mark.slow
 def test_plan_script_json_keys(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
@@ -396,6 +399,7 @@ def test_plan_script_json_keys(tmp_path: Path) -> None:
     assert "profile: memory pass at B=2 done; timing about" in proc.stderr and "s left)" in proc.stderr
 
 
+@pytest.mark.slow
 def test_preflight_refuses_the_paper_gpt2_on_one_small_process() -> None:
     from pipeline_recipes.models import hydra_config
     from pipeline_recipes.planner.preflight import PreflightError, preflight
@@ -414,13 +418,15 @@ def test_preflight_refuses_the_paper_gpt2_on_one_small_process() -> None:
     assert float(message.split("needs ")[1].split(" GiB")[0]) > 20
 
 
+@pytest.mark.slow
 def test_preflight_passes_and_suggests_layouts_that_fit() -> None:
     from pipeline_recipes.models import hydra_config
     from pipeline_recipes.planner.preflight import PreflightError, preflight
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     cfg = {"model": hydra_config("gpt2-tiny"), "trainer": {"accelerator": "cpu", "devices": 2},
            "strategy": {"name": "dapple", "recompute": "none"}}
-    layout = {"strategy": "dapple", "W": 1, "D": 2, "B": 16, "N": 4, "pipelines": 1}
+    layout = derive_layout("dapple", 2, 2, 64, B=16)  # W = 1, N = 4
     assert preflight(cfg, layout, budget_bytes=2**30) is None
     with pytest.raises(PreflightError, match="predicted to fit") as err:
         preflight(cfg, layout, budget_bytes=20 * 2**20)
@@ -433,10 +439,11 @@ def test_preflight_suggestions_are_the_same_spread_over_processes() -> None:
     from pipeline_recipes.models import hydra_config
     from pipeline_recipes.planner import preflight as pf
     from pipeline_recipes.planner.memory import Budget
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     cfg = {"model": hydra_config("gpt2-tiny"), "trainer": {"accelerator": "cpu", "devices": 8},
            "strategy": {"name": "dapple", "recompute": "none"}}
-    layout = {"strategy": "dapple", "W": 1, "D": 8, "B": 8, "N": 8, "pipelines": 1}
+    layout = derive_layout("dapple", 8, 8, 64, B=8)  # W = 1, N = 8
     costs, cand, per_node, keep_sends, _ = pf._setup(cfg, layout)
     budget = Budget(per_rank=12 * 2**20)
     serial = pf._fitting_options(costs, cand, budget, per_node, keep_sends, 5, workers=1)
@@ -444,6 +451,7 @@ def test_preflight_suggestions_are_the_same_spread_over_processes() -> None:
     assert serial and [(c.overrides(), peak) for c, peak in spread] == [(c.overrides(), peak) for c, peak in serial]
 
 
+@pytest.mark.slow
 def test_profile_cache_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pipeline_recipes.planner.profile as prof
 
@@ -492,6 +500,7 @@ def test_model_costs_json_round_trip() -> None:
     assert LayerCosts.from_json(layer.to_json()) == layer
 
 
+@pytest.mark.slow
 def test_strategy_auto_overrides(tmp_path: Path) -> None:
     from pipeline_recipes.recipe.auto import auto_overrides
 
@@ -525,22 +534,22 @@ def test_async_candidates_only_when_asked_and_within_their_rules() -> None:
 def test_async_iteration_is_the_steady_window_without_bubbles(D: int, N: int) -> None:
     costs = uniform_costs(2 * D, comm=FREE)
     part = [range(2 * s, 2 * s + 2) for s in range(D)]
-    two_bw = predict_time(costs, Candidate("pipedream_2bw", 1, D, 1, N), part)
-    dapple = predict_time(costs, Candidate("dapple", 1, D, 1, N), part)
+    two_bw = predict_time(costs, Candidate.of("pipedream_2bw", 1, D, 1, N), part)
+    dapple = predict_time(costs, Candidate.of("dapple", 1, D, 1, N), part)
     per_step = N * (two_bw.t_f[0] + two_bw.t_b[0])
     assert two_bw.compute_s == pytest.approx(per_step)
     assert two_bw.bubble_ratio == pytest.approx(0.0, abs=1e-9)
     assert dapple.compute_s == pytest.approx((N + D - 1) / N * per_step)  # the flush costs D - 1 slots
-    one = predict_time(costs, Candidate("pipedream", 1, D, 1, 1), part)
+    one = predict_time(costs, Candidate.of("pipedream", 1, D, 1, 1), part)
     assert one.compute_s == pytest.approx(two_bw.t_f[0] + two_bw.t_b[0])
 
 
 def test_async_memory_counts_the_stashed_weight_versions() -> None:
     costs = toy(4, params=100)  # 100 fp32 parameters (400 bytes) per layer, 2 layers per stage
     part = [range(0, 2), range(2, 4)]
-    sync = predict_memory(costs, Candidate("dapple", 1, 2, 1, 2), part, keep_sends=False, receive_ahead=False)
-    two_bw = predict_memory(costs, Candidate("pipedream_2bw", 1, 2, 1, 2), part, keep_sends=False, receive_ahead=False)
-    one = predict_memory(costs, Candidate("pipedream", 1, 2, 1, 1), part, keep_sends=False, receive_ahead=False)
+    sync = predict_memory(costs, Candidate.of("dapple", 1, 2, 1, 2), part, keep_sends=False, receive_ahead=False)
+    two_bw = predict_memory(costs, Candidate.of("pipedream_2bw", 1, 2, 1, 2), part, keep_sends=False, receive_ahead=False)
+    one = predict_memory(costs, Candidate.of("pipedream", 1, 2, 1, 1), part, keep_sends=False, receive_ahead=False)
     stage_bytes = 2 * 100 * 4
     # stage 0 stashes 2 versions under both (PipeDream: D - s = 2), each with its gradient
     assert two_bw.workers[0].states - sync.workers[0].states == 2 * 2 * stage_bytes

@@ -174,7 +174,7 @@ def test_a_cluster_plans_with_its_network() -> None:
 
     spec = ClusterSpec.from_config(_compose("cluster=dgx-h100").cluster)
     costs = uniform_costs(8, t_f=1e-3, t_b=2e-3, params=10**6).with_comm(spec.comm_costs())
-    cand = Candidate("dapple", 2, 4, 1, 4)  # 2 replicas of 4 stages: one node, each stage's 8 MB over NVLink
+    cand = Candidate.of("dapple", 2, 4, 1, 4)  # 2 replicas of 4 stages: one node, each stage's 8 MB over NVLink
     nvlink = spec.intra_node.alpha_beta
     assert predict_time(costs, cand).sync_s == pytest.approx(rabenseifner(2, 8e6, nvlink.alpha, nvlink.beta))
     one_per_node = replace(costs.comm, network=replace(costs.comm.network, devices_per_node=1))
@@ -183,6 +183,7 @@ def test_a_cluster_plans_with_its_network() -> None:
         rabenseifner(2, 8e6, ib.alpha, ib.beta))
 
 
+@pytest.mark.slow
 def test_the_smart_search_equals_brute_force_on_a_small_space() -> None:
     from pipeline_recipes.planner.memory import Budget, predict_memory
     from pipeline_recipes.planner.model_costs import uniform_costs
@@ -204,6 +205,7 @@ def test_the_smart_search_equals_brute_force_on_a_small_space() -> None:
     assert [(p.candidate, p.samples_per_s) for p in spread] == [(p.candidate, p.samples_per_s) for p in smart]
 
 
+@pytest.mark.slow
 def test_plan_script_for_2048_piz_daint_nodes_writes_best_per_schedule(tmp_path: Path) -> None:
     import json
     import subprocess
@@ -223,6 +225,7 @@ def test_plan_script_for_2048_piz_daint_nodes_writes_best_per_schedule(tmp_path:
     assert best["chimera"]["samples_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_strategy_auto_plans_for_the_described_cluster() -> None:
     from pipeline_recipes.recipe.auto import auto_overrides
 
@@ -232,6 +235,7 @@ def test_strategy_auto_plans_for_the_described_cluster() -> None:
     assert "cluster=dgx-h100" in out
 
 
+@pytest.mark.slow
 def test_a_layer_table_measured_here_plans_in_place_of_derived_times(tmp_path: Path) -> None:
     """The device-table path of scripts/bench_gpu.py, run on the CPU with the tiny model (no GPU needed)."""
     import sys
@@ -249,9 +253,10 @@ def test_a_layer_table_measured_here_plans_in_place_of_derived_times(tmp_path: P
     spec = replace(ClusterSpec.from_config(_compose("cluster=dgx-h100").cluster), cost_table=str(table))
     costs = described_costs(None, spec, None)
     assert costs.kind == "measured" and "measured" in costs.meta["derived"] and costs.comm.network is not None
-    assert predict_time(costs, Candidate("dapple", 1, 2, 1, 2)).iteration_s > 0
+    assert predict_time(costs, Candidate.of("dapple", 1, 2, 1, 2)).iteration_s > 0
 
 
+@pytest.mark.slow
 def test_plan_script_gives_each_time_balanced_split_as_train_py_overrides(tmp_path: Path) -> None:
     """``--partition time`` on a cluster: the best layout's ``split_overrides`` make ``train.py``'s own split
     (``balanced_partition`` of the layer weights with the overrides' embedding/head costs) the time-balanced split
@@ -276,7 +281,7 @@ def test_plan_script_gives_each_time_balanced_split_as_train_py_overrides(tmp_pa
     model_costs = described_costs(cfg.model, ClusterSpec.from_config(cfg.cluster), None)
     weights = [costs["model.embedding_cost"], *[1.0] * (model_costs.num_layers - 2), costs["model.head_cost"]]
     split = balanced_partition(weights, row["D"])
-    seconds = time_costs(model_costs, Candidate("dapple", row["W"], row["D"], row["B"], row["N"], recompute="none"))
+    seconds = time_costs(model_costs, Candidate.of("dapple", row["W"], row["D"], row["B"], row["N"], recompute="none"))
     prefix = [0.0]
     for t in seconds:
         prefix.append(prefix[-1] + t)

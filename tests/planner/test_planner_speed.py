@@ -55,6 +55,7 @@ def test_time_budget_stops_after_the_minimum_rounds(monkeypatch: pytest.MonkeyPa
         prof.profile_pipeline(model, model.batch, "emulated", batch_sizes=(1, 2), reps=0)
 
 
+@pytest.mark.slow
 def test_identical_blocks_run_once_and_get_the_costs_of_a_block_measured_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """gpt2-tiny with 6 blocks, every layer built: the profile runs the embedding, the first two blocks
     (the second after the first, for M_a) and the head, never blocks 3-6; a never-run block's stored
@@ -93,6 +94,7 @@ def test_identical_blocks_run_once_and_get_the_costs_of_a_block_measured_alone(m
         assert pair == pytest.approx(costs.layers[4].stored_added(size))
 
 
+@pytest.mark.slow
 def test_a_large_model_builds_only_the_layers_that_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """48 blocks on a 'device' too small for them: three layers run, four are built (the second
     block for M_a), and the profile still covers all 50 layers with the block's costs."""
@@ -151,7 +153,7 @@ def test_memory_partition_computes_stages_of_equal_layers_once(monkeypatch: pyte
     layers[0] = replace(layers[0], params=400, param_bytes=1600)
     layers[-1] = replace(layers[-1], params=400, param_bytes=1600, stored_alone=LinearFit(0, 5000.0))
     costs = replace(base, layers=tuple(layers), tied=((0, 13, 1600),))
-    cand = Candidate("dapple", 1, 4, 1, 8)
+    cand = Candidate.of("dapple", 1, 4, 1, 8)
     schedule = cand.schedule()
     every = solve(14, 4, functools.cache(
         lambda s, i, j: worker_peak(costs, cand, schedule, s, {s: range(i, j)}, keep_sends=True).peak))

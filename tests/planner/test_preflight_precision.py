@@ -6,6 +6,7 @@ allocator's bytes during a real ``bf16-mixed`` step (torch's profiler, ``profile
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -118,14 +119,15 @@ def test_cpu_bf16_mixed_step_peak_within_ten_percent_of_the_prediction() -> None
     B = 8
     measured = _measured_cpu_peak(model_cfg, B)
     costs = estimate_costs(model_cfg, precision="bf16-mixed", device="cpu")
-    predicted = predict_memory(costs, Candidate("gpipe", 1, 1, B, 1), keep_sends=True).max_rank
+    predicted = predict_memory(costs, Candidate.of("gpipe", 1, 1, B, 1), keep_sends=True).max_rank
     assert abs(measured - predicted) <= 0.10 * predicted, f"measured {measured / 2**20:.0f} MiB, " \
                                                          f"predicted {predicted / 2**20:.0f} MiB"
-    fp32 = predict_memory(estimate_costs(model_cfg, device="cpu"), Candidate("gpipe", 1, 1, B, 1),
+    fp32 = predict_memory(estimate_costs(model_cfg, device="cpu"), Candidate.of("gpipe", 1, 1, B, 1),
                           keep_sends=True).max_rank
     assert fp32 - measured > 0.10 * fp32  # the fp32 estimate, the pre-flight's before, is not within 10 %
 
 
+@pytest.mark.slow
 def test_fitting_options_are_those_of_every_layout_in_order() -> None:
     """The pruned, early-stopping search lists what predicting every layout and sorting gives."""
     from pipeline_recipes.models import hydra_config
@@ -135,7 +137,7 @@ def test_fitting_options_are_those_of_every_layout_in_order() -> None:
     from pipeline_recipes.planner.preflight import _fitting_options
 
     costs = estimate_costs(hydra_config("gpt2-tiny"))
-    cand = Candidate("dapple", 1, 4, 1, 16)
+    cand = Candidate.of("dapple", 1, 4, 1, 16)
     for budget in (Budget(host=20 * 2**20), Budget(per_rank=5 * 2**20), Budget(host=GIB)):
         every = []
         for c in candidates(4, 16, costs.num_layers):
@@ -211,15 +213,16 @@ def test_cuda_graph_pools_are_predicted_as_measured_on_one_h200() -> None:
     assert abs(peak - graphs) <= 0.10 * graphs, f"predicted {peak / GIB:.2f} GiB, measured {graphs / GIB:.2f} GiB"
     assert abs(pools - (graphs - eager)) <= 0.10 * (graphs - eager), \
         f"predicted pools {pools / GIB:.2f} GiB, the graphs added {(graphs - eager) / GIB:.2f} GiB"
-    cfg["strategy"]["cuda_graphs"] = False
-    assert predict_layout(cfg, layout)["predicted_peak_bytes_per_rank"][0] == pytest.approx(peak - pools)
+    eager_layout = dataclasses.replace(layout, cuda_graphs=False)  # the pre-flight reads the layout, not the config
+    assert predict_layout(cfg, eager_layout)["predicted_peak_bytes_per_rank"][0] == pytest.approx(peak - pools)
 
 
+@pytest.mark.slow
 def test_a_refusal_with_cuda_graphs_counts_their_pools_and_suggests_what_they_can_run() -> None:
     """The message names the pools; every suggested layout can run with ``strategy.cuda_graphs=true`` (no
     recomputation, no split backward, synchronous) and is predicted with its pools."""
     from pipeline_recipes.planner.costs import format_bytes
-    from pipeline_recipes.planner.preflight import PreflightError, candidate_from_config, predict_layout, preflight
+    from pipeline_recipes.planner.preflight import PreflightError, candidate_of, predict_layout, preflight
     from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
     from pipeline_recipes.strategies.schedules import get_spec
 
@@ -238,7 +241,7 @@ def test_a_refusal_with_cuda_graphs_counts_their_pools_and_suggests_what_they_ca
         settings = dict(item.split("=", 1) for item in line)
         name, D = settings["strategy"], int(settings["strategy.D"])
         cfg_s, layout_s = _config((*overrides, *line))
-        schedule = candidate_from_config(cfg_s, layout_s).schedule()
+        schedule = candidate_of(layout_s).schedule()
         assert (schedule.name, schedule.stages) == (name, D * len(schedule.stages_of(0))), line
         assert cuda_graphs_error(True, get_spec(name), settings["strategy.recompute"], schedule) is None, line
         report = predict_layout(cfg_s, layout_s)
@@ -251,6 +254,7 @@ def test_a_refusal_with_cuda_graphs_counts_their_pools_and_suggests_what_they_ca
             "strategy.cuda_graphs=false") in message.splitlines()
 
 
+@pytest.mark.slow
 def test_a_refusal_that_no_layout_with_cuda_graphs_fits_lists_layouts_without_them() -> None:
     """A budget below every layout that CUDA graphs can run, but above some without them (recomputation,
     split backwards, or no pools): the message says so and lists those, each predicted to fit, pools-free."""

@@ -130,7 +130,10 @@ def test_place_ranks_puts_local_rank_r_on_gpu_r_mod_g_over_gloo(monkeypatch: pyt
     from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-    for strategy in (PipelineStrategy(schedule="chimera", D=2), DDPBaseline()):
+    from pipeline_recipes.strategies.schedules import derive_layout
+
+    for strategy in (PipelineStrategy.from_layout(derive_layout("chimera", processes, 2, processes, B=1)),
+                     DDPBaseline()):
         trainer = {"accelerator": "gpu", "devices": processes}
         assert place_ranks(strategy, trainer, gpus=gpus) == [r % gpus for r in range(processes)]
         strategy.cluster_environment = LightningEnvironment()
@@ -143,7 +146,9 @@ def test_place_ranks_leaves_one_gpu_per_rank_and_cpu_alone() -> None:
     from pipeline_recipes.recipe.job import place_ranks
     from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 
-    strategy = PipelineStrategy(schedule="gpipe", D=2)
+    from pipeline_recipes.strategies.schedules import derive_layout
+
+    strategy = PipelineStrategy.from_layout(derive_layout("gpipe", 2, 2, 2, B=1))
     for trainer, gpus in (({"accelerator": "gpu", "devices": 8}, 8), ({"accelerator": "cpu", "devices": 2}, 0)):
         before = dict(trainer)
         assert place_ranks(strategy, trainer, gpus=gpus) is None and trainer == before
@@ -160,7 +165,9 @@ def test_ranks_sharing_a_gpu_start_a_gloo_group_bound_to_no_device(monkeypatch: 
     calls = []
     monkeypatch.setattr(module, "_init_dist_connection", lambda env, backend, **kw: calls.append((backend, kw)))
     monkeypatch.setenv("LOCAL_RANK", "1")
-    strategy = PipelineStrategy(schedule="chimera", D=2, timeout_s=7)
+    from pipeline_recipes.strategies.schedules import derive_layout
+
+    strategy = PipelineStrategy.from_layout(derive_layout("chimera", 2, 2, 2, B=1), timeout_s=7)
     share_gpus(strategy, [0, 0])
     strategy.cluster_environment = LightningEnvironment()
     strategy.setup_distributed()
@@ -202,6 +209,7 @@ def test_the_worker_sets_the_precision_and_keeps_it_out_of_the_trainer() -> None
 
 # -- the data loader ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_loader_defaults_on_cuda_and_cpu_and_overrides() -> None:
     assert loader_settings("auto", "auto", cuda=True, cpus=2) == (2, True)  # 16 cores, 8 ranks
     assert loader_settings(None, None, cuda=True, cpus=16) == (4, True)

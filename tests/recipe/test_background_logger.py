@@ -16,6 +16,7 @@ from pipeline_recipes.recipe import background_logger
 from pipeline_recipes.recipe.background_logger import BackgroundWandbLogger, backend_gone, finish_wandb, lost
 
 
+@pytest.mark.slow
 def test_rows_reach_the_offline_run_in_order(tmp_path: Path) -> None:
     import wandb
 

@@ -115,6 +115,7 @@ def test_fp16_scaler_with_a_fused_optimizer_and_clipping_is_refused() -> None:
     check_precision("ddp", {"precision": "bf16-mixed", "gradient_clip_val": 1.0}, fused)
 
 
+@pytest.mark.slow
 def test_the_paper_command_on_a_cpu_machine_is_refused_by_the_preflight(tmp_path: Path) -> None:
     """``python train.py model=gpt2 trainer.devices=8 strategy=chimera`` as a new user types it: here
     auto picks 8 CPU processes, which cannot hold the 1.39 B-parameter model; nothing is started."""
@@ -276,7 +277,7 @@ def _launcher_cfg(*overrides: str):
 
 def test_slurm_preset_composes_without_the_plugin_and_asks_one_task_per_gpu() -> None:
     params = _launcher_cfg("trainer=gpu", "trainer.num_nodes=4")
-    assert params["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert params["_target_"] == "hydra_plugins.pipeline_recipes_slurm.launcher.SlurmLauncher"
     assert (params["nodes"], params["tasks_per_node"], params["gpus_per_node"]) == (4, 8, 8)
     assert params["submitit_folder"] == "/tmp/sweep/.submitit/%j"
 
@@ -305,6 +306,7 @@ def test_slurm_preset_is_a_valid_submitit_job(tmp_path: Path, monkeypatch: pytes
         assert line in header, header
 
 
+@pytest.mark.slow
 def test_slurm_preset_without_the_plugin_or_without_multirun_says_what_to_do(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     single = subprocess.run([sys.executable, str(ROOT / "train.py"), "hydra/launcher=slurm", "trainer=gpu"],

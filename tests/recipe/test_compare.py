@@ -105,6 +105,7 @@ def test_summary_table_sorts_fastest_first_then_skipped_then_failed(sweep: Path)
     assert rows[11].split()[5:11] == ["-"] * 6
 
 
+@pytest.mark.slow
 def test_compare_script_prints_table_writes_png_and_json(sweep: Path, tmp_path: Path) -> None:
     proc = run_script(str(sweep), "--json", str(tmp_path / "rows.json"))
     assert proc.returncode == 0, proc.stderr
@@ -120,6 +121,7 @@ def test_compare_script_prints_table_writes_png_and_json(sweep: Path, tmp_path: 
     assert set(data[0]) == set(RESULT_KEYS) | {"path"}
 
 
+@pytest.mark.slow
 def test_compare_script_takes_job_dirs_and_png_path(sweep: Path, tmp_path: Path) -> None:
     png = tmp_path / "out" / "chart.png"
     png.parent.mkdir()
@@ -169,3 +171,20 @@ def test_chart_legend_covers_no_bar(sweep: Path) -> None:
     assert tallest.get_height() == 30.0 and len(bars) == 10
     assert not any(box.overlaps(bar.get_window_extent(renderer)) for bar in bars)
     assert [t.get_text() for t in legend.get_texts()] == ["gpipe", "dapple", "chimera", "ddp"]
+
+
+def test_chart_panels_share_one_throughput_scale_and_name_their_w(sweep: Path) -> None:
+    """Every panel reads on one y-scale (a bar's height compares across D as within a panel) and its title gives
+    the replicas W its bars ran at, as the fixture wrote them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fig = module.chart(find_results([sweep]))
+    axes = fig.axes
+    assert len(axes) == 4  # D = 1 (ddp), 2, 3 (only a skipped run) and 4
+    assert all(axes[0].get_shared_y_axes().joined(axes[0], ax) for ax in axes[1:])
+    assert len({ax.get_ylim() for ax in axes}) == 1 and axes[0].get_ylim()[1] >= 30.0  # the fastest run, ddp
+    assert [ax.get_title() for ax in axes] == ["D = 1, W = 4", "D = 2, W = 1, 2 (under each group)", "D = 3, W = 1",
+                                               "D = 4, W = 2"]

@@ -307,6 +307,7 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@pytest.mark.slow
 def test_train_refuses_another_model_before_any_process_starts(tmp_path: Path) -> None:
     path = _sharded(tmp_path / "step-000004.ckpt", _model_config(**SAVED), 4)
     job = tmp_path / "job"

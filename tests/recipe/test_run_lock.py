@@ -62,6 +62,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
     lock.release()
 
 
+@pytest.mark.slow
 def test_a_requeued_job_waits_for_its_previous_run(tmp_path: Path) -> None:
     previous = _holder(tmp_path, 1.5, slurm_job="77")
     said: list[str] = []
@@ -74,6 +75,7 @@ def test_a_requeued_job_waits_for_its_previous_run(tmp_path: Path) -> None:
     lock.release()
 
 
+@pytest.mark.slow
 def test_a_requeued_job_says_when_its_previous_run_does_not_end(tmp_path: Path) -> None:
     previous = _holder(tmp_path, 30, slurm_job="78")
     try:
@@ -86,6 +88,7 @@ def test_a_requeued_job_says_when_its_previous_run_does_not_end(tmp_path: Path) 
         previous.wait()
 
 
+@pytest.mark.slow
 def test_a_stop_signal_ends_the_wait_without_the_lock(tmp_path: Path) -> None:
     previous = _holder(tmp_path, 30, slurm_job="80")
     try:

@@ -6,6 +6,7 @@ One short ``python train.py logger=wandb`` run (the default Chimera job on 2 CPU
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,22 +19,50 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # where each came from: transformers' create_causal_mask(past_key_values=...) deprecation, torch's LeafSpec
 # deprecation hit by Lightning's _pytree, Lightning's litlogger advert, W&B's warning about the anonymous
-# setting Lightning passes, kineto's profiler start/stop lines
-NOISE = ("FutureWarning", "past_key_values", "LeafSpec", "litlogger", "anonymous setting", "USDT", "profiler_start")
+# setting Lightning passes, kineto's profiler start/stop lines; Lightning's accelerator and process-group banners
+# and its max_steps end; W&B's banner, run history and summary panels and its sync advice
+NOISE = ("FutureWarning", "past_key_values", "LeafSpec", "litlogger", "anonymous setting", "USDT", "profiler_start",
+         "GPU available", "TPU available", "Initializing distributed", "distributed_backend=",
+         "All distributed processes", "`Trainer.fit` stopped", "Tracking run with wandb", "Run history",
+         "Run summary", "You can sync this run", "Find logs at", "wandb leet")
+
+# every line the default run prints, by what prints it (the recipe's own lines only); the stage table has 7 lines
+OWN_LINES = (
+    r"layout: chimera .*",  # the launcher's layout line
+    r"stage \| layers .*", r"-+\+-+.*", r" +\d+ \| \d+-\d+: .*", r"total \| .*",  # the stage table
+    r"\(tied weights are counted in every layer holding them; .*",
+    r"placement: stage 0 → .*", r"pipeline: chimera .*",  # the strategy's line
+    r"step \d+/2 \| loss .*",  # the progress line(s)
+    r"wandb: offline run in .*",  # W&B's block, one line
+    r"strategy +W +D +B +N +samples/s .*", r"[- ]+", r"chimera +1 +2 +1 +32 .* ok",  # the summary table
+    re.escape(BUBBLE_NOTE), r"final train/loss = .* after 2 steps \(.*\)",
+)
 
 
 @pytest.mark.slow
 def test_the_default_run_prints_no_library_noise_and_explains_the_bubble_column(tmp_path: Path) -> None:
+    """The default run (W&B offline) prints the recipe's own lines only, 17 of them with one progress line: W&B's
+    34-line block is one line naming the offline run's directory and its upload command, and neither Lightning's
+    banners nor its max_steps end print."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("WANDB_SILENT", None)
+    for name in ("WANDB_SILENT", "WANDB_QUIET", "WANDB_SHOW_INFO"):
+        env.pop(name, None)
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path}", "logger=wandb",
                              "trainer.max_steps=2"], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    assert "final train/loss" in result.stdout and "wandb: Tracking run" in output  # W&B did run
     found = {noise: line for noise in NOISE for line in output.splitlines() if noise in line}
     assert not found, found
+    [run_dir] = (tmp_path / "wandb").glob("offline-run-*")  # W&B did run, offline, in the job directory
+    wandb_lines = [line for line in output.splitlines() if line.startswith("wandb:")]
+    assert wandb_lines == [f"wandb: offline run in {run_dir}; upload it with: wandb sync {run_dir}"]
+    lines = output.splitlines()
+    strangers = [line for line in lines if not any(re.fullmatch(own, line) for own in OWN_LINES)]
+    assert not strangers, strangers
+    # layout 1, stage table 7, placement 1, the strategy's line 1, progress 1 (every 5 steps and the last: step 2),
+    # W&B 1, summary table 3, its note 1, the final line 1
+    assert len(lines) == 17, output
     table = result.stdout.splitlines()
     header = next(i for i, line in enumerate(table) if line.startswith("strategy ") and "bubble meas/theory" in line)
     assert table[header + 2].startswith("chimera") and table[header + 3] == BUBBLE_NOTE
@@ -78,6 +107,7 @@ def test_a_stage_builds_its_attention_mask_once_per_forward_without_deprecation_
         assert masks.builds == n
 
 
+@pytest.mark.slow
 def test_a_new_attention_implementation_gets_its_own_mask() -> None:
     """The shared mask follows ``set_attn_implementation``: after an sdpa forward (no mask needed), an eager
     forward of the same shapes builds the causal mask again and equals a model built eager."""

@@ -258,6 +258,7 @@ def _options_holding(key: str) -> list[tuple[str, ...]]:
 ADDED_ONLY = {"trainer.max_epochs"}  # a Trainer argument no yaml sets (+trainer.max_epochs=…)
 
 
+@pytest.mark.slow
 def test_every_key_of_the_schema_is_a_setting_and_its_configured_values_pass(composer: Any) -> None:
     """Each numeric key is in conf/ (a misspelled key would never be checked), and every option that sets it
     passes (the defaults are valid values)."""
@@ -273,6 +274,7 @@ def test_every_key_of_the_schema_is_a_setting_and_its_configured_values_pass(com
             check_settings(cfg)
 
 
+@pytest.mark.slow
 def test_every_recipe_passes_the_schema() -> None:
     with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):  # as --config-dir recipes
         for path in sorted((ROOT / "recipes").glob("*.yaml")):
@@ -447,20 +449,21 @@ def _expected_holders(schedule: str, D: int) -> list[set[int]]:
 @pytest.mark.parametrize("schedule, D", [("zbv", 2), ("dualpipev", 2), ("zbv", 3), ("gpipe", 2), ("chimera", 4)])
 def test_stage_table_lists_the_stages_that_train_and_their_workers(schedule: str, D: int) -> None:
     from pipeline_recipes.recipe.job import stage_table
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
     from pipeline_recipes.strategies.runtime.topology import Topology
+    from pipeline_recipes.strategies.schedules import derive_layout, get_spec
 
-    config, W = PipelineConfig(schedule, D), 2
+    W = 2
+    layout = derive_layout(schedule, W * D, D, W * get_spec(schedule).smallest_micro_batches(D), B=1)
     expected = _expected_holders(schedule, D)
     S = len(expected)
-    text = stage_table(_tiny_model(), Topology.from_schedule(config.build(config.smallest_micro_batches), W))
+    text = stage_table(_tiny_model(), Topology.from_layout(layout))
     rows = [line for line in text.splitlines() if re.match(r"\s*\d+ \|", line)]
     assert [int(r.split("|")[0]) for r in rows] == list(range(S))
     placement = dict(re.findall(r"stage (\d+) → workers? ([\d and]+)", text))
     holders = [{int(w) for w in placement[str(s)].split(" and ")} for s in range(S)]
     assert holders == expected
     # the strategy's per-rank line names the same stages for every rank
-    topology = Topology.from_schedule(config.build(config.smallest_micro_batches), W)
+    topology = Topology.from_layout(layout)
     for rank in range(W * D):
         stages = re.search(r"stages \[([\d, ]+)\]", topology.describe(rank)).group(1)
         held = [s for s in range(S) if rank % D in holders[s]]

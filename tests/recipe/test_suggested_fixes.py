@@ -163,6 +163,7 @@ def _command(composer: Any, overrides: tuple[str, ...]) -> Command:
 
 
 @pytest.mark.parametrize("schedule", [*names(), *BASELINES])
+@pytest.mark.slow
 def test_every_fix_of_a_layout_refusal_passes_every_check(composer: Any, schedule: str) -> None:
     refused, failures = 0, []
     for overrides in layout_grid(schedule):
@@ -188,6 +189,7 @@ def gpu_grid() -> list[tuple[tuple[str, ...], NodeDevices]]:
     return out
 
 
+@pytest.mark.slow
 def test_every_fix_of_a_gpu_refusal_passes_every_check(composer: Any) -> None:
     refused, failures = 0, []
     for overrides, node in gpu_grid():
@@ -204,6 +206,7 @@ SLURM = {"SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "S
 
 
 @pytest.mark.parametrize("env", [TORCHRUN, SLURM], ids=["torchrun", "slurm"])
+@pytest.mark.slow
 def test_every_fix_of_a_cluster_refusal_passes_every_check(composer: Any, env: dict[str, str]) -> None:
     """A launcher that started other processes than ``trainer.devices × trainer.num_nodes``."""
     refused, failures = 0, []
@@ -225,6 +228,7 @@ SETTINGS = ("strategy.grad_sync=eagr", "strategy.recompute=alway", "strategy.rec
 
 
 @pytest.mark.parametrize("schedule", ["dapple", "pipedream_2bw", "chimera", "ddp"])
+@pytest.mark.slow
 def test_every_fix_of_a_settings_refusal_passes_every_check(composer: Any, schedule: str) -> None:
     """A value outside a setting's set or range, with each kind of schedule (an asynchronous one refuses what the
     near miss of a misspelled value may propose)."""
@@ -249,6 +253,7 @@ MEMORY = [  # (overrides, budget as a share of what the command's own layout is 
 
 
 @pytest.mark.parametrize("overrides, share", MEMORY)
+@pytest.mark.slow
 def test_every_fix_of_a_memory_refusal_fits_and_passes_every_check(composer: Any, overrides: tuple[str, ...],
                                                                    share: float) -> None:
     """The pre-flight's layouts of the same devices and global batch are fixes like any other: each one, applied to

@@ -179,6 +179,7 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("command", sorted(RUN))
+@pytest.mark.slow
 def test_run(command: str, scratch: Path) -> None:
     argv = shlex.split(command)
     assert argv[0] == "python"
@@ -286,6 +287,7 @@ CHECKED = [(page, cmd) for page, cmd in COMMANDS if coverage(cmd) == "c"]
 
 
 @pytest.mark.parametrize("page, command", CHECKED, ids=[cmd[:80] for _, cmd in CHECKED])
+@pytest.mark.slow
 def test_checked_before_launch(page: str, command: str) -> None:
     env, args = _train_args(command)
     name, points, slurm = _points(args)

@@ -98,18 +98,25 @@ def test_objects_pickled_under_old_module_names_load_as_todays(tmp_path: Path) -
 
 
 def test_every_package_under_src_is_installed_under_one_name() -> None:
+    """Every folder of ``src/`` is a package of ``pipeline_recipes``, but for ``src/hydra_plugins``: Hydra takes a
+    launcher only from its ``hydra_plugins`` namespace, so the SLURM preset's launcher is installed there."""
     setuptools = PYPROJECT["tool"]["setuptools"]
     if not isinstance(setuptools.get("packages"), list):
         pytest.skip("the folders of src/ are still installed as top-level packages (packages.find)")
     src = ROOT / "src"
-    expected = {"pipeline_recipes"} | {
+    plugins = {".".join(init.parent.relative_to(src).parts) for init in (src / "hydra_plugins").glob("*/__init__.py")}
+    expected = {"pipeline_recipes"} | plugins | {
         "pipeline_recipes." + ".".join(init.parent.relative_to(src).parts)
-        for init in src.glob("*/**/__init__.py") if init.parent.relative_to(src).parts[0] != "pipeline_recipes"}
+        for init in src.glob("*/**/__init__.py") if init.parent.relative_to(src).parts[0] not in ("pipeline_recipes",
+                                                                                                "hydra_plugins")}
     assert sorted(setuptools["packages"]) == sorted(expected), "re-run the conversion: a package was added or removed"
-    tops = {p.split(".")[1] for p in expected if p.count(".") == 1}
+    tops = {p.split(".")[1] for p in expected if p.count(".") == 1 and p.startswith("pipeline_recipes.")}
     assert setuptools["package-dir"] == {"pipeline_recipes": "src/pipeline_recipes",
-                                         **{f"pipeline_recipes.{t}": f"src/{t}" for t in tops}}
-    assert all(p == "pipeline_recipes" or p.startswith("pipeline_recipes.") for p in setuptools["packages"])
+                                         **{f"pipeline_recipes.{t}": f"src/{t}" for t in tops},
+                                         **{p: "src/" + p.replace(".", "/") for p in plugins}}
+    assert plugins == {"hydra_plugins.pipeline_recipes_slurm"}
+    assert all(p == "pipeline_recipes" or p.startswith("pipeline_recipes.") for p in setuptools["packages"]
+               if p not in plugins)
 
 
 def test_the_commands_name_existing_scripts_and_functions() -> None:

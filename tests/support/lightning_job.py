@@ -26,9 +26,11 @@ from toy_model import ToyMLP  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 
 from pipeline_recipes.strategies.lightning.strategy import PipelineModule, PipelineStrategy  # noqa: E402
+from pipeline_recipes.strategies.schedules import derive_layout  # noqa: E402
 
 WIDTH, LAYERS, LR = 8, 8, 0.1
 TRAIN_SAMPLES, VAL_SAMPLES, BATCH = 8, 6, 4  # 2 training steps per epoch; validation batches of 4 and 2
+# the strategies' layout: W = 1 replica × D = 2 workers, B = 1, N = BATCH micro-batches per step
 
 
 def samples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -145,7 +147,7 @@ def stop_by_sigterm(out: Path, schedule: str, signalled_rank: int) -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
 
     torch.set_num_threads(1)
-    strategy = PipelineStrategy(schedule=schedule, D=2, micro_batch_size=1, timeout_s=60)
+    strategy = PipelineStrategy.from_layout(derive_layout(schedule, 2, 2, BATCH, B=1), timeout_s=60)
     trainer = pl.Trainer(**{**trainer_kwargs(None, "32-true"), "max_steps": 6, "max_epochs": 3}, strategy=strategy,
                          devices=2, callbacks=[SignalAfterFirstStep()])
     train, val = loaders()
@@ -173,7 +175,7 @@ def main() -> None:
         stop_by_sigterm(args.out, args.strategy, args.sigterm_rank)
         return
 
-    strategy = PipelineStrategy(schedule=args.strategy, D=2, micro_batch_size=1, timeout_s=60)
+    strategy = PipelineStrategy.from_layout(derive_layout(args.strategy, 2, 2, BATCH, B=1), timeout_s=60)
     trainer, module, recorder = fit(strategy, 2, args.clip, args.precision)
     assert isinstance(trainer.strategy, PipelineStrategy)
     shapes = trainer.strategy.engine.executor._shapes  # the activation messages' shapes and dtypes, as learnt

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from pipeline_recipes.core.layout import Layout
 from pipeline_recipes.strategies.runtime.engine import build_engine
 from pipeline_recipes.strategies.harness.nccl_replay import P2P, Event, HostRecv, HostSend, HostWait, Post, StreamWait
 from pipeline_recipes.strategies.runtime.p2p import Incoming, Outgoing
@@ -139,15 +140,13 @@ def recorded_collectives(recorder: _Recorder) -> Iterator[None]:
 
 def record_programs(
     make_model: Callable[[], nn.Module],
-    config: Any,
-    replicas: int,
+    layout: Layout,
     steps: Sequence[Callable[[Any, int], Any]],
     shape_of: Callable[[int, str], tuple[torch.Size, torch.dtype]],
 ) -> list[list[Event]]:
-    """Each rank's events: build the engine for ``config`` with ``replicas`` replicas, then run
-    ``step(engine, rank)`` for every step (e.g. a train step and an eval step), a host
-    synchronisation after each (the loss is read)."""
-    world = replicas * config.stages
+    """Each rank's events: build the engine of ``layout`` on its W·D ranks, then run ``step(engine, rank)`` for every
+    step (e.g. a train step and an eval step), a host synchronisation after each (the loss is read)."""
+    world = layout.world_size
     programs = []
     for rank in range(world):
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
@@ -155,7 +154,7 @@ def record_programs(
             recorder = _Recorder()
             torch.manual_seed(0)
             with recorded_collectives(recorder):
-                engine = build_engine(make_model(), config, replicas, torch.device("cpu"))
+                engine = build_engine(make_model(), layout, torch.device("cpu"), timeout_s=30.0)
                 engine.executor.comm = RecordingComm(recorder, torch.device("cpu"), engine.timeout, shape_of)
                 for step in steps:
                     step(engine, rank)

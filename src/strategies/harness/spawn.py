@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S
+
 
 class WorldError(RuntimeError):
     """A rank raised, or the world did not answer in time."""
@@ -43,8 +45,8 @@ def _entry(
         torch.cuda.set_device(rank)
         device_id = torch.device("cuda", rank)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120),
-                                device_id=device_id)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), device_id=device_id)
     except BaseException:  # before fn ran: run_world may start the world again on another port
         queue.put((rank, "init", traceback.format_exc()))
         raise

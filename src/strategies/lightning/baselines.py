@@ -13,13 +13,14 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
+from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S
 from pipeline_recipes.strategies.runtime.process_group import end_process_group
 
 
 class DDPBaseline(DDPStrategy):
     """Lightning's DDP (W = world size replicas, no stages) with a clean exit."""
 
-    def __init__(self, timeout_s: float = 120.0, **pipeline_settings: Any) -> None:
+    def __init__(self, timeout_s: float = COLLECTIVE_TIMEOUT_S, **pipeline_settings: Any) -> None:
         super().__init__(timeout=timedelta(seconds=timeout_s))
 
     @override

@@ -39,6 +39,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from pipeline_recipes.core.exits import signal_name, stopped
 from pipeline_recipes.core.signals import STOP_SIGNALS, SignalRecord
+from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S
 from typing_extensions import override
 
 
@@ -76,7 +77,7 @@ class StopOnSignal(Callback):
     gets by default); a caller reading :attr:`request` itself passes False."""
 
     def __init__(self, record: SignalRecord | None = None, raise_at_end: bool = True,
-                 timeout: timedelta = timedelta(seconds=120)) -> None:
+                 timeout: timedelta = timedelta(seconds=COLLECTIVE_TIMEOUT_S)) -> None:
         self.record, self._own_record = record, record is None
         self.raise_at_end, self.timeout = raise_at_end, timeout
         self.request: StopRequest | None = None

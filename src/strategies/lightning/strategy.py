@@ -1,9 +1,10 @@
 """The Lightning strategy for pipeline schedules: one :class:`PipelineStrategy` runs any schedule of the
 registry (:mod:`pipeline_recipes.strategies.schedules.registry`: GPipe, DAPPLE alias 1F1B, GEMS, Chimera,
 PipeDream-2BW, PipeDream, interleaved 1F1B and the zero-bubble family: ZB-H1, ZB-H2, ZBV, DualPipeV and Chimera
-with zero bubble), ``PipelineStrategy(schedule="chimera", D=4)`` or ``Trainer(strategy="chimera")``; a recipe's
-worker builds it from the layout the launcher resolved (:meth:`PipelineStrategy.from_layout`), which it then only
-checks (the processes that joined, each training batch's N) instead of deriving it again.
+with zero bubble) from a resolved layout only: ``PipelineStrategy.from_layout(derive_layout("chimera", 8, 4, 16,
+B=1))`` (:func:`pipeline_recipes.strategies.schedules.derive_layout`); a recipe's worker builds it from the layout
+the launcher resolved, which it then only checks (the processes that joined, each training batch's N) instead of
+deriving it again.
 
 The strategy only maps Lightning's hooks onto :class:`~pipeline_recipes.strategies.runtime.engine.PipelineEngine`:
 process groups come up in ``setup_environment`` (inherited from DDP: launcher, cluster
@@ -32,12 +33,13 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from pipeline_recipes.core.errors import TrainingDiverged
 from pipeline_recipes.core.failures import record_handled_error
 from pipeline_recipes.core.layout import Layout
+from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -50,70 +52,50 @@ from pipeline_recipes.strategies.runtime.fetch_ahead import fetch_during_waits
 from pipeline_recipes.strategies.lightning.optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
 from pipeline_recipes.core.pipeline_model import Batch, run_layers, sequential_loss
 from pipeline_recipes.strategies.runtime.process_group import end_process_group
-from pipeline_recipes.strategies.schedules import DEFAULT_SCHEDULE, specs
-from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE
 from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 
 
+CONFIG_KEYS = frozenset({"schedule", "name", "D", "chunks", "W", "micro_batch_size", "pipelines", "concat",
+                         "timeout_s", "grad_sync", "recompute", "cuda_graphs"})
+"""The keys of a pipeline strategy's config (``conf/pipeline_strategy.yaml``) that the launcher derives the layout
+from (:func:`pipeline_recipes.recipe.settings.resolve_layout`), and its ``timeout_s``; any other key is Lightning's."""
+
+
 class PipelineStrategy(DDPStrategy):
-    """W data-parallel replicas × D pipeline stages, running ``schedule``, a name of the schedule registry
-    (``name`` is the config's older spelling of it)."""
+    """W data-parallel replicas × D pipeline workers running the layout the launcher resolved
+    (:class:`~pipeline_recipes.core.layout.Layout`: its schedule, W, D, B, N and settings, read, never derived again;
+    the processes that join are checked against it). Built by :meth:`from_layout`."""
 
-    def __init__(
-        self,
-        D: int = 2,
-        W: int | None = None,
-        micro_batch_size: int = 1,
-        pipelines: int | None = None,
-        concat: str = "direct",
-        timeout_s: float = 120.0,
-        schedule: str | None = None,
-        name: str | None = None,
-        grad_sync: str = DEFAULT_GRAD_SYNC,
-        recompute: str = DEFAULT_RECOMPUTE,
-        chunks: int | None = None,
-        cuda_graphs: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        if schedule is not None and name is not None and schedule != name:
-            raise ValueError(f"strategy.schedule = {schedule!r} but strategy.name = {name!r}: they name the same "
-                             f"schedule; set strategy.schedule only (strategy.name follows it)")
-        config = PipelineConfig(
-            schedule or name or DEFAULT_SCHEDULE, D, micro_batch_size, pipelines, concat, timeout_s,
-            grad_sync=grad_sync, recompute=recompute, chunks=chunks, cuda_graphs=cuda_graphs,
-        )
-        self._start(config, W, None, **kwargs)
-
-    @classmethod
-    def from_layout(cls, layout: Layout, timeout_s: float, **kwargs: Any) -> PipelineStrategy:
-        """The strategy of the layout the launcher resolved and validated: W, D, B, N and the schedule's settings
-        are the layout's (:meth:`PipelineConfig.from_layout`); the processes that join are checked against it."""
-        strategy = cls.__new__(cls)
-        strategy._start(PipelineConfig.from_layout(layout, timeout_s), layout.W, layout, **kwargs)
-        return strategy
-
-    def _start(self, config: PipelineConfig, W: int | None, layout: Layout | None, **kwargs: Any) -> None:
-        super().__init__(timeout=timedelta(seconds=config.timeout_s), **kwargs)
+    def __init__(self, layout: Layout, timeout_s: float = COLLECTIVE_TIMEOUT_S, **kwargs: Any) -> None:
+        config = PipelineConfig(layout, timeout_s)  # a baseline's layout is refused here
+        super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
         self.pipeline_config = config
-        self.requested_W = W
         self.layout = layout
         self.engine: PipelineEngine | None = None
         self.model_index: ckpt.ModelIndex | None = None
         self._rng_to_restore: dict[str, Any] | None = None
 
+    @classmethod
+    def from_layout(cls, layout: Layout, timeout_s: float = COLLECTIVE_TIMEOUT_S, **kwargs: Any) -> PipelineStrategy:
+        """The strategy of the layout the launcher resolved and validated
+        (:func:`pipeline_recipes.strategies.schedules.derive_layout`); ``timeout_s``: how long any wait may take;
+        ``kwargs``: DDP's own settings."""
+        return cls(layout, timeout_s, **kwargs)
+
     @property
     def D(self) -> int:
         """Workers (devices) per pipeline replica."""
-        return self.pipeline_config.stages
+        return self.layout.D
 
     @property
     def S(self) -> int:
         """Stages the model is split into: D, or v·D with v chunks per worker."""
-        return self.pipeline_config.num_stages
+        return self.layout.stages
 
     @property
     def W(self) -> int:
-        return self.requested_W or max(self.world_size // self.D, 1)
+        """Data-parallel replicas of the pipeline."""
+        return self.layout.W
 
     @property
     def replica(self) -> int:
@@ -140,13 +122,7 @@ class PipelineStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.layout is not None:
-            self.layout.check_world_size(self.world_size)
-        if self.W * self.D != self.world_size:
-            raise ValueError(
-                f"W·D = {self.W}·{self.D} = {self.W * self.D} but {self.world_size} processes run; "
-                f"set strategy.D to a divisor of {self.world_size} and strategy.W = {self.world_size} / D"
-            )
+        self.layout.check_world_size(self.world_size)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -156,9 +132,8 @@ class PipelineStrategy(DDPStrategy):
             raise TypeError(f"{type(module).__name__} must subclass pipeline_recipes.strategies.lightning.strategy.PipelineModule")
         self.precision_plugin.convert_module(module)
         self.model_index = ckpt.ModelIndex.of(module, module.model.pipeline_layers())  # before remote layers go
-        self.engine = build_engine(
-            module.model, self.pipeline_config, self.W, self.root_device, partition=module.partition(self.S)
-        )
+        self.engine = build_engine(module.model, self.layout, self.root_device, partition=module.partition(self.S),
+                                   timeout_s=self.pipeline_config.timeout_s)
         module.to(self.root_device)
         stages = f" S={self.S}" if self.S != self.D else ""
         rank_zero_info(f"pipeline: {self.pipeline_config.schedule} W={self.W} D={self.D}{stages}; "
@@ -360,7 +335,7 @@ class PipelineModule(pl.LightningModule):
             return
         engine = self.pipeline
         split = engine is not None and any(a.kind == "I" for acts in engine.schedule_for(
-            engine.config.smallest_micro_batches).workers for a in acts)
+            engine.config.micro_batches).workers for a in acts)
         done = compile_blocks(self.model.pipeline_layers(), self.blocks_to_compile, self.device)
         self.blocks_to_compile = []  # once: a second fit keeps the compiled blocks
         if done.fallback is not None:
@@ -511,15 +486,3 @@ def share_gpus(strategy: DDPStrategy, gpu_of_rank: list[int]) -> None:
         raise TypeError(f"{type(strategy).__name__} runs one process; only DDP-style strategies share GPUs")
     strategy.parallel_devices = [torch.device("cuda", index) for index in gpu_of_rank]
     strategy._process_group_backend = "gloo"  # DDPStrategy's process_group_backend argument, set after construction
-
-
-def register_strategies() -> None:
-    """Make ``Trainer(strategy=NAME)`` work for every schedule of the registry and its aliases
-    (``gpipe``, ``dapple``, ``1f1b``, ``gems``, ``chimera``, ``pipedream_2bw``, ``pipedream``, ...)."""
-    for spec in specs():
-        for name in (spec.name, *spec.aliases):
-            if name not in StrategyRegistry:
-                StrategyRegistry.register(name, PipelineStrategy, description=spec.description, schedule=spec.name)
-
-
-register_strategies()

@@ -31,110 +31,119 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
 from pipeline_recipes.strategies.runtime.executor import AsyncWindows, StageExecutor, StepRecord, loss_counts
 from pipeline_recipes.strategies.runtime.grad_sync import GradientSynchronizer, launch_plan
 from pipeline_recipes.strategies.runtime.late_loss import LateLosses
 from pipeline_recipes.core.layout import Layout, LayoutMismatch
 from pipeline_recipes.core.pipeline_model import Batch, split_batch
-from pipeline_recipes.strategies.runtime.rank_setup import RankSetup, assemble, even_partition
-from pipeline_recipes.strategies.schedules import (
-    DEFAULT_SCHEDULE, Action, Schedule, Settings, build_schedule, dapple, get_spec, resolve_concat,
-)
+from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S
+from pipeline_recipes.strategies.runtime.rank_setup import RankSetup, assemble, check_layout, even_partition
+from pipeline_recipes.strategies.schedules import Action, Schedule, build_schedule, dapple, get_spec
 from pipeline_recipes.strategies.schedules.asynchronous import weight_delay, window
-from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE, GRAD_SYNC_MODES, RECOMPUTE_MODES
+from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE
 from pipeline_recipes.strategies.runtime.stage import unique_parameters
 from pipeline_recipes.strategies.runtime.topology import Topology
 from pipeline_recipes.strategies.runtime.versions import WeightVersions
 
-__all__ = ["AsynchronousStep", "PipelineConfig", "PipelineEngine", "SynchronousStep", "build_engine", "even_partition"]
+__all__ = ["AsynchronousStep", "PipelineConfig", "PipelineEngine", "SynchronousStep", "build_engine", "check_layout",
+           "even_partition"]
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """The pipeline layout and runtime options; derived N comes from the batch at run time.
+    """The runtime's view of the layout the launcher resolved (:class:`~pipeline_recipes.core.layout.Layout`, derived
+    and checked once by :func:`pipeline_recipes.strategies.schedules.derive_layout`) and how long a wait may take:
+    the settings read as the runtime names them, nothing derived again.
 
     ``grad_sync``: ``end`` | ``eager`` | ``eager_opt`` (Chimera §3.2, see :mod:`.grad_sync`).
     ``recompute``: ``none`` | ``except_last`` | ``always`` (see :mod:`.recompute`).
     """
 
-    schedule: str = DEFAULT_SCHEDULE
-    stages: int = 2
-    micro_batch_size: int = 1
-    pipelines: int | None = None
-    concat: str = "direct"  # or "auto" (Chimera only): picked per N by best_concat
-    timeout_s: float = 120.0
-    grad_sync: str = DEFAULT_GRAD_SYNC
-    recompute: str = DEFAULT_RECOMPUTE
-    chunks: int | None = None  # stages per worker (v); None: the schedule's own (interleaved 1F1B: 2)
-    cuda_graphs: bool = False  # repeated blocks replayed as CUDA graphs per micro-batch slot (.cuda_graphs)
-    micro_batches: int | None = None  # N of every training step, as the layout resolved it; None: from the batch
-
-    @classmethod
-    def from_layout(cls, layout: Layout, timeout_s: float) -> PipelineConfig:
-        """The config of the layout the launcher resolved and validated (:class:`~pipeline_recipes.core.layout.Layout`):
-        its schedule, D, B, N, pipelines, the concatenation method it chose, chunks, gradient sync, recomputation and
-        CUDA graphs, nothing derived again."""
-        if layout.grad_sync is None or layout.recompute is None:
-            raise ValueError(f"strategy={layout.strategy} is a baseline, not a pipeline schedule: it has no "
-                             "pipeline config")
-        return cls(layout.strategy, layout.D, layout.B, layout.pipelines, layout.concat, timeout_s,
-                   grad_sync=layout.grad_sync, recompute=layout.recompute, chunks=layout.chunks,
-                   cuda_graphs=layout.cuda_graphs, micro_batches=layout.N)
+    layout: Layout
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("grad_sync", self.grad_sync, GRAD_SYNC_MODES),
-                                     ("recompute", self.recompute, RECOMPUTE_MODES)):
-            if value not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-        # the schedule's rules that do not depend on N (the batch): pipeline_recipes.strategies.schedules.registry
-        get_spec(self.schedule).check(Settings(self.schedule, self.stages, None, self.micro_batch_size, self.pipelines,
-                                               self.concat, self.chunks, grad_sync=self.grad_sync,
-                                               recompute=self.recompute))
-        if self.cuda_graphs is not False:  # the launcher's rules, for users of the engine itself
-            message = cuda_graphs_error(self.cuda_graphs, get_spec(self.schedule), self.recompute,
-                                        self.build(self.smallest_micro_batches))
-            if message is not None:
-                raise ValueError(message)
+        if self.layout.grad_sync is None or self.layout.recompute is None or not self.layout.placement:
+            raise ValueError(f"strategy={self.layout.strategy} is a baseline, not a pipeline schedule: it has no "
+                             "pipeline config")
+
+    @property
+    def schedule(self) -> str:
+        return self.layout.strategy
+
+    @property
+    def stages(self) -> int:
+        """D: workers per pipeline."""
+        return self.layout.D
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.layout.B
+
+    @property
+    def micro_batches(self) -> int:
+        """N of every training step."""
+        return self.layout.N
+
+    @property
+    def pipelines(self) -> int:
+        return self.layout.pipelines
+
+    @property
+    def concat(self) -> str:
+        """Chimera's concatenation method that runs (``strategy.concat=auto`` resolved before launch)."""
+        return self.layout.concat
+
+    @property
+    def chunks(self) -> int | None:
+        """Stages per worker (v) as set; None: the schedule's own (interleaved 1F1B: 2)."""
+        return self.layout.chunks
+
+    @property
+    def grad_sync(self) -> str:
+        return self.layout.grad_sync or DEFAULT_GRAD_SYNC
+
+    @property
+    def recompute(self) -> str:
+        return self.layout.recompute or DEFAULT_RECOMPUTE
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Repeated blocks replayed as CUDA graphs per micro-batch slot
+        (:mod:`pipeline_recipes.strategies.compute.cuda_graphs`)."""
+        return self.layout.cuda_graphs
 
     @property
     def num_stages(self) -> int:
         """S = v·D: the stages the model is split into (D for one stage per worker)."""
-        return get_spec(self.schedule).total_stages(self.stages, self.chunks)
+        return self.layout.stages
 
     @property
     def is_async(self) -> bool:
         """PipeDream / PipeDream-2BW: no flush, stashed weight versions, delayed updates."""
         return get_spec(self.schedule).asynchronous
 
-    @property
-    def smallest_micro_batches(self) -> int:
-        """The least N the schedule accepts (to build the topology before any batch is seen)."""
-        return get_spec(self.schedule).smallest_micro_batches(self.stages)
-
-    def concat_for(self, micro_batches: int) -> str:
-        """The concatenation method run at N = ``micro_batches`` (``auto``: the fastest, see
-        :func:`pipeline_recipes.strategies.schedules.best_concat`)."""
-        return resolve_concat(self.schedule, self.stages, micro_batches, self.pipelines, self.micro_batch_size,
-                              self.concat)
-
     def build(self, micro_batches: int) -> Schedule:
-        return build_schedule(self.schedule, self.stages, micro_batches, self.pipelines,
-                              self.concat_for(micro_batches), chunks=self.chunks)
+        """The schedule of N = ``micro_batches`` with the layout's settings (its concatenation method)."""
+        return build_schedule(self.schedule, self.stages, micro_batches, self.pipelines, self.concat,
+                              chunks=self.chunks)
 
 
 def build_engine(
     model: nn.Module,
-    config: PipelineConfig,
-    replicas: int,
+    layout: Layout,
     device: torch.device,
     partition: Sequence[range] | None = None,
+    *,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
 ) -> PipelineEngine:
-    """The set-up: this rank's share of the pipeline for ``config`` with ``replicas`` replicas on ``device``
-    (``partition``: the layers of each stage; ``None``: by layer count), assembled once, and the step object that
-    trains it. Collective: every rank calls it."""
-    setup = assemble(model, config, replicas, device, partition)
+    """The set-up: this rank's share of the pipeline of ``layout`` (resolved and checked before launch, e.g. by
+    :func:`pipeline_recipes.strategies.schedules.derive_layout`) on ``device`` (``partition``: the layers of each
+    stage; ``None``: by layer count; ``timeout_s``: how long any wait may take), assembled once, and the step object
+    that trains it. Collective: every rank calls it."""
+    config = PipelineConfig(layout, timeout_s)
+    setup = assemble(model, config, device, partition)
     return AsynchronousStep(setup) if config.is_async else SynchronousStep(setup)
 
 
@@ -241,10 +250,11 @@ class PipelineEngine(ABC):
         return split_batch(batch, size // self.config.micro_batch_size)
 
     def split_for_training(self, batch: Batch) -> list[dict]:
-        """:meth:`split`, the micro-batches checked against the N the layout resolved (where it did)."""
+        """:meth:`split`, the micro-batches checked against the N the layout resolved (never derived from the
+        batch): :class:`~pipeline_recipes.core.layout.LayoutMismatch` where they differ."""
         micro_batches = self.split(batch)
         expected = self.config.micro_batches
-        if expected is not None and len(micro_batches) != expected:
+        if len(micro_batches) != expected:
             B = self.config.micro_batch_size
             raise LayoutMismatch(
                 f"a replica's training batch of {len(micro_batches) * B} samples makes N = {len(micro_batches)} "

@@ -18,11 +18,14 @@ When each all-reduce starts is the ``grad_sync`` mode (§3.2):
 
 Which backward is a stage copy's last, and whether a bubble follows it, is read off the schedule
 data (:func:`launch_plan`), never hard-coded. Every all-reduce is waited before the step returns
-(blocking all-reduces on different groups could wait on each other; async ones cannot).
+(blocking all-reduces on different groups could wait on each other; async ones cannot). A peer lost during one
+(dead, or hung before it) is named like a lost p2p peer: which rank, closed or timed out, after how long since the
+all-reduce started (:mod:`pipeline_recipes.strategies.runtime.collectives`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline_recipes.strategies.runtime.collectives import wait_collective
 from pipeline_recipes.strategies.schedules import Action, Schedule, simulate
 from pipeline_recipes.strategies.schedules.rules import GRAD_SYNC_MODES
 
@@ -104,6 +108,12 @@ class _Bucket:
             offset += p.numel()
         return out
 
+    def describe(self) -> str:
+        """``stage 2``, ``stages 0, 3 and the tied parameters``: what the bucket holds, for messages."""
+        stages = [str(k) for k in self.keys if k != "tied"]
+        said = [f"stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}"] if stages else []
+        return " and ".join(said + (["the tied parameters"] if "tied" in self.keys else []))
+
     def install(self) -> None:
         """Zero the buffer and make every ``.grad`` a view of it: backward accumulates in place."""
         for p, view in zip(self.params, self.views()):
@@ -171,7 +181,7 @@ class GradientSynchronizer:
             for k in bucket.keys:
                 self._bucket_of[k] = bucket
         self._launched: set[int | str] = set()
-        self._works: list[dist.Work] = []
+        self._works: list[tuple[dist.Work, _Bucket, float]] = []  # (all-reduce, its bucket, when it started)
         self._started: list[tuple[int | str, ...]] = []
         self.last_buckets: list[tuple[int | str, ...]] = []
 
@@ -208,8 +218,9 @@ class GradientSynchronizer:
         works, self._works = self._works, []
         self.last_buckets, self._started = self._started, []
         self._launched.clear()
-        for work in works:
-            work.wait()  # NCCL: stream-ordered (the group's timeout is the guard); gloo: up to that timeout
+        for work, bucket, started in works:  # NCCL: stream-ordered (the group's timeout is the guard); gloo: up to it
+            wait_collective(work, bucket.group, f"the gradient all-reduce of {bucket.describe()}", started,
+                            self.timeout)
 
     def sync(self) -> None:
         """Everything at once, after the last backward (``grad_sync="end"``)."""
@@ -228,4 +239,5 @@ class GradientSynchronizer:
             return  # a fused bucket goes once all its keys are final
         bucket.pack()
         self._started.append(bucket.keys)
-        self._works.append(dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True))
+        self._works.append((dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True),
+                            bucket, time.monotonic()))

@@ -37,7 +37,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from pipeline_recipes.core.transport import connection_closed
+from pipeline_recipes.core.transport import PeerClosedError, PeerError, PeerTimeoutError, peer_lost
 from torch import Tensor
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
@@ -45,19 +45,8 @@ _HEADER_LEN = 10  # dtype code, ndim, up to 8 dims
 _POLL_S = 0.001
 
 
-class PeerError(RuntimeError):
-    """A peer could not be heard from: the consequence of its own failure, which the job names instead
-    (``consequence``)."""
-
-    consequence = True
-
-
-class PeerTimeoutError(PeerError):
-    """A peer did not deliver within the timeout: it hung, or one action takes longer than the timeout."""
-
-
-class PeerClosedError(PeerError):
-    """A peer's connection closed before it delivered: it exited, crashed or was killed."""
+__all__ = ["Incoming", "Outgoing", "PeerClosedError", "PeerError", "PeerTimeoutError", "PipeComm", "PostedRound",
+           "replica_groups"]  # the peer errors are said once, for every transport (pipeline_recipes.core.transport)
 
 
 @dataclass
@@ -239,18 +228,9 @@ class PipeComm:
 
     def _peer_failed(self, peers: Sequence[int], what: str, waited_s: float, err: BaseException | None = None) -> None:
         """Raise :class:`PeerClosedError` (the connection closed: the peer exited or was killed) or
-        :class:`PeerTimeoutError` (nothing came within the timeout), saying after how long."""
-        names = " or ".join(f"rank {p}" for p in peers) or "a peer"
-        limit = self.timeout.total_seconds()
-        detail = f" ({err})" if err is not None else ""
-        if err is not None and (connection_closed(err) or waited_s < 0.9 * limit):
-            raise PeerClosedError(
-                f"the connection to {names} closed after {waited_s:.1f}s while rank {dist.get_rank()} waited for "
-                f"{what}: the peer exited, crashed or was killed{detail}") from err
-        raise PeerTimeoutError(
-            f"{names} stopped answering: rank {dist.get_rank()} waited {waited_s:.0f}s for {what}, the limit of "
-            f"{limit:.0f}s (strategy.timeout_s); the peer hung, or one pipeline action takes longer than the "
-            f"timeout{detail}") from err
+        :class:`PeerTimeoutError` (nothing came within the timeout), saying after how long
+        (:func:`pipeline_recipes.core.transport.peer_lost`, the words every transport uses)."""
+        raise peer_lost(peers, dist.get_rank(), what, waited_s, self.timeout.total_seconds(), err) from err
 
 
 

@@ -1,7 +1,8 @@
 """The engine's set-up: this rank's share of the pipeline, assembled once before the first step.
 
 :func:`assemble` builds what every kind of step runs on, a :class:`RankSetup`: the topology of W replicas × D
-workers and the stages each rank holds (:class:`~pipeline_recipes.strategies.runtime.topology.Topology`), the layers of
+workers and the stages each rank holds, the layout's, checked against the schedule a step runs
+(:class:`~pipeline_recipes.strategies.runtime.topology.Topology`), the layers of
 this rank's stages (materialised from the meta device, the others dropped:
 :func:`~pipeline_recipes.core.pipeline_model.materialize_local`), the process groups (the copies of each
 stage, the tied parameters, a worker's replicas, the point-to-point channels), the gradient synchroniser
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline_recipes.core.layout import Layout, LayoutMismatch
+from pipeline_recipes.strategies.compute.cuda_graph_rules import cuda_graphs_error
 from pipeline_recipes.strategies.runtime.executor import StageExecutor
 from pipeline_recipes.strategies.runtime.grad_sync import GradientSynchronizer
 from pipeline_recipes.strategies.runtime.p2p import PipeComm, replica_groups
@@ -29,6 +32,7 @@ from pipeline_recipes.strategies.runtime.recompute import recompute_stages
 from pipeline_recipes.strategies.runtime.stage import unique_parameters
 from pipeline_recipes.strategies.runtime.topology import Topology
 from pipeline_recipes.strategies.runtime.versions import WeightVersions
+from pipeline_recipes.strategies.schedules import Schedule, build_schedule, get_spec
 
 if TYPE_CHECKING:
     from pipeline_recipes.strategies.runtime.engine import PipelineConfig
@@ -92,23 +96,20 @@ class RankSetup:
 def assemble(
     model: nn.Module,
     config: PipelineConfig,
-    replicas: int,
     device: torch.device,
     partition: Sequence[range] | None = None,
 ) -> RankSetup:
-    """This rank's share of the pipeline for ``config`` with ``replicas`` replicas on ``device``; ``partition``:
-    the layers of each stage (``None``: :func:`even_partition`). Collective: every rank calls it."""
+    """This rank's share of the pipeline of ``config``'s layout on ``device``; ``partition``: the layers of each stage
+    (``None``: :func:`even_partition`). The topology is the layout's (:meth:`Topology.from_layout`), checked against
+    the schedule a step runs and the processes that joined. Collective: every rank calls it."""
     if not isinstance(model, PipelineModel):
         raise TypeError(f"{type(model).__name__} must implement "
                         "pipeline_recipes.core.pipeline_model.PipelineModel")
     rank, timeout = dist.get_rank(), timedelta(seconds=config.timeout_s)
-    smallest = config.build(config.smallest_micro_batches)
-    topology = Topology.from_schedule(smallest, replicas)
-    if topology.world_size != dist.get_world_size():
-        raise ValueError(
-            f"W·D = {replicas}·{config.stages} = {topology.world_size} but the world size is "
-            f"{dist.get_world_size()}; set the replicas/stages so that W·D equals the number of processes"
-        )
+    layout = config.layout
+    layout.check_world_size(dist.get_world_size())
+    topology = Topology.from_layout(layout)
+    schedule = check_layout(layout)
     layers = model.pipeline_layers()
     S = topology.stages
     split = list(partition) if partition is not None else even_partition(len(layers), S)
@@ -128,12 +129,37 @@ def assemble(
     tied = _local_tied_parameters(model, tied_groups, local)
     synchronizer = GradientSynchronizer({s: unique_parameters(ls) for s, ls in stage_layers.items()}, groups.stages,
                                         tied, groups.tied, timeout, shared=groups.shared)
-    data_group, header_group = replica_groups([topology.replica_group(r) for r in range(replicas)], rank, timeout)
+    data_group, header_group = replica_groups([topology.replica_group(r) for r in range(topology.replicas)], rank,
+                                              timeout)
     return RankSetup(
         model, config, device, rank, timeout, topology, split, local_stages, stage_layers, tied_groups, tied, groups,
         synchronizer, PipeComm(device, timeout, data_group, header_group), recompute_stages(config.recompute, S),
-        frozenset(a.stage for acts in smallest.workers for a in acts if a.kind == "I"),
+        frozenset(a.stage for acts in schedule.workers for a in acts if a.kind == "I"),
     )
+
+
+def check_layout(layout: Layout) -> Schedule:
+    """The schedule a training step of ``layout`` runs, checked against the layout: built at the layout's N (the
+    schedule's rules, :mod:`pipeline_recipes.strategies.schedules.registry`), its workers, stages and placement the
+    layout's, and nothing CUDA graphs cannot capture where ``layout.cuda_graphs`` is set. The launcher derived and
+    checked the layout before (:func:`pipeline_recipes.strategies.schedules.derive_layout`); these are the checks a
+    direct user of the engine gets for a layout of its own (:class:`~pipeline_recipes.core.layout.LayoutMismatch`,
+    or the rule's message as a ``ValueError``)."""
+    topology = Topology.from_layout(layout)
+    schedule = build_schedule(layout.strategy, layout.D, layout.N, layout.pipelines, layout.concat,
+                              chunks=layout.chunks)
+    built = (schedule.num_workers, schedule.stages, schedule.placement)
+    if built != (topology.workers, topology.stages, topology.placement):
+        raise LayoutMismatch(
+            f"the layout of strategy={layout.strategy} places S = {topology.stages} stages on D = {topology.workers} "
+            f"workers as {list(map(list, topology.placement))}, but its schedule at N = {layout.N} has "
+            f"{schedule.stages} stages on {schedule.num_workers} workers placed as "
+            f"{list(map(list, schedule.placement))}: derive the layout with "
+            "pipeline_recipes.strategies.schedules.derive_layout (as the launcher does) rather than by hand")
+    refusal = cuda_graphs_error(layout.cuda_graphs, get_spec(layout.strategy), layout.recompute or "none", schedule)
+    if refusal is not None:  # the launcher's rule (recipe.settings), for a layout the launcher did not check
+        raise ValueError(refusal)
+    return schedule
 
 
 def _drop_remote_layers(layers: Sequence[nn.Module], local: Collection[int]) -> None:

@@ -1,7 +1,8 @@
 """Who is who in W data-parallel replicas of a pipeline group of P workers (Chimera §3.3, Figure 5).
 
-Rank ``r`` is worker ``r % P`` of replica ``r // P``. A worker holds the stages the schedule's
-placement gives it (one for GPipe/DAPPLE, one per pipeline for Chimera, ``v`` chunks for
+Rank ``r`` is worker ``r % P`` of replica ``r // P``. The topology is the layout's (:meth:`Topology.from_layout`:
+the placement of the schedule the launcher validated), never derived from a schedule built again. A worker holds
+the stages the placement gives it (one for GPipe/DAPPLE, one per pipeline for Chimera, ``v`` chunks for
 interleaved and V-shaped schedules; all distinct). Every copy of a stage (W for GPipe/DAPPLE,
 2f·W for Chimera) joins one gradient all-reduce group; tied parameters (first and last stage) get
 a group of every rank holding either stage. Pure data: process groups are created from it, in
@@ -13,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline_recipes.core.layout import Layout
-from pipeline_recipes.strategies.schedules import Schedule
 
 
 @dataclass(frozen=True)
@@ -22,10 +22,6 @@ class Topology:
     workers: int  # P: ranks per replica (D, the pipeline's depth in devices)
     stages: int  # S: stages per pipeline (v·P)
     placement: tuple[tuple[int, ...], ...]  # [pipe][stage] -> worker
-
-    @classmethod
-    def from_schedule(cls, schedule: Schedule, replicas: int) -> Topology:
-        return cls(replicas, schedule.num_workers, schedule.stages, schedule.placement)
 
     @classmethod
     def from_layout(cls, layout: Layout) -> Topology:

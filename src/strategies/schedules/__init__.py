@@ -2,6 +2,8 @@
 
 :mod:`.registry` describes every schedule once (name, generator, layout rules, asynchronous or not,
 stages per worker, pipelines, planner variants); everything that lists or checks schedules reads it.
+:mod:`.derivation` derives a run's layout from its settings (:func:`derive_layout`), the one place W, B, N and S
+are worked out.
 """
 
 from pipeline_recipes.strategies.schedules.actions import Action, Schedule, parse_action
@@ -13,12 +15,13 @@ from pipeline_recipes.strategies.schedules.registry import (
     resolve_concat, specs,
 )
 from pipeline_recipes.strategies.schedules.rules import AUTO_CONCAT, CLI, CONCAT_METHODS, CONFIG, Naming, Settings
+from pipeline_recipes.strategies.schedules.derivation import LayoutRefusal, derive_layout, derive_sizes, layout_of
 from pipeline_recipes.strategies.schedules.simulate import DeadlockError, Simulation, TimedAction, peak_activations, simulate, slots_needed
 from pipeline_recipes.strategies.schedules.validate import validate
 
 __all__ = [
     "AUTO_CONCAT", "ActionIndex", "CLI", "CONCAT_METHODS", "CONFIG", "DEFAULT_SCHEDULE", "SCHEDULES", "Action",
-    "DeadlockError", "Naming",
+    "DeadlockError", "LayoutRefusal", "Naming", "derive_layout", "derive_sizes", "layout_of",
     "Schedule", "ScheduleError", "ScheduleSpec", "Settings", "Simulation", "TimedAction", "best_concat",
     "build_schedule", "chimera", "chimera_placement", "concat_choices", "dapple", "dependencies", "format_grid",
     "gems", "get_spec", "gpipe", "index_actions", "names", "parse_action", "peak_activations", "register",

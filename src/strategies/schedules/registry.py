@@ -6,10 +6,10 @@ whether it is asynchronous, how many stages a worker holds (``chunks``), how man
 whether it concatenates units of micro-batches (Chimera §3.5), which gives the planner's variants.
 :func:`build_schedule` checks the rules before it calls the generator and validates what it produces
 (:func:`~pipeline_recipes.strategies.schedules.validate.validate`). Everything that lists schedules or
-checks a layout reads this table: :func:`build_schedule`, the Hydra layout check
-(:mod:`pipeline_recipes.recipe.settings`), the planner's candidates (:mod:`pipeline_recipes.planner.predict`),
-the viewer's choices (``scripts/schedule.py``), Lightning's strategy names
-(:func:`pipeline_recipes.strategies.lightning.strategy.register_strategies`) and the engine
+checks a layout reads this table: :func:`build_schedule`, the layout's derivation
+(:func:`pipeline_recipes.strategies.schedules.derivation.derive_layout`, which the Hydra layout check of
+:mod:`pipeline_recipes.recipe.settings` and the planner's candidates of :mod:`pipeline_recipes.planner.predict` call),
+the viewer's choices (``scripts/schedule.py``) and the engine
 (:class:`pipeline_recipes.strategies.runtime.engine.PipelineConfig`).
 
 Adding a schedule: add its :class:`ScheduleSpec` to :data:`SCHEDULES` (with any rule of its own) and
@@ -142,8 +142,7 @@ class ScheduleSpec:
         return tuple((p, c) for p in pipes for c in methods)
 
     def smallest_micro_batches(self, stages: int) -> int:
-        """The least N ≥ D its rules accept: it shows the schedule's whole placement (the engine builds its
-        topology from it)."""
+        """The least N ≥ D its rules accept: it shows the schedule's whole placement."""
         if self.fixed_micro_batches:
             return self.fixed_micro_batches
         return next((n for n in range(max(stages, 1), 4 * max(stages, 1) + 2)

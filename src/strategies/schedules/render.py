@@ -212,12 +212,48 @@ def chunk_of(timeline: Timeline) -> dict[tuple[int, int], int]:
     return {(pipe, stage): c for (_, pipe), stages in held.items() for c, stage in enumerate(sorted(stages))}
 
 
+LABEL_PT = 8  # the boxes' micro-batch labels
+ROW_IN = 0.5  # height of a worker's row
+BAND_GAP_IN = 0.45  # between two bands of a wrapped timeline: the upper band's time ticks
+LABEL_IN = 0.35  # time-axis inches a typical box gets, room for its label
+MAX_AXIS_IN = 11.0  # the longest time axis of one band: with row names and legend about 1,700 px at DPI
+MIN_AXIS_IN = 4.5
+MAX_BANDS = 6  # a longer timeline is squeezed into this many bands: the shortest boxes lose their labels
+DPI = 120
+
+
+class Bands(NamedTuple):
+    """How a timeline is wrapped: ``count`` bands one above the other, each ``width_in`` inches of time axis."""
+
+    count: int
+    width_in: float
+
+
+def _bands(rows: list[list[Span]], makespan: float) -> Bands:
+    """The bands of :func:`timeline_figure`: the time axis gives a typical box (the 10th percentile of the
+    durations, so a few very short boxes of a measured step do not stretch it) :data:`LABEL_IN`, and wraps into as
+    many bands of at most :data:`MAX_AXIS_IN` as that needs (at most :data:`MAX_BANDS`), so the picture reads at its
+    natural size instead of growing ever wider."""
+    durations = sorted(s.end - s.start for row in rows for s in row if s.end > s.start)
+    typical = durations[len(durations) // 10] if durations else 1.0
+    needed = LABEL_IN * (makespan or 1.0) / typical
+    count = min(max(math.ceil(needed / MAX_AXIS_IN), 1), MAX_BANDS)
+    return Bands(count, min(max(needed / count, MIN_AXIS_IN), MAX_AXIS_IN))
+
+
+def _label_in(label: str) -> float:
+    """Inches of time axis a box needs to show ``label`` at :data:`LABEL_PT` points (a digit is about 0.6 em)."""
+    return (0.6 * len(label) + 0.6) * LABEL_PT / 72
+
+
 def timeline_figure(timeline: Timeline, schedule: Schedule | None = None, *, title: str | None = None,
                     time_unit: str | None = None) -> Any:
     """``timeline`` as a matplotlib ``Figure``: rows = workers, one colour family per pipeline and, where
     a worker holds several stages of one pipeline, per chunk (so a worker's two chunks differ; the
     legend and the row labels name their stages), lighter for forwards, darker for backwards,
-    micro-batch labels in the boxes. ``time_unit`` goes on the time axis, e.g. ``"ms"``."""
+    micro-batch labels in the boxes where they fit. ``time_unit`` goes on the time axis, e.g. ``"ms"``. A long
+    timeline wraps into bands one above the other, each a slice of the time axis (:func:`_bands`), so that its
+    PNG reads at its natural size; the first band carries the title and the legend, the last the time label."""
     # Local: importing matplotlib's figure costs about 1 s (0.97 s by ``python -X importtime``, 2 cores),
     # twenty times the whole schedules package (45 ms); only a drawn figure pays it.
     from matplotlib import colormaps
@@ -248,26 +284,37 @@ def timeline_figure(timeline: Timeline, schedule: Schedule | None = None, *, tit
     def color(kind: str, g: tuple[int, int]) -> Any:
         return colormaps[_COLOR_FAMILIES[families[g] % len(_COLOR_FAMILIES)]](_SHADE.get(kind, 0.75))
 
-    shortest = min((s.end - s.start for row in rows for s in row if s.end > s.start), default=1.0)
-    fig_w = min(max(0.35 * (makespan or 1.0) / shortest + 1.5, 6.0), 40.0)
-    fig = Figure(figsize=(fig_w, 0.5 * len(rows) + 1.5))
+    bands = _bands(rows, makespan)
+    span = (makespan or 1.0) / bands.count
+    band_in = max(len(rows), 1) * ROW_IN
+    fig = Figure(figsize=(bands.width_in, bands.count * band_in + (bands.count - 1) * BAND_GAP_IN))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for w, (row, sts) in enumerate(zip(rows, stages)):
-        for s, st in zip(row, sts):
-            ax.barh(w, s.end - s.start, left=s.start, height=0.8, color=color(s.kind, group(s.pipe, st)),
-                    edgecolor="black", linewidth=0.5, gid=f"P{w} stage {st} {s.kind}{s.label}")
-            ax.text((s.start + s.end) / 2, w, s.label, ha="center", va="center", fontsize=8,
-                    color="black" if _SHADE.get(s.kind, 0.75) < 0.5 else "white", clip_on=True)
+    # the axes fill the figure; savefig's tight box adds the title, ticks, labels and legend around them
+    fig.subplots_adjust(left=0.0, right=1.0, bottom=0.0, top=1.0, hspace=BAND_GAP_IN / band_in)
+    axes = fig.subplots(bands.count, 1, squeeze=False)[:, 0]
+    per_unit = bands.width_in / span  # inches per time unit
 
     def row_label(w: int) -> str:
         held = sorted({st for st in stages[w] if st is not None})
         return f"P{w} (stages {', '.join(map(str, held))})" if by_chunk and len(held) > 1 else f"P{w}"
 
-    ax.set_yticks(range(len(rows)), [row_label(w) for w in range(len(rows))])
-    ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlim(0, makespan or 1.0)
-    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    for band, ax in enumerate(axes):
+        t0, t1 = band * span, (band + 1) * span if band < bands.count - 1 else makespan or 1.0
+        for w, (row, sts) in enumerate(zip(rows, stages)):
+            for s, st in zip(row, sts):
+                if s.end <= t0 or s.start >= t1:
+                    continue
+                ax.barh(w, s.end - s.start, left=s.start, height=0.8, color=color(s.kind, group(s.pipe, st)),
+                        edgecolor="black", linewidth=0.5, gid=f"P{w} stage {st} {s.kind}{s.label}")
+                shown = (max(s.start, t0), min(s.end, t1))  # the part of the box in this band
+                if (shown[1] - shown[0]) * per_unit >= _label_in(s.label):
+                    ax.text(sum(shown) / 2, w, s.label, ha="center", va="center", fontsize=LABEL_PT,
+                            color="black" if _SHADE.get(s.kind, 0.75) < 0.5 else "white", clip_on=True)
+        ax.set_yticks(range(len(rows)), [row_label(w) for w in range(len(rows))])
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.set_xlim(t0, t1)
+    axes[-1].set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    ax = axes[0]  # the title and the legend go with the first band
     ax.set_title(title)
     names = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
     used = sorted({(group(s.pipe, st), s.kind) for row, sts in zip(rows, stages) for s, st in zip(row, sts)},
@@ -293,4 +340,4 @@ def timeline_figure(timeline: Timeline, schedule: Schedule | None = None, *, tit
 def save_png(timeline: Timeline, schedule: Schedule | None, path: str, *, title: str | None = None,
              time_unit: str | None = None) -> None:
     """Draw ``timeline`` to a PNG at ``path`` (:func:`timeline_figure`)."""
-    timeline_figure(timeline, schedule, title=title, time_unit=time_unit).savefig(path, dpi=120, bbox_inches="tight")
+    timeline_figure(timeline, schedule, title=title, time_unit=time_unit).savefig(path, dpi=DPI, bbox_inches="tight")

@@ -114,6 +114,7 @@ def _module(cfg: dict, max_steps: int = 40) -> tuple[torch.optim.Optimizer, dict
     return configured["optimizer"], configured["lr_scheduler"]
 
 
+@pytest.mark.slow
 def test_config_groups_reach_the_module() -> None:
     optimizer, scheduler = _module(_compose())  # default: adamw + cosine with a short warm-up
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.999)

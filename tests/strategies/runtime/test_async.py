@@ -203,7 +203,8 @@ def _reference(name: str, model: ToyMLP, D: int, batches: list[dict],
 def _pipeline_vs_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     out = []
     for case in cases:
@@ -215,7 +216,7 @@ def _pipeline_vs_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
             batches = [batches[0]] * steps
         ref_losses, ref_params = _reference(name, copy.deepcopy(model), D, batches, case.get("clip"))
         names = {id(p): n for n, p in model.named_parameters()}
-        engine = build_engine(model, PipelineConfig(name, D, B, timeout_s=30.0), W, torch.device("cpu"))
+        engine = build_engine(model, derive_layout(name, W * D, D, W * N * B, B=B), torch.device("cpu"), timeout_s=30.0)
         opt = torch.optim.SGD(engine.local_parameters(), lr=LR, momentum=MOMENTUM)
         replica = engine.topology.replica_of(rank)
         losses: dict[int, float] = {}  # by step: the loss comes one step late (no per-step line-up)

@@ -103,6 +103,7 @@ def test_model_index_names_tied_and_deduplicated_parameters() -> None:
     assert aliases == {"model.layers.3.cls.predictions.decoder.bias": "model.layers.3.cls.predictions.bias"}
 
 
+@pytest.mark.slow
 def test_stages_consolidate_to_the_unsplit_state_and_load_into_any_split(tmp_path: Path) -> None:
     module, optimizer, _ = _trained_module()
     path = _save_two_stages(module, optimizer, tmp_path / "step-2.ckpt")
@@ -140,6 +141,7 @@ def test_stages_consolidate_to_the_unsplit_state_and_load_into_any_split(tmp_pat
             assert torch.equal(local_opt.state[p]["exp_avg"], originals[canonical]["exp_avg"]), name
 
 
+@pytest.mark.slow
 def test_a_one_group_optimizer_state_fills_the_weight_decay_groups() -> None:
     """Optimizer state saved with one parameter group (before biases and norms got their own) loads into
     the two groups by name; each group keeps its weight decay, the rest of the hyper-parameters come along."""
@@ -159,6 +161,7 @@ def test_a_one_group_optimizer_state_fills_the_weight_decay_groups() -> None:
     assert all(torch.equal(new.state[p]["exp_avg"], torch.full_like(p, 0.5)) for p in module.parameters())
 
 
+@pytest.mark.slow
 def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
     module, optimizer, _ = _trained_module()
     path = _save_two_stages(module, optimizer, tmp_path / "a.ckpt")
@@ -177,6 +180,7 @@ def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
     assert consolidate.main([str(tmp_path), str(tmp_path / "out.ckpt")]) == 2
 
 
+@pytest.mark.slow
 def test_ddp_and_single_ask_for_a_consolidated_checkpoint(tmp_path: Path) -> None:
     from pipeline_recipes.recipe.settings import ConfigError
     from pipeline_recipes.recipe.resume import resolve_resume
@@ -225,6 +229,7 @@ def test_resumable_loader_continues_the_epoch_on_any_number_of_replicas() -> Non
         loader.load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_export_bert_keeps_the_trained_output_bias(tmp_path: Path) -> None:
     from hydra.utils import instantiate
     from transformers import BertForPreTraining

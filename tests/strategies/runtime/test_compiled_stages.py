@@ -51,7 +51,8 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name, backend", [
     pytest.param("gpt2-tiny", "inductor", marks=pytest.mark.slow),  # 20-70 s on two cores, cold cache
-    ("llama-tiny", CAPTURE), ("bert-tiny", CAPTURE),
+    pytest.param("llama-tiny", CAPTURE, marks=pytest.mark.slow),
+    pytest.param("bert-tiny", CAPTURE, marks=pytest.mark.slow),
 ])
 def test_compiled_blocks_equal_the_eager_model(name: str, backend: str) -> None:
     """Loss and every gradient within fp32 rounding of the eager twin (same init); one graph for both
@@ -97,6 +98,7 @@ def test_compiled_blocks_under_bf16_autocast_stay_within_bf16_rounding() -> None
         assert (got[n] - want[n]).norm() <= 1e-2 * want[n].norm() + 1e-6, n
 
 
+@pytest.mark.slow
 def test_split_backward_keeps_weight_gradients_for_w() -> None:
     """Inside a compiled block the deferring linear layers run eagerly: after ``I`` their weights have no
     gradient yet, after ``W`` they equal the eager block's (a traced one would have computed them in ``I``)."""
@@ -150,7 +152,8 @@ def _compiled_pipeline_vs_eager(rank: int, world: int, cases: list[dict]) -> lis
     single-process eager model's loss and gradients."""
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     out = []
     for case in cases:
@@ -163,8 +166,8 @@ def _compiled_pipeline_vs_eager(rank: int, world: int, cases: list[dict]) -> lis
         ref_grads = _grads(reference)
         names = {id(p): n for n, p in model.named_parameters()}
         blocks = repeated_blocks(model.pipeline_layers())  # before the engine drops the remote layers
-        config = PipelineConfig(case["schedule"], world, B, None, "direct", 60.0, recompute=case["recompute"])
-        engine = build_engine(model, config, 1, CPU)
+        layout = derive_layout(case["schedule"], world, world, N * B, B=B, recompute=case["recompute"])
+        engine = build_engine(model, layout, CPU, timeout_s=60.0)
         done = compile_blocks(model.pipeline_layers(), blocks, CPU, backend=CAPTURE)
         loss = engine.train_step(batch).item()
         err = max((p.grad - ref_grads[names[id(p)]]).abs().max().item() for p in engine.local_parameters())

@@ -28,10 +28,10 @@ from pipeline_recipes.models import build_model
 from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
 from pipeline_recipes.strategies.compute.compile import compile_target, repeated_blocks
 from pipeline_recipes.strategies.compute.cuda_graphs import ShapeChanged, StageGraphs, slots_needed, thread_local_capture
-from pipeline_recipes.strategies.runtime.engine import PipelineConfig
+from pipeline_recipes.strategies.runtime.engine import check_layout
 from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 from pipeline_recipes.core.pipeline_model import run_layers
-from pipeline_recipes.strategies.schedules import build_schedule, get_spec, names
+from pipeline_recipes.strategies.schedules import build_schedule, derive_layout, get_spec, names
 
 gpt2_batch = import_test_module("test_models").gpt2_batch
 
@@ -54,7 +54,8 @@ def test_the_key_exists_and_defaults_to_false() -> None:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_container(compose("config", overrides=["strategy=dapple"]), resolve=True)
     assert cfg["strategy"]["cuda_graphs"] is False
-    assert PipelineStrategy(schedule="dapple", cuda_graphs=True).pipeline_config.cuda_graphs is True
+    layout = derive_layout("dapple", 2, 2, 2, B=1, cuda_graphs=True)
+    assert PipelineStrategy.from_layout(layout).pipeline_config.cuda_graphs is True
 
 
 def test_the_layout_line_says_so() -> None:
@@ -95,10 +96,13 @@ def test_what_can_be_captured_passes() -> None:
 
 @pytest.mark.parametrize("settings", [{"schedule": "pipedream_2bw"}, {"recompute": "except_last"},
                                       {"schedule": "zb_h2"}])
-def test_the_engine_config_refuses_them_too(settings: dict) -> None:
+def test_the_engine_refuses_them_too(settings: dict) -> None:
+    """A layout a direct user of the engine derived without the launcher's rule: the engine's check refuses it."""
+    settings = {"schedule": "dapple", **settings}
+    name = settings.pop("schedule")
     with pytest.raises(ValueError, match="strategy.cuda_graphs = true"):
-        PipelineConfig(**{"schedule": "dapple", "stages": 2, **settings, "cuda_graphs": True})
-    PipelineConfig(**{"schedule": "dapple", "stages": 2, **settings})  # fine without graphs
+        check_layout(derive_layout(name, 2, 2, 2, B=1, **settings, cuda_graphs=True))
+    check_layout(derive_layout(name, 2, 2, 2, B=1, **settings))  # fine without graphs
 
 
 # -- slots -------------------------------------------------------------------------------------------------
@@ -306,7 +310,7 @@ def _train(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
     from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs, slots_needed
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
 
     cuda = torch.cuda.is_available() and cases[0].get("cuda", False)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -322,8 +326,8 @@ def _train(rank: int, world: int, cases: list[dict]) -> list[dict]:
         for graphed in (False, True):
             model = build_model("gpt2-tiny", init_seed=0, n_layer=4)
             blocks = repeated_blocks(model.pipeline_layers())
-            config = PipelineConfig(case["schedule"], world, B, cuda_graphs=graphed)
-            engine = build_engine(model, config, 1, device)
+            engine = build_engine(model, derive_layout(case["schedule"], world, world, N * B, B=B, cuda_graphs=graphed),
+                                  device)
             lines: list[str] = []
             if graphed:
                 engine.stage_graphs = StageGraphs(engine.stage_layers, model.pipeline_layers(), blocks,
@@ -410,9 +414,9 @@ def test_graph_pools_count_one_copy_per_micro_batch_held(D: int, N: int) -> None
     costs = estimate_costs(cfg["model"], precision="bf16-mixed", device="cuda")
     partition = runtime_partition(costs, D)
     for name, held in (("gpipe", lambda s: N), ("dapple", lambda s: min(N, D - s))):
-        cand = Candidate(name, 1, D, 2, N, cuda_graphs=True)
+        cand = Candidate.of(name, 1, D, 2, N, cuda_graphs=True)
         with_graphs = predict_memory(costs, cand, partition).workers
-        without = predict_memory(costs, Candidate(name, 1, D, 2, N), partition).workers
+        without = predict_memory(costs, Candidate.of(name, 1, D, 2, N), partition).workers
         for s in range(D):
             copy = costs.graph_slot_bytes(partition[s], 2)
             assert copy > 0

@@ -1,6 +1,6 @@
 """The engine's set-up picks one step object per kind of schedule, and no step asks which kind runs.
 
-``build_engine(model, config, replicas, device)`` (:func:`pipeline_recipes.strategies.runtime.engine.build_engine`)
+``build_engine(model, layout, device)`` (:func:`pipeline_recipes.strategies.runtime.engine.build_engine`)
 assembles a rank's share of the pipeline once and returns a
 :class:`~pipeline_recipes.strategies.runtime.engine.SynchronousStep` or an
 :class:`~pipeline_recipes.strategies.runtime.engine.AsynchronousStep`; what only an asynchronous schedule needs (stashed
@@ -20,8 +20,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from pipeline_recipes.strategies.runtime import engine as engine_module
 from pipeline_recipes.strategies.runtime.engine import (
-    AsynchronousStep, PipelineConfig, PipelineEngine, SynchronousStep, build_engine,
+    AsynchronousStep, PipelineEngine, SynchronousStep, build_engine,
 )
+from pipeline_recipes.strategies.schedules import derive_layout
 from pipeline_recipes.strategies.schedules.registry import ScheduleSpec, specs
 from schedule_grids import valid
 from toy_model import ToyMLP
@@ -31,10 +32,10 @@ ASYNC_ONLY = ("versions", "windows", "late_losses")  # the asynchronous step's o
 
 def _build(spec: ScheduleSpec) -> PipelineEngine:
     D = next(d for d in range(2, 9) if valid(spec, d, None))
-    config = PipelineConfig(spec.name, D, 1)
+    layout = derive_layout(spec, D, D, spec.smallest_micro_batches(D), B=1)
     dist.init_process_group("fake", rank=0, world_size=D, store=FakeStore())
     try:
-        return build_engine(ToyMLP(layers=max(config.num_stages, 4)), config, 1, torch.device("cpu"))
+        return build_engine(ToyMLP(layers=max(layout.stages, 4)), layout, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
 

@@ -66,15 +66,16 @@ def _case(schedule: str, W: int, D: int, N: int, *, model: dict | None = None, *
 
 
 def _layout(case: dict, device: str = "meta") -> tuple:
-    """The case's model (built on ``device``, ``init_seed=0``) and its ``PipelineConfig``: what every rank
-    of the GPU tests builds, and what the CPU check of the case lists builds on the meta device."""
+    """The case's model (built on ``device``, ``init_seed=0``) and its layout (as the launcher derives it): what every
+    rank of the GPU tests builds, and what the CPU check of the case lists builds on the meta device."""
     from pipeline_recipes.models import build_model
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig
+    from pipeline_recipes.strategies.schedules import derive_layout
 
     model = build_model("gpt2-tiny", init_seed=0, device=device, **{**GPT2, **case["model"]})
-    config = PipelineConfig(case["schedule"], case["D"], B, None, case["concat"], 60.0, grad_sync=case["grad_sync"],
-                            recompute=case["recompute"], chunks=case.get("chunks"))
-    return model, config
+    W, D = case["W"], case["D"]
+    layout = derive_layout(case["schedule"], W * D, D, W * case["N"] * B, B=B, concat=case["concat"],
+                           grad_sync=case["grad_sync"], recompute=case["recompute"], chunks=case.get("chunks"))
+    return model, layout
 
 
 def _cases(world: int) -> list[dict]:
@@ -143,7 +144,7 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
     out = []
     for case in cases:
         W, N = case["W"], case["N"]
-        model, config = _layout(case)  # on the meta device: each rank materialises its stages
+        model, layout = _layout(case)  # on the meta device: each rank materialises its stages
         twin = _layout(case, device="cpu")[0].to(device)  # the unsplit reference, same init
         samples = W * N * B
         data = SyntheticGPT2Dataset(STEPS * samples, twin.seq_len, twin.config.vocab_size, seed=3)
@@ -161,7 +162,7 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
         names = {id(p): n for n, p in model.named_parameters()}  # the pipeline's names equal the twin's
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        engine = build_engine(model, config, W, device, partition=model.partition(config.num_stages))
+        engine = build_engine(model, layout, device, partition=model.partition(layout.stages), timeout_s=60.0)
         params = engine.local_parameters()
         assert all(p.device == device for p in params)
         opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
@@ -216,23 +217,25 @@ def _case_lists() -> dict[str, tuple[int, list[dict]]]:
 
 
 @pytest.mark.parametrize("name", list(_case_lists()))
+@pytest.mark.slow
 def test_every_case_of_the_gpu_tests_builds_on_the_meta_device(name: str) -> None:
     """Each case's model and layout, built as every rank of the GPU tests builds them but on the meta
     device: a case that cannot run fails here, on a CPU, instead of when a GPU is at hand."""
+    from pipeline_recipes.strategies.runtime.engine import check_layout
     from pipeline_recipes.strategies.runtime.topology import Topology
 
     world, cases = _case_lists()[name]
     assert cases
     for case in cases:
         label = " ".join(f"{k}={v}" for k, v in case.items())
-        model, config = _layout(case)
+        model, layout = _layout(case)
         assert all(t.is_meta for t in model.parameters()), label
         assert model.seq_len <= model.config.n_positions, f"{label}: more tokens than position embeddings"
-        schedule = config.build(case["N"])  # the schedule's rules at this N
-        assert Topology.from_schedule(schedule, case["W"]).world_size == world, label
-        partition = model.partition(config.num_stages)
+        check_layout(layout)  # the schedule's rules at this N, its placement the layout's
+        assert Topology.from_layout(layout).world_size == world, label
+        partition = model.partition(layout.stages)
         assert [i for r in partition for i in r] == list(range(len(model.pipeline_layers()))), label
-        assert len(partition) == config.num_stages and all(len(r) for r in partition), label
+        assert len(partition) == layout.stages and all(len(r) for r in partition), label
 
 
 # data.num_workers=0: the runs go side by side on one GPU; loader processes would only crowd the CPUs
@@ -262,6 +265,7 @@ def _train_overrides(strategy: str, world: int) -> list[str] | None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.slow
 def test_every_train_py_case_of_the_gpu_tests_resolves_its_layout(world: int) -> None:
     """The bf16 ``train.py`` runs' configs, composed as ``train.py`` composes them, pass the launcher's layout
     and model checks (what it checks before any process starts) on a CPU."""
@@ -363,12 +367,13 @@ def _silent_peer(rank: int, world: int, backend: str, timeout_s: float, silent_s
     """Rank 1 stops answering before its second step; rank 0 must name it within the timeout."""
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
+    from pipeline_recipes.strategies.schedules import derive_layout
     from toy_model import ToyMLP, toy_batches
 
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    engine = build_engine(ToyMLP(layers=4, width=8), PipelineConfig("dapple", 2, 2, None, "direct", timeout_s),
-                          1, device)
+    engine = build_engine(ToyMLP(layers=4, width=8), derive_layout("dapple", 2, 2, 8, B=2), device,
+                          timeout_s=timeout_s)
     batches = [{k: v.to(device) for k, v in b.items()} for b in toy_batches(2, 8)]
     engine.train_step(batches[0]).item()
     if rank == 1:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_recipes.strategies.runtime.engine import PipelineConfig
 from pipeline_recipes.strategies.harness.nccl_replay import P2P, HostWait, Post, ReplayError, StreamWait, replay
 from pipeline_recipes.strategies.harness.recording import record_programs
+from layouts import pipeline_layout
 from schedule_grids import async_replay_cases, replay_cases, replica_cases
 from toy_model import ToyMLP, toy_batches
 
@@ -30,8 +30,8 @@ def _shape(peer: int, what: str) -> tuple[torch.Size, torch.dtype]:
 def _programs(schedule: str, D: int, N: int, W: int = 1, *, pipelines: int | None = None, concat: str = "direct",
               train_steps: int = 2, evaluate: bool = True, tied: bool = False, grad_sync: str = "end",
               recompute: str = "none", chunks: int | None = None) -> list:
-    config = PipelineConfig(schedule, D, B, pipelines, concat, 30.0, grad_sync=grad_sync, recompute=recompute,
-                            chunks=chunks)
+    layout = pipeline_layout(schedule, D, B, N, W, pipelines=pipelines, concat=concat, grad_sync=grad_sync,
+                             recompute=recompute, chunks=chunks)
     batches = toy_batches(train_steps + 1, W * N * B, width=WIDTH)
 
     def mine(rank: int, batch: dict, engine) -> dict:
@@ -41,8 +41,8 @@ def _programs(schedule: str, D: int, N: int, W: int = 1, *, pipelines: int | Non
     steps = [lambda engine, rank, b=b: engine.train_step(mine(rank, b, engine)) for b in batches[:train_steps]]
     if evaluate:
         steps.append(lambda engine, rank: engine.eval_step(mine(rank, batches[-1], engine)))
-    layers = max(config.num_stages, 4)
-    return record_programs(lambda: ToyMLP(layers=layers, width=WIDTH, tied=tied), config, W, steps, _shape)
+    layers = max(layout.stages, 4)
+    return record_programs(lambda: ToyMLP(layers=layers, width=WIDTH, tied=tied), layout, steps, _shape)
 
 
 def _id(case: tuple) -> str:
@@ -51,6 +51,7 @@ def _id(case: tuple) -> str:
 
 
 @pytest.mark.parametrize("case", replay_cases(), ids=_id)
+@pytest.mark.slow
 def test_every_schedule_completes_under_nccl_rules(case: tuple) -> None:
     """Every synchronous schedule of the registry × D ∈ {2, 3, 4, 8} × N below, at and above D × each
     choice it offers (pipelines, concatenation, chunks): several stages per worker (local messages), split

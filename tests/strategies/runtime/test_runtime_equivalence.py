@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distributed import run_world
+from layouts import pipeline_layout
 from schedule_grids import equivalence_cases
 from toy_model import ToyMLP, toy_batches, train_sgd
 
@@ -24,7 +25,7 @@ def _reference(model: ToyMLP, batches) -> tuple[list[float], dict[str, torch.Ten
 def _pipeline_vs_reference(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
-    from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
+    from pipeline_recipes.strategies.runtime.engine import build_engine
 
     out = []
     for case in cases:
@@ -35,10 +36,10 @@ def _pipeline_vs_reference(rank: int, world: int, cases: list[dict]) -> list[dic
         batches = toy_batches(STEPS, W * N * B)
         ref_losses, ref_params = _reference(reference, batches)
         names = {id(p): n for n, p in model.named_parameters()}  # before remote layers are dropped
-        config = PipelineConfig(case["schedule"], D, B, case.get("pipelines"), case.get("concat", "direct"), 30.0,
-                                grad_sync=case.get("grad_sync", "end"), recompute=case.get("recompute", "none"),
-                                chunks=case.get("chunks"))
-        engine = build_engine(model, config, W, torch.device("cpu"))
+        layout = pipeline_layout(case["schedule"], D, B, N, W, pipelines=case.get("pipelines"),
+                                 concat=case.get("concat", "direct"), grad_sync=case.get("grad_sync", "end"),
+                                 recompute=case.get("recompute", "none"), chunks=case.get("chunks"))
+        engine = build_engine(model, layout, torch.device("cpu"), timeout_s=30.0)
         opt = torch.optim.SGD(engine.local_parameters(), lr=LR, momentum=0.9)
         replica = engine.topology.replica_of(rank)
         losses = []

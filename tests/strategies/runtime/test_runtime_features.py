@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed import WorldError, run_world
+from layouts import pipeline_layout
 from pipeline_recipes.strategies.runtime.engine import PipelineConfig
 from pipeline_recipes.strategies.runtime.grad_sync import bubble_after, last_backwards, launch_plan
 from pipeline_recipes.core.pipeline_model import PipelineModel
 from pipeline_recipes.strategies.runtime.recompute import recompute_stages
-from pipeline_recipes.strategies.schedules import build_schedule, get_spec, names
+from pipeline_recipes.strategies.schedules import build_schedule, derive_layout, get_spec, names
 from schedule_grids import smallest_valid_size
 from toy_model import ToyMLP, toy_batches, train_sgd
 
@@ -33,13 +34,13 @@ STEPS, B, LR = 3, 2, 0.05
 
 
 @pytest.mark.parametrize("field,value", [("grad_sync", "soon"), ("recompute", "sometimes")])
-def test_config_rejects_unknown_modes(field: str, value: str) -> None:
+def test_layout_rejects_unknown_modes(field: str, value: str) -> None:
     with pytest.raises(ValueError, match=rf"{field} must be one of .*'{value}'"):
-        PipelineConfig(**{field: value})
+        derive_layout("gpipe", 2, 2, 4, B=1, **{field: value})
 
 
-def test_config_defaults_keep_current_behaviour() -> None:
-    config = PipelineConfig()
+def test_layout_defaults_keep_current_behaviour() -> None:
+    config = PipelineConfig(derive_layout("gpipe", 2, 2, 4, B=1))
     assert (config.grad_sync, config.recompute) == ("end", "none")
 
 
@@ -60,10 +61,12 @@ def test_strategy_configs_and_strategy_pass_the_modes(name: str) -> None:
     if get_spec(name).asynchronous:  # weight stashing: grad_sync=end and recompute=none only
         return
     D, _ = smallest_valid_size(get_spec(name), at_least=2)
-    strategy = PipelineStrategy(D=D, schedule=name, grad_sync="eager_opt", recompute="except_last")
+    N = get_spec(name).smallest_micro_batches(D)
+    layout = derive_layout(name, D, D, N, B=1, grad_sync="eager_opt", recompute="except_last")
+    strategy = PipelineStrategy.from_layout(layout)
     assert (strategy.pipeline_config.grad_sync, strategy.pipeline_config.recompute) == ("eager_opt", "except_last")
     with pytest.raises(ValueError, match="grad_sync"):
-        PipelineStrategy(D=D, schedule=name, grad_sync="later")
+        derive_layout(name, D, D, N, B=1, grad_sync="later")
 
 
 def test_recompute_stages() -> None:
@@ -72,6 +75,7 @@ def test_recompute_stages() -> None:
     assert recompute_stages("except_last", 4) == {0, 1, 2}
 
 
+@pytest.mark.slow
 def test_saved_bytes_tracking_frees_a_graph_dropped_without_backward() -> None:
     """The executor and the profiler count saved activations with SavedBytes; a graph built under it
     and dropped without a backward (a failed step, the profiler's forward-only passes) is freed."""
@@ -215,9 +219,10 @@ def _features(rank: int, world: int, cases: list[dict]) -> dict:
         batches = toy_batches(STEPS, W * N * B, case.get("width", 8))
         ref_losses, ref_params = _reference(copy.deepcopy(model), batches)
         names = {id(p): n for n, p in model.named_parameters()}
-        config = PipelineConfig(case["schedule"], D, B, case.get("pipelines"), case.get("concat", "direct"), 30.0,
-                                grad_sync=case.get("grad_sync", "end"), recompute=case.get("recompute", "none"))
-        engine = build_engine(model, config, W, torch.device("cpu"))
+        layout = pipeline_layout(case["schedule"], D, B, N, W, pipelines=case.get("pipelines"),
+                                 concat=case.get("concat", "direct"), grad_sync=case.get("grad_sync", "end"),
+                                 recompute=case.get("recompute", "none"))
+        engine = build_engine(model, layout, torch.device("cpu"), timeout_s=30.0)
         losses, peak = _train(engine, batches, rank, N)
         err = max((p.detach() - ref_params[names[id(p)]]).abs().max().item() for p in engine.local_parameters())
         out["equivalence"].append({**case, "param_err": err, "losses": losses, "ref_losses": ref_losses,
@@ -229,7 +234,7 @@ def _features(rank: int, world: int, cases: list[dict]) -> dict:
     # recompute with dropout replays the same masks: identical to the run without recompute
     for mode in ("none", "always"):
         torch.manual_seed(1234 + rank)
-        engine = build_engine(DropoutMLP(), PipelineConfig("dapple", 4, B, recompute=mode), 1, torch.device("cpu"))
+        engine = build_engine(DropoutMLP(), pipeline_layout("dapple", 4, B, 4, recompute=mode), torch.device("cpu"))
         losses, _ = _train(engine, toy_batches(STEPS, 4 * B, 16), rank, 4)
         out["dropout"][mode] = (losses, [p.detach().flatten().tolist() for p in engine.local_parameters()])
         dist.barrier()
@@ -237,7 +242,7 @@ def _features(rank: int, world: int, cases: list[dict]) -> dict:
     # emulated stages: a D = 4 DAPPLE step takes about the simulated makespan
     t_f = 0.01
     model = EmulatedPipeline(4, t_f=t_f, activation_numel=1024, param_numel=4096)
-    engine = build_engine(model, PipelineConfig("dapple", 4, 1), 1, torch.device("cpu"))
+    engine = build_engine(model, pipeline_layout("dapple", 4, 1, 4), torch.device("cpu"))
     times = []
     for _ in range(4):
         dist.barrier()
@@ -362,6 +367,7 @@ def _rank_one_dies(rank: int, world: int) -> None:
     time.sleep(120)
 
 
+@pytest.mark.slow
 def test_run_world_reports_a_rank_that_died_without_waiting_for_the_timeout() -> None:
     with pytest.raises(WorldError, match=r"ranks \[1\] exited with codes \[3\] without a result"):
         run_world(2, _rank_one_dies, timeout=300)  # waiting for the timeout would say "no answer within 300s"
@@ -418,6 +424,7 @@ def _rank_of(rank: int, world: int) -> int:
     return rank
 
 
+@pytest.mark.slow
 def test_run_world_starts_again_on_another_port_when_its_port_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     """``free_port`` only finds a port that was free: a parallel process may take it before rank 0 listens
     (seen once under pytest-xdist). Nothing ran then, so the world starts again on a new port."""

@@ -112,29 +112,20 @@ def test_a_registered_spec_reaches_the_viewer_the_planner_the_layout_and_the_eng
 
     from pipeline_recipes.strategies.runtime.engine import PipelineConfig
 
-    config = PipelineConfig("toy", 2, 1)
-    assert not config.is_async and config.smallest_micro_batches == 2 and config.build(4).name == "toy"
+    config = PipelineConfig(layout)
+    assert not config.is_async and toy.smallest_micro_batches(2) == 2 and config.build(4).name == "toy"
+    assert layout.placement == ((0, 1),)  # one pipeline, stage s on worker s
 
 
-def test_a_registered_spec_becomes_a_lightning_strategy(toy: ScheduleSpec) -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
+def test_a_registered_specs_layout_becomes_a_lightning_strategy(toy: ScheduleSpec) -> None:
+    from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
+    from pipeline_recipes.strategies.schedules import derive_layout
 
-    from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy, register_strategies
-
-    register_strategies()
-    try:
-        entry = StrategyRegistry["toy"]
-        assert entry["strategy"] is PipelineStrategy and entry["init_params"] == {"schedule": "toy"}
-        assert entry["description"] == TOY.description
-    finally:
-        StrategyRegistry.pop("toy", None)
-    assert StrategyRegistry["1f1b"]["init_params"] == {"schedule": "dapple"}
-    assert PipelineStrategy(schedule="chimera", D=4).pipeline_config.schedule == "chimera"
-    assert PipelineStrategy(name="gems").pipeline_config.schedule == "gems"  # the config's older spelling
-    with pytest.raises(ValueError, match="strategy.schedule = 'gpipe' but strategy.name = 'dapple'"):
-        PipelineStrategy(schedule="gpipe", name="dapple")
+    strategy = PipelineStrategy.from_layout(derive_layout("toy", 4, 2, 8, B=1))
+    assert (strategy.pipeline_config.schedule, strategy.W, strategy.D, strategy.layout.N) == ("toy", 2, 2, 4)  # N = 8 / (W·B)
+    assert PipelineStrategy.from_layout(derive_layout("1f1b", 4, 4, 4, B=1)).pipeline_config.schedule == "dapple"
     with pytest.raises(ScheduleError, match="unknown schedule 'gpipe2'"):
-        PipelineStrategy(schedule="gpipe2")
+        derive_layout("gpipe2", 2, 2, 2, B=1)
 
 
 def test_chunks_reach_a_generator_that_takes_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -283,6 +274,7 @@ def test_the_api_names_its_arguments() -> None:
         best_concat(4, 8, 2, 1)} != {"backward_halving"}
 
 
+@pytest.mark.slow
 def test_every_schedule_has_a_strategy_config_on_the_shared_base() -> None:
     """``conf/strategy/<name>.yaml`` for every schedule: ``schedule: <name>`` on ``conf/pipeline_strategy.yaml``
     (not itself a strategy option); every user key of the strategy group keeps working."""

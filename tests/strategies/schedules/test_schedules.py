@@ -142,6 +142,7 @@ def test_gems_table_2(d: int, n: int) -> None:
 
 
 @pytest.mark.parametrize("d", [2, 4, 8, 16, 64])
+@pytest.mark.slow
 def test_gems_bubble_ratio_tends_to_table_2(d: int) -> None:
     assert simulate(gems(d, 400), 1, 2).bubble_ratio == pytest.approx((d - 1) / (d + 0.5), abs=2e-3)
 

@@ -87,6 +87,7 @@ def current() -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow
 def test_every_schedule_keeps_its_recorded_actions() -> None:
     golden = json.loads(GOLDEN.read_text())
     now = current()
