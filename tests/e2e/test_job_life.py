@@ -134,10 +134,11 @@ def ended(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
         jobs["racer"] = Job(root / "holder", "logger=none")  # a copy-pasted hydra.run.dir
         jobs["requeued"] = Job(root / "holder", "logger=none", ENDLESS, "ckpt_path=auto", env={"SLURM_JOB_ID": "4242"})
         every = list(jobs.values())
-        wait_until(lambda: jobs["racer"].proc.poll() is not None, every, timeout=120)
+        # the racer imports and checks beside four training jobs on two cores: minutes on a loaded machine
+        wait_until(lambda: jobs["racer"].proc.poll() is not None, every)
         jobs["racer"].finish()
-        wait_until(lambda: "waiting up to" in jobs["requeued"].log.read_text(errors="replace"), every,
-                   timeout=120)  # the requeued run has passed its checks and waits for the lock
+        wait_until(lambda: "waiting up to" in jobs["requeued"].log.read_text(errors="replace"),
+                   every)  # the requeued run has passed its checks and waits for the lock
         jobs["holder"].signal(signal.SIGTERM)  # the previous run stops; the requeued one takes over
         wait_until(lambda: jobs["holder"].proc.poll() is not None, every, timeout=200)
         jobs["holder"].finish()
