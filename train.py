@@ -24,7 +24,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-import pipeline_recipes.recipe  # noqa: F401 - registers the config's resolvers (recipe/resolvers.py)
+import pipeline_recipes.recipe  # noqa: F401 - registers the config's resolvers (recipe/check/resolvers.py)
 
 AUTO = "strategy=auto"
 CONFIG_PATH, CONFIG_NAME = "conf", "config"  # as in @hydra.main below
@@ -37,7 +37,7 @@ def resolve_auto_strategy(argv: list[str]) -> list[str]:
         return argv
     if "-m" in argv or "--multirun" in argv:
         sys.exit("error: strategy=auto picks one layout; it cannot be part of a -m sweep")
-    from pipeline_recipes.recipe.auto import auto_overrides
+    from pipeline_recipes.recipe.check.auto import auto_overrides
 
     config_overrides = [a for a in argv if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
     others = [a for a in argv if a not in config_overrides]
@@ -292,7 +292,7 @@ def _compose_or_explain(args: Any, probe: list[tuple[str, Any]]) -> tuple[DictCo
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
 def main(cfg: DictConfig) -> float | None:
-    from pipeline_recipes.recipe.launch import run
+    from pipeline_recipes.recipe.launch.main import run
 
     return run(cfg)
 

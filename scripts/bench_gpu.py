@@ -49,7 +49,7 @@ no shape and no amount of work. A row's gradients are released after its step.
 Measured per row: the step's wall time (the device synchronised before and after, optimizer step
 included) in ``rounds`` interleaved rounds after ``warmup`` steps (one step of every row per round, the
 order rotating; medians reported), tokens/s, model FLOPs utilisation with the project's FLOP count
-(:mod:`pipeline_recipes.recipe.flops`: ``6·N + 12·L·d·T`` per token, PaLM's Appendix B; the device's dense bf16 peak),
+(:mod:`pipeline_recipes.recipe.report.flops`: ``6·N + 12·L·d·T`` per token, PaLM's Appendix B; the device's dense bf16 peak),
 forward and backward time (CUDA events: the stage path's measured timeline, the anchors' events around
 each forward and backward; summed over the micro-batches) and the peak reserved memory of one more
 step (``torch.cuda.max_memory_reserved``, the caching allocator emptied and the peaks reset before each
@@ -531,7 +531,7 @@ def _model_rows(name: str, device: torch.device, warmup: int, rounds: int,
     ``backend``: ``torch.compile``'s for the compiled rows."""
     from pipeline_recipes.models import build_model
     from pipeline_recipes.models.presets import preset
-    from pipeline_recipes.recipe.flops import flops_per_token, matmul_parameters, resolve_utilisation, transformer_shape
+    from pipeline_recipes.recipe.report.flops import flops_per_token, matmul_parameters, resolve_utilisation, transformer_shape
     from pipeline_recipes.strategies.runtime.engine import build_engine
     from pipeline_recipes.strategies.schedules import derive_layout
 
@@ -642,7 +642,7 @@ def run(out: Path, *, device: str = "cuda", tiny: bool = False, warmup: int | No
     ``aot_eager`` traces the same graphs without generating kernels)."""
     import torch.distributed as dist
 
-    from pipeline_recipes.recipe.flops import resolve_utilisation
+    from pipeline_recipes.recipe.report.flops import resolve_utilisation
 
     target = torch.device(device)
     if target.type == "cuda":

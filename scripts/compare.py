@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline_recipes.recipe.settings import BASELINES
-from pipeline_recipes.recipe.results import RunResult, find_results, sort_results, summary_table
+from pipeline_recipes.recipe.check.settings import BASELINES
+from pipeline_recipes.recipe.report.results import RunResult, find_results, sort_results, summary_table
 from pipeline_recipes.strategies.schedules import names
 
 if TYPE_CHECKING:

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline_recipes.planner.partition_search import partition_overrides, recommend_partition
     from pipeline_recipes.planner.profile import load_or_profile
     from pipeline_recipes.planner.recommend import format_table, plan_all, plan_rows
-    from pipeline_recipes.recipe.accelerator import choose_accelerator
+    from pipeline_recipes.recipe.check.accelerator import choose_accelerator
 
     cfg = compose_config(overrides)
     from pipeline_recipes.planner.cluster import ClusterSpec

@@ -2,7 +2,7 @@
 N, B̂; §3.3 for the placement of stages on workers).
 
 :func:`pipeline_recipes.strategies.schedules.derivation.derive_layout` derives and validates a pipeline's layout (the
-launcher calls it through :func:`pipeline_recipes.recipe.settings.resolve_layout` before any process starts, the
+launcher calls it through :func:`pipeline_recipes.recipe.check.settings.resolve_layout` before any process starts, the
 planner for each layout it compares); the job file carries it to the workers (:meth:`Layout.as_dict`,
 :meth:`Layout.from_dict`), whose strategy, engine (``build_engine(model, layout, device)``), topology and tables read
 it instead of deriving it again. The engine's config and the planner's candidates hold a layout rather than copies

@@ -1,6 +1,6 @@
 """What this node offers a job, probed once: its GPUs (torch only when asked), the processes an external
 launcher started here, its CPUs per rank and the data loader's settings that follow from them. Shared by the
-launcher (:mod:`pipeline_recipes.recipe.accelerator`) and the data modules, which set up their loaders from it."""
+launcher (:mod:`pipeline_recipes.recipe.check.accelerator`) and the data modules, which set up their loaders from it."""
 
 from __future__ import annotations
 

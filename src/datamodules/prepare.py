@@ -1,6 +1,6 @@
 """The job's data, checked and prepared on the node before any rank starts.
 
-:func:`pipeline_recipes.recipe.launch.run` calls :func:`prepare_data` after the layout checks. First the local
+:func:`pipeline_recipes.recipe.launch.main.run` calls :func:`prepare_data` after the layout checks. First the local
 ``data.data_files`` must exist (no ``datasets`` import needed to say so); then :func:`.factory.build_source` runs
 once in the launcher with the job's data settings: it downloads a hub dataset (or reads it from the local
 cache), trains the tokenizer and writes the tokenized blocks or sentence pairs into ``data.cache_dir``

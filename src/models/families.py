@@ -10,7 +10,7 @@ a family here is one :class:`ModelFamily` in :data:`FAMILIES`, keyed by its ``tr
 * the keys of its config: its blocks (``layers_key``: the layout's rules count them and a refusal proposes more),
   its width (``width_key``) and its position table (``positions_key``);
 * its FLOP shape (:meth:`ModelFamily.shape`): the blocks and the attention width of the attention term of the model
-  FLOPs (:mod:`pipeline_recipes.recipe.flops`) and of the planner's derived times
+  FLOPs (:mod:`pipeline_recipes.recipe.report.flops`) and of the planner's derived times
   (:mod:`pipeline_recipes.planner.derived_costs`); ``flop_shape`` replaces the default, :func:`attention_shape`.
 
 The defaults are the spellings of ``transformers``' decoder configs. A Hugging Face decoder family whose

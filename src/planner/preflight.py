@@ -86,7 +86,7 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
 
 def candidate_of(layout: Layout) -> Candidate:
     """The :class:`Candidate` of the layout the launcher resolved
-    (:func:`pipeline_recipes.recipe.settings.resolve_layout`):
+    (:func:`pipeline_recipes.recipe.check.settings.resolve_layout`):
     its W, D, B, N, pipelines, concatenation method (``auto`` resolved), recomputation, gradient sync, chunks and CUDA
     graphs, as the layout has them. Baselines are one stage: ``ddp``/``single`` = D 1, N 1."""
     if layout.strategy in BASELINES:
@@ -146,7 +146,7 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Layout, *, budget_bytes: int 
     memory; return ``None`` otherwise.
 
     ``cfg_dict``: the resolved Hydra config (``OmegaConf.to_container(cfg, resolve=True)``);
-    ``layout``: :func:`pipeline_recipes.recipe.settings.resolve_layout`'s result. ``budget_bytes`` overrides the
+    ``layout``: :func:`pipeline_recipes.recipe.check.settings.resolve_layout`'s result. ``budget_bytes`` overrides the
     measured budget (per rank on GPU, per node on CPU); ``budget`` replaces it entirely. ``max_options``: the
     fitting layouts to search for and propose (0: none, the refusal alone).
     """

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from pipeline_recipes.core.failures import describe_exception, first_exception
-from pipeline_recipes.recipe.launch import launch_workers
-from pipeline_recipes.recipe.settings import resolve_layout
+from pipeline_recipes.recipe.launch.main import launch_workers
+from pipeline_recipes.recipe.check.settings import resolve_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -155,7 +155,7 @@ def test_the_first_exception_is_the_one_a_teardown_interrupted() -> None:
 PEER_WORKER = '''
 import os, sys, time
 from pipeline_recipes.core.failures import HEARTBEAT_ENV, error_path, record_error
-from pipeline_recipes.recipe.heartbeat import start_heartbeat
+from pipeline_recipes.recipe.worker.heartbeat import start_heartbeat
 
 start_heartbeat(os.environ[HEARTBEAT_ENV], interval_s=0.2)
 rank = os.environ["RANK"]
@@ -249,7 +249,7 @@ def test_a_missing_local_tokenizer_directory_is_not_a_hub_failure(tmp_path: Path
 
 def test_an_unknown_data_option_is_a_config_error(tmp_path: Path) -> None:
     from pipeline_recipes.datamodules.prepare import check_data, prepare_data
-    from pipeline_recipes.recipe.settings import ConfigError
+    from pipeline_recipes.recipe.check.settings import ConfigError
 
     corpus = write_corpus(tmp_path / "corpus.txt", docs=5)
     for check in (check_data, prepare_data):

@@ -185,7 +185,7 @@ def test_the_hub_is_offline_only_when_told(tmp_path: Path, corpus: Path, monkeyp
         assert hub_offline(False, environ={var: "1"})
     # train.py and the recipe's processes leave the variables alone
     env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
-    code = ("import os, sys; sys.path.insert(0, '.'); import train, pipeline_recipes.recipe.worker, pipeline_recipes.recipe.launch; "
+    code = ("import os, sys; sys.path.insert(0, '.'); import train, pipeline_recipes.recipe.worker.entry, pipeline_recipes.recipe.launch.main; "
             "print(sorted(k for k in os.environ if k.endswith('_OFFLINE')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT / "src")},
                          capture_output=True, text=True, timeout=120)

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline_recipes.recipe.results import read_results
+from pipeline_recipes.recipe.report.results import read_results
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"HF_HUB_OFFLINE": "1",

@@ -2,7 +2,7 @@
 names the setting, no traceback, no ``logs/`` (no worker was launched).
 
 * A number of the wrong type or out of its range (``trainer.max_steps=-5``, ``checkpoint.every_n_steps=abc``
-  or ``-3``): the schema of :mod:`pipeline_recipes.recipe.settings`, checked first by the launcher's checks
+  or ``-3``): the schema of :mod:`pipeline_recipes.recipe.check.settings`, checked first by the launcher's checks
   (every such value in-process: ``tests/recipe/test_settings_checks.py``).
 * A job directory that cannot be created or written (``hydra.run.dir`` on a read-only file system, or under
   a file): ``train.py``'s :func:`check_output_space`, before Hydra writes its ``.hydra`` files there. As root

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_recipes.recipe.results import read_results
+from pipeline_recipes.recipe.report.results import read_results
 from slurm import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]

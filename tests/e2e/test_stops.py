@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 import pytest
 
-from pipeline_recipes.recipe.results import read_results
+from pipeline_recipes.recipe.report.results import read_results
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
+from pipeline_recipes.recipe.check.settings import ConfigError, resolve_layout
 from train_jobs import run_train_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_two_nodes_over_loopback_equal_one_node(tmp_path: Path,
     node (:func:`dapple_on_four`): the same losses, and only rank 0 (node 0) reports."""
     from distributed import free_port
 
-    from pipeline_recipes.recipe.results import find_results
+    from pipeline_recipes.recipe.report.results import find_results
 
     common = ["strategy=dapple", "strategy.D=2", "trainer.max_steps=3", "data.global_batch_size=8", "logger=none"]
     port = str(free_port())
@@ -173,7 +173,7 @@ def test_every_strategy_sees_the_same_batches(tmp_path: Path) -> None:
     the same learning rates. Rank 0 prints its progress line every step; the single run shows
     Lightning's progress bar instead (a user's trainer key over the recipe's); W&B names and tags
     carry strategy, model, W, D and B."""
-    from pipeline_recipes.recipe.wandb_offline import find_offline_runs
+    from pipeline_recipes.recipe.worker.wandb_offline import find_offline_runs
 
     common = ["trainer.max_steps=3", "trainer.log_every_n_steps=1", "metrics.progress_interval_s=0",
               "data.global_batch_size=8", "preflight=false"]

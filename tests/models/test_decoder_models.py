@@ -291,7 +291,7 @@ def test_pretrained_mismatch_is_refused(tmp_path: Path) -> None:
 
 
 def test_flops_count_three_mlp_matrices_and_grouped_query_attention() -> None:
-    from pipeline_recipes.recipe.flops import model_flops_per_token
+    from pipeline_recipes.recipe.report.flops import model_flops_per_token
     from pipeline_recipes.models import hydra_config
 
     cfg = hydra_config("llama-tiny")

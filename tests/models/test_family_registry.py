@@ -23,8 +23,8 @@ from pipeline_recipes.core.pipeline_model import run_layers, sequential_loss
 from pipeline_recipes.models import FAMILIES, ModelFamily, build_model
 from pipeline_recipes.models.families import data_format, transformer_shape
 from pipeline_recipes.planner.derived_costs import layer_flops
-from pipeline_recipes.recipe.flops import model_flops_per_token
-from pipeline_recipes.recipe.settings import ConfigError, check_model, layers_key, num_layers
+from pipeline_recipes.recipe.report.flops import model_flops_per_token
+from pipeline_recipes.recipe.check.settings import ConfigError, check_model, layers_key, num_layers
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 L, H, HEADS, KV, HEAD_DIM, FFN, VOCAB, T = 4, 32, 4, 2, 16, 48, 96, 16

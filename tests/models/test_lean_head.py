@@ -16,7 +16,7 @@ from transformers.masking_utils import create_causal_mask
 
 from pipeline_recipes.models import build_model
 from pipeline_recipes.models.lm_loss import linear_cross_entropy
-from pipeline_recipes.recipe.settings import ConfigError, check_model
+from pipeline_recipes.recipe.check.settings import ConfigError, check_model
 from pipeline_recipes.core.pipeline_model import run_layers, sequential_loss
 from pipeline_recipes.strategies.runtime.stage import PipelineStage
 

@@ -403,7 +403,7 @@ def test_plan_script_json_keys(tmp_path: Path) -> None:
 def test_preflight_refuses_the_paper_gpt2_on_one_small_process() -> None:
     from pipeline_recipes.models import hydra_config
     from pipeline_recipes.planner.preflight import PreflightError, preflight
-    from pipeline_recipes.recipe.settings import resolve_layout
+    from pipeline_recipes.recipe.check.settings import resolve_layout
 
     cfg = {"model": hydra_config("gpt2"), "trainer": {"accelerator": "cpu", "devices": 1, "num_nodes": 1},
            "strategy": {"name": "gpipe", "D": 1, "micro_batch_size": 1, "recompute": "none"},
@@ -502,7 +502,7 @@ def test_model_costs_json_round_trip() -> None:
 
 @pytest.mark.slow
 def test_strategy_auto_overrides(tmp_path: Path) -> None:
-    from pipeline_recipes.recipe.auto import auto_overrides
+    from pipeline_recipes.recipe.check.auto import auto_overrides
 
     given = ["model=gpt2-tiny", "trainer.devices=2", "data.global_batch_size=4"]
     assert auto_overrides(given, ROOT / "conf") == given  # no strategy=auto: unchanged

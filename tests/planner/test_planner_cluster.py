@@ -227,7 +227,7 @@ def test_plan_script_for_2048_piz_daint_nodes_writes_best_per_schedule(tmp_path:
 
 @pytest.mark.slow
 def test_strategy_auto_plans_for_the_described_cluster() -> None:
-    from pipeline_recipes.recipe.auto import auto_overrides
+    from pipeline_recipes.recipe.check.auto import auto_overrides
 
     out = auto_overrides(["strategy=auto", "cluster=dgx-h100", "model=gpt2-tiny", "trainer.devices=8",
                           "trainer.num_nodes=2", "data.global_batch_size=64"], ROOT / "conf")

@@ -34,8 +34,8 @@ COMMON = ("trainer=gpu", "trainer.devices=1", "model=gpt2", "data.global_batch_s
 
 
 def _config(overrides: tuple[str, ...]) -> tuple[dict[str, Any], Any]:
-    from pipeline_recipes.recipe.launch import num_layers
-    from pipeline_recipes.recipe.settings import resolve_layout
+    from pipeline_recipes.recipe.launch.main import num_layers
+    from pipeline_recipes.recipe.check.settings import resolve_layout
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)

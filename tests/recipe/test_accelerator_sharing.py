@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pipeline_recipes.core.node import NodeDevices, loader_settings
-from pipeline_recipes.recipe.accelerator import (apply_float32_matmul_precision, layout_processes, resolve_accelerator,
+from pipeline_recipes.recipe.check.accelerator import (apply_float32_matmul_precision, layout_processes, resolve_accelerator,
                                                  resolve_loader, shared_devices)
-from pipeline_recipes.recipe.settings import ConfigError, check_devices, resolve_layout
+from pipeline_recipes.recipe.check.settings import ConfigError, check_devices, resolve_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_H100 = NodeDevices(cuda_devices=1, bf16=True, gpu_name="NVIDIA H100 80GB HBM3")
@@ -42,7 +42,7 @@ def _layout(cfg: dict, trainer: dict):
 # -- the choice -----------------------------------------------------------------------------------------
 
 def test_the_default_job_on_one_gpu_runs_two_ranks_sharing_it_over_gloo() -> None:
-    from pipeline_recipes.recipe.checks import node_gpus as _gpus
+    from pipeline_recipes.recipe.check.command import node_gpus as _gpus
 
     cfg, choice = _choose(ONE_H100)
     assert cfg["strategy"]["schedule"] == "chimera" and cfg["strategy"]["D"] == 2  # the README's main job
@@ -95,7 +95,7 @@ def test_layout_processes_are_w_times_d_over_the_nodes() -> None:
 
 
 def test_trainer_gpu_with_too_few_gpus_names_both_fixes() -> None:
-    from pipeline_recipes.recipe.checks import node_gpus as _gpus
+    from pipeline_recipes.recipe.check.command import node_gpus as _gpus
 
     cfg, choice = _choose(ONE_H100, "trainer=gpu")
     assert choice.shared_gpus == 0 and _gpus(choice) == 1
@@ -125,7 +125,7 @@ def test_place_ranks_puts_local_rank_r_on_gpu_r_mod_g_over_gloo(monkeypatch: pyt
                                                                  gpus: int, local_rank: int, expected: int) -> None:
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    from pipeline_recipes.recipe.job import place_ranks
+    from pipeline_recipes.recipe.worker.job import place_ranks
     from pipeline_recipes.strategies.lightning.baselines import DDPBaseline
     from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 
@@ -143,7 +143,7 @@ def test_place_ranks_puts_local_rank_r_on_gpu_r_mod_g_over_gloo(monkeypatch: pyt
 
 
 def test_place_ranks_leaves_one_gpu_per_rank_and_cpu_alone() -> None:
-    from pipeline_recipes.recipe.job import place_ranks
+    from pipeline_recipes.recipe.worker.job import place_ranks
     from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 
     from pipeline_recipes.strategies.schedules import derive_layout
@@ -191,7 +191,7 @@ def test_tf32_is_the_cuda_default_and_overridable() -> None:
 
 
 def test_the_worker_sets_the_precision_and_keeps_it_out_of_the_trainer() -> None:
-    from pipeline_recipes.recipe.job import trainer_kwargs
+    from pipeline_recipes.recipe.worker.job import trainer_kwargs
 
     before = torch.get_float32_matmul_precision()
     try:

@@ -12,15 +12,15 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.loggers import WandbLogger
 
-from pipeline_recipes.recipe import background_logger
-from pipeline_recipes.recipe.background_logger import BackgroundWandbLogger, backend_gone, finish_wandb, lost
+from pipeline_recipes.recipe.worker import background_logger as background_logger
+from pipeline_recipes.recipe.worker.background_logger import BackgroundWandbLogger, backend_gone, finish_wandb, lost
 
 
 @pytest.mark.slow
 def test_rows_reach_the_offline_run_in_order(tmp_path: Path) -> None:
     import wandb
 
-    from pipeline_recipes.recipe.wandb_offline import find_offline_runs, read_offline_run
+    from pipeline_recipes.recipe.worker.wandb_offline import find_offline_runs, read_offline_run
 
     logger = BackgroundWandbLogger(project="test", save_dir=str(tmp_path), offline=True, name="bg")
     try:
@@ -82,7 +82,7 @@ def test_a_stalled_writer_times_out(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 
 def test_the_drain_timeout_must_be_positive(tmp_path: Path) -> None:
-    from pipeline_recipes.recipe.settings import ConfigError, check_drain_timeout
+    from pipeline_recipes.recipe.check.settings import ConfigError, check_drain_timeout
 
     assert check_drain_timeout(5) == 5.0
     for bad in (0, -1.0, "300", None, True):
@@ -97,9 +97,9 @@ def test_lightnings_own_wandb_logger_is_a_drop_in_target() -> None:
     background writer's ``drain_timeout_s`` (which ``wandb.init`` would reject)."""
     from lightning.pytorch.loggers import WandbLogger
 
-    from pipeline_recipes.recipe.loggers import without_writer_keys
+    from pipeline_recipes.recipe.worker.loggers import without_writer_keys
 
-    ours = {"_target_": "pipeline_recipes.recipe.background_logger.BackgroundWandbLogger", "drain_timeout_s": 9}
+    ours = {"_target_": "pipeline_recipes.recipe.worker.background_logger.BackgroundWandbLogger", "drain_timeout_s": 9}
     assert without_writer_keys(ours) == ours
     theirs = without_writer_keys({**ours, "_target_": "lightning.pytorch.loggers.WandbLogger", "offline": True})
     assert theirs == {"_target_": "lightning.pytorch.loggers.WandbLogger", "offline": True}
@@ -215,9 +215,9 @@ def test_the_job_end_stands_when_the_wandb_service_is_gone(monkeypatch: pytest.M
     and the logger's failure is one warning line."""
     import wandb
 
-    from pipeline_recipes.recipe.metrics import PipelineMetrics, ReplicaThroughputMonitor
-    from pipeline_recipes.recipe.results import read_results
-    from pipeline_recipes.recipe.settings import Layout
+    from pipeline_recipes.recipe.worker.metrics import PipelineMetrics, ReplicaThroughputMonitor
+    from pipeline_recipes.recipe.report.results import read_results
+    from pipeline_recipes.recipe.check.settings import Layout
 
     monkeypatch.setattr(background_logger, "service_exited", lambda: None)
 
@@ -247,7 +247,7 @@ def test_the_job_end_stands_when_the_wandb_service_is_gone(monkeypatch: pytest.M
 KILLED_SERVICE = """
 import signal, sys
 import psutil
-from pipeline_recipes.recipe.background_logger import BackgroundWandbLogger, backend_failures_warned, finish_wandb, lost
+from pipeline_recipes.recipe.worker.background_logger import BackgroundWandbLogger, backend_failures_warned, finish_wandb, lost
 
 logger = BackgroundWandbLogger(project="test", save_dir=sys.argv[1], offline=True)
 logger.log_hyperparams({"lr": 0.5})

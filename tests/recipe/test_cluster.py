@@ -16,11 +16,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pipeline_recipes.core.node import NodeDevices, probe_node
-from pipeline_recipes.recipe.accelerator import check_precision, resolve_accelerator
-from pipeline_recipes.recipe.launch_mode import (SLURM_TASK_VARS, Launch, detect_launch, global_rank, is_global_zero,
+from pipeline_recipes.recipe.check.accelerator import check_precision, resolve_accelerator
+from pipeline_recipes.recipe.check.launch_mode import (SLURM_TASK_VARS, Launch, detect_launch, global_rank, is_global_zero,
                                              slurm_port, slurm_root_address, worker_env)
-from pipeline_recipes.recipe.settings import ConfigError
-from pipeline_recipes.recipe.results import find_results
+from pipeline_recipes.recipe.check.settings import ConfigError
+from pipeline_recipes.recipe.report.results import find_results
 
 ROOT = Path(__file__).resolve().parents[2]
 H100_NODE = NodeDevices(cuda_devices=8, bf16=True, gpu_name="NVIDIA H100 80GB HBM3")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_recipes.recipe.results import (BUBBLE_NOTE, RESULT_KEYS, RunResult, find_results, read_results,
+from pipeline_recipes.recipe.report.results import (BUBBLE_NOTE, RESULT_KEYS, RunResult, find_results, read_results,
                                              summary_table, write_results)
 
 ROOT = Path(__file__).resolve().parents[2]

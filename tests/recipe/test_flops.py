@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from pipeline_recipes.recipe.flops import (Utilisation, flops_per_token, is_half_precision, lookup_peak_tflops,
+from pipeline_recipes.recipe.report.flops import (Utilisation, flops_per_token, is_half_precision, lookup_peak_tflops,
                                            matmul_parameters, model_flops_per_token, resolve_utilisation,
                                            transformer_shape)
 
@@ -104,7 +104,7 @@ def test_utilisation_spreads_over_all_devices() -> None:
 
 
 def test_progress_line_has_every_field() -> None:
-    from pipeline_recipes.recipe.progress import format_progress
+    from pipeline_recipes.recipe.worker.progress import format_progress
 
     line = format_progress(10, 40, 6.14231, 8.66e-4, 512.34, 16394.2, 0.0312, None, 612 * 1024 * 1024)
     assert line == ("step 10/40 | loss 6.1423 | lr 8.66e-04 | 512.3 samples/s | 16,394 tokens/s | "
@@ -117,7 +117,7 @@ def test_progress_lines_are_at_most_one_per_interval_and_the_last_always(monkeyp
     7 and 10 (the last); the loggers get TFLOP/s on every step."""
     from types import SimpleNamespace
 
-    from pipeline_recipes.recipe import progress
+    from pipeline_recipes.recipe.worker import progress as progress
 
     now = [0.0]
     monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])

@@ -18,9 +18,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from pipeline_recipes.core.layout import Layout, LayoutMismatch
 from pipeline_recipes.core.node import NodeDevices
-from pipeline_recipes.recipe.accelerator import resolve_accelerator
-from pipeline_recipes.recipe.job_spec import JobSpec
-from pipeline_recipes.recipe.settings import num_layers, resolve_layout
+from pipeline_recipes.recipe.check.accelerator import resolve_accelerator
+from pipeline_recipes.recipe.worker.job_spec import JobSpec
+from pipeline_recipes.recipe.check.settings import num_layers, resolve_layout
 from pipeline_recipes.strategies.runtime.engine import PipelineConfig, build_engine
 from pipeline_recipes.strategies.runtime.topology import Topology
 from pipeline_recipes.strategies.schedules import build_schedule, derive_layout
@@ -79,7 +79,7 @@ def test_the_engine_config_and_topology_are_the_layouts() -> None:
 
 @pytest.mark.slow
 def test_the_strategy_reads_the_layout_and_checks_the_processes_that_joined() -> None:
-    from pipeline_recipes.recipe.job import build_strategy
+    from pipeline_recipes.recipe.worker.job import build_strategy
     from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 
     layout, config = _layout(*CHIMERA_AUTO, "strategy.timeout_s=7", "+strategy.process_group_backend=gloo")

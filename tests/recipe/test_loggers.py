@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 from pipeline_recipes.core.fixes import ConfigError
-from pipeline_recipes.recipe.job_spec import JobSpec
-from pipeline_recipes.recipe.settings import Layout
-from pipeline_recipes.recipe.loggers import check_logger, instantiate_loggers, logger_arguments, run_values
+from pipeline_recipes.recipe.worker.job_spec import JobSpec
+from pipeline_recipes.recipe.check.settings import Layout
+from pipeline_recipes.recipe.check.logger import check_logger
+from pipeline_recipes.recipe.worker.loggers import instantiate_loggers, logger_arguments, run_values
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf" / "logger"
@@ -115,7 +116,7 @@ def test_the_csv_logger_says_its_directory_is_not_empty_only_when_it_deletes_row
 def test_a_resume_from_the_job_directory_drops_the_checkpoint_directory_notice(tmp_path: Path) -> None:
     """ModelCheckpoint's "Checkpoint directory … exists and is not empty" is the save a resume continues from: dropped
     when ``ckpt_path`` lies in that directory, kept for a fresh run or a resume from elsewhere."""
-    from pipeline_recipes.recipe.job import checkpoint_callbacks, quiet_resume_notice
+    from pipeline_recipes.recipe.worker.job import checkpoint_callbacks, quiet_resume_notice
 
     [callback] = checkpoint_callbacks(JobSpec({"checkpoint": {"every_n_steps": 2}}, None, str(tmp_path), "runs"))
     saved = tmp_path / "checkpoints" / "step-000002.ckpt"
@@ -141,7 +142,7 @@ def test_lightning_banners_are_dropped_and_its_warnings_kept(tmp_path: Path) -> 
     from lightning.fabric.utilities.rank_zero import rank_zero_info
     from lightning.pytorch.trainer.setup import _log_device_info
 
-    from pipeline_recipes.recipe.job import NOTICE_LOGGERS, is_news, quiet_library_notices
+    from pipeline_recipes.recipe.worker.job import NOTICE_LOGGERS, is_news, quiet_library_notices
 
     class Kept(logging.Handler):
         def __init__(self) -> None:
@@ -187,7 +188,7 @@ def test_lightning_banners_are_dropped_and_its_warnings_kept(tmp_path: Path) -> 
 def test_wandb_runs_print_no_information_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     """A W&B logger's job turns W&B's show_info off (its banner, panels and sync advice go to its debug log; its
     warnings stay on) unless the environment chose: ``WANDB_SHOW_INFO=true`` keeps W&B's own lines."""
-    from pipeline_recipes.recipe.background_logger import quiet_wandb_info
+    from pipeline_recipes.recipe.worker.background_logger import quiet_wandb_info
 
     monkeypatch.delenv("WANDB_SHOW_INFO", raising=False)
     quiet_wandb_info()

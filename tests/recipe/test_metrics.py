@@ -19,8 +19,8 @@ from lightning.pytorch.loggers import Logger
 
 import torch
 
-from pipeline_recipes.recipe.settings import Layout
-from pipeline_recipes.recipe.metrics import PipelineMetrics, ReplicaThroughputMonitor
+from pipeline_recipes.recipe.check.settings import Layout
+from pipeline_recipes.recipe.worker.metrics import PipelineMetrics, ReplicaThroughputMonitor
 
 
 class _Logger:
@@ -157,7 +157,7 @@ def test_throughput_windows_count_the_replicas_and_only_rank_zero_measures(monke
     """Windows of 3 steps, 0.5 s per step, batches of 4 samples × 8 tokens on each of W = 2 replicas: every
     window reads 16 samples/s, 128 tokens/s and 0.5 s per iteration, a validation run inside one left out;
     another rank records nothing."""
-    from pipeline_recipes.recipe import metrics as metrics_module
+    from pipeline_recipes.recipe.worker import metrics as metrics_module
 
     now = [0.0]
     monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: now[0])
@@ -202,7 +202,7 @@ def test_theory_bubble_is_the_measured_quantity_for_the_schedule_at_the_measured
     t_b = (3, 4) (the measured per-stage means) without communication: P0 runs F0 [0,1] F1 [1,2], P1 F0 [1,3]
     F1 [3,5] B0 [5,9] B1 [9,13], P0 B0 [9,12] B1 [13,16]: busy 8 and 12, spans 16 and 12, bubble
     1 − 20 / (2 × 16) = 0.375, whatever the recorded boxes' own start times and waits."""
-    from pipeline_recipes.recipe.metrics import bubble_ratio, measured_costs, theory_bubble_ratio
+    from pipeline_recipes.recipe.worker.metrics import bubble_ratio, measured_costs, theory_bubble_ratio
     from pipeline_recipes.strategies.schedules import build_schedule
 
     gpipe = build_schedule("gpipe", 2, 2)
@@ -220,7 +220,7 @@ def test_theory_bubble_is_the_measured_quantity_for_the_schedule_at_the_measured
 def test_measured_costs_of_split_backwards_put_i_plus_w_into_t_b() -> None:
     """A split backward costs t_b − t_w (I) and t_w (W) in the simulator: I of 3 s and W of 1 s per micro-batch
     give t_b = 4, t_w = 1; a halved backward counts half a micro-batch."""
-    from pipeline_recipes.recipe.metrics import measured_costs
+    from pipeline_recipes.recipe.worker.metrics import measured_costs
     from pipeline_recipes.strategies.schedules import Action
 
     row = [(Action("F", 0, 0, (0,)), 0.0, 1.0), (Action("I", 0, 0, (0,)), 1.0, 4.0),

@@ -20,10 +20,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pipeline_recipes.core.node import NodeDevices
-from pipeline_recipes.recipe.accelerator import resolve_accelerator
-from pipeline_recipes.recipe.launch import launch_workers, num_layers
-from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
-from pipeline_recipes.recipe.results import find_results
+from pipeline_recipes.recipe.check.accelerator import resolve_accelerator
+from pipeline_recipes.recipe.launch.main import launch_workers, num_layers
+from pipeline_recipes.recipe.check.settings import ConfigError, resolve_layout
+from pipeline_recipes.recipe.report.results import find_results
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF, RECIPES = ROOT / "conf", ROOT / "recipes"
@@ -68,7 +68,7 @@ def test_strategies_instantiate_from_config() -> None:
     resolved (the config's schedule and concat), a baseline from its config."""
     from lightning.pytorch.strategies import Strategy
 
-    from pipeline_recipes.recipe.job import build_strategy
+    from pipeline_recipes.recipe.worker.job import build_strategy
     from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy
 
     for option in GROUPS["strategy"]:
@@ -111,7 +111,7 @@ def test_every_recipe_composes_and_every_cpu_job_is_valid(recipe: str) -> None:
 def test_users_trainer_keys_override_the_recipes() -> None:
     """``+trainer.<any Trainer argument>`` and the trainer group's keys reach ``Trainer`` over the recipe's
     own arguments (no duplicate keywords); ``trainer.callbacks`` are added; ``trainer.strategy`` is refused."""
-    from pipeline_recipes.recipe.job import trainer_kwargs
+    from pipeline_recipes.recipe.worker.job import trainer_kwargs
 
     cfg = _compose(overrides=["+trainer.enable_progress_bar=true", "+trainer.default_root_dir=/elsewhere",
                               "trainer.peak_tflops=312", "+trainer.callbacks=[{_target_: "
@@ -203,7 +203,7 @@ def test_multirun_sweep_runs_every_job_once_and_logs_offline(tmp_path: Path) -> 
     # synchronous schedules are equivalent: the same losses, whatever the order of the actions
     assert ok[0].loss_history == pytest.approx(ok[1].loss_history, abs=1e-5)
 
-    from pipeline_recipes.recipe.wandb_offline import find_offline_runs
+    from pipeline_recipes.recipe.worker.wandb_offline import find_offline_runs
 
     runs = find_offline_runs(sweep)
     assert sorted(r.name for r in runs) == ["chimera-W1-D2-B1-gpt2-tiny", "gpipe-W1-D2-B1-gpt2-tiny"]
@@ -277,7 +277,7 @@ def test_a_silent_rank_is_named_by_its_heartbeat(tmp_path: Path) -> None:
     once its heartbeat is older than hang_s, names rank 1 and stops both workers."""
     outcome, seconds = _launch_fake_workers(tmp_path, "silent_worker", (
         "import os, signal, time\n"
-        "from pipeline_recipes.recipe.heartbeat import HEARTBEAT_ENV, start_heartbeat\n"
+        "from pipeline_recipes.recipe.worker.heartbeat import HEARTBEAT_ENV, start_heartbeat\n"
         "start_heartbeat(os.environ[HEARTBEAT_ENV], interval_s=0.2)\n"
         "print('rank', os.environ['RANK'], 'started', flush=True)\n"
         "if os.environ['RANK'] == '1':\n"

@@ -29,8 +29,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from pipeline_recipes.recipe.settings import ConfigError
-from pipeline_recipes.recipe.resume import CHECKPOINT_DIR, Resume, resolve_resume
+from pipeline_recipes.recipe.check.settings import ConfigError
+from pipeline_recipes.recipe.check.resume import CHECKPOINT_DIR, Resume, resolve_resume
 from pipeline_recipes.strategies import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""One job per job directory (``recipe/run_lock.py``), with real processes holding the lock: a second job is refused
+"""One job per job directory (``recipe/launch/run_lock.py``), with real processes holding the lock: a second job is refused
 naming the holder, a killed holder leaves no stale lock, and a requeued SLURM job waits for its previous run."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from pipeline_recipes.core.fixes import ConfigError
-from pipeline_recipes.recipe.run_lock import LOCK_FILE, RunDirBusy, RunLock, read_holder
+from pipeline_recipes.recipe.launch.run_lock import LOCK_FILE, RunDirBusy, RunLock, read_holder
 
 HOLD = """
 import os, sys, time
-from pipeline_recipes.recipe.run_lock import RunLock
+from pipeline_recipes.recipe.launch.run_lock import RunLock
 lock = RunLock(sys.argv[1])
 lock.acquire(os.environ, 0)
 print("held", flush=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_recipes.recipe.results import BUBBLE_NOTE
+from pipeline_recipes.recipe.report.results import BUBBLE_NOTE
 
 ROOT = Path(__file__).resolve().parents[2]
 

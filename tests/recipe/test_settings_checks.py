@@ -3,7 +3,7 @@
 * A value outside a setting's fixed set (``strategy.grad_sync=eagr``) and a global batch that W·B does
   not divide stop ``train.py`` with exit status 2 and one message before any process starts.
 * So does a number of the wrong type or out of its range (``trainer.max_steps=-5``,
-  ``checkpoint.every_n_steps=abc``): the schema (:func:`~pipeline_recipes.recipe.settings.settings_schema`)
+  ``checkpoint.every_n_steps=abc``): the schema (:func:`~pipeline_recipes.recipe.check.settings.settings_schema`)
   refuses it in the launcher's checks, in-process here, naming the key, the value and the rule, with fixes
   that pass every check (the ``train.py`` runs are in ``tests/e2e/test_refused_values.py``).
 * A misspelled key of any config group (``model.n_layr=4``) gets the key it resembles, not Hydra's
@@ -33,8 +33,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pipeline_recipes.core.node import NodeDevices
-from pipeline_recipes.recipe.checks import Command, check_command
-from pipeline_recipes.recipe.settings import (
+from pipeline_recipes.recipe.check.command import Command, check_command
+from pipeline_recipes.recipe.check.settings import (
     ConfigError, NumericSetting, check_drain_timeout, check_settings, numeric_settings, resolve_layout,
     settings_schema,
 )
@@ -70,7 +70,7 @@ def _runtime_values() -> dict[str, tuple[str, ...]]:
 
 
 def test_the_launch_check_allows_what_the_runtime_runs() -> None:
-    from pipeline_recipes.recipe.settings import fixed_settings
+    from pipeline_recipes.recipe.check.settings import fixed_settings
 
     table = {s.key: s.values for s in fixed_settings()}
     for key, values in _runtime_values().items():
@@ -416,7 +416,7 @@ def test_a_misspelled_group_option_gets_the_options_and_the_closest(argv: list[s
 
 
 def test_a_misspelled_schedule_or_concat_method_gets_the_closest() -> None:
-    from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
+    from pipeline_recipes.recipe.check.settings import ConfigError, resolve_layout
     from pipeline_recipes.strategies.schedules import ScheduleError, get_spec
 
     with pytest.raises(ScheduleError, match=r"unknown schedule 'chimra'.*; did you mean 'chimera'\?$"):
@@ -448,7 +448,7 @@ def _expected_holders(schedule: str, D: int) -> list[set[int]]:
 
 @pytest.mark.parametrize("schedule, D", [("zbv", 2), ("dualpipev", 2), ("zbv", 3), ("gpipe", 2), ("chimera", 4)])
 def test_stage_table_lists_the_stages_that_train_and_their_workers(schedule: str, D: int) -> None:
-    from pipeline_recipes.recipe.job import stage_table
+    from pipeline_recipes.recipe.worker.job import stage_table
     from pipeline_recipes.strategies.runtime.topology import Topology
     from pipeline_recipes.strategies.schedules import derive_layout, get_spec
 

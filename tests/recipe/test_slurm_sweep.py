@@ -13,8 +13,8 @@ import pytest
 from hydra.core.utils import JobReturn, JobStatus
 
 from pipeline_recipes.core import exits
-from pipeline_recipes.recipe.results import read_results, write_results
-from pipeline_recipes.recipe.sweep import record_unfinished, sweep_results, sweep_verdict
+from pipeline_recipes.recipe.report.results import read_results, write_results
+from pipeline_recipes.recipe.report.sweep import record_unfinished, sweep_results, sweep_verdict
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 from submitit.core.utils import FailedJobError, UncompletedJobError  # noqa: E402

@@ -6,7 +6,7 @@ pipelines, concatenation or chunks as its spec allows, the gradient sync and rec
 W, CUDA graphs, a misspelled value) taken in turn, so that every combination of those recurs along the grid;
 then commands on a node with fewer GPUs than processes (or without bf16), under torchrun and SLURM, and with a
 value outside each setting's fixed set. Each command runs the launcher's own checks in-process
-(:func:`pipeline_recipes.recipe.checks.check_command`; nothing is launched). For every refusal:
+(:func:`pipeline_recipes.recipe.check.command.check_command`; nothing is launched). For every refusal:
 
 * it proposes something, and its message names every override it proposes (rendered from them);
 * each fix, applied to the command line and composed by Hydra, passes every check again;
@@ -30,9 +30,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from pipeline_recipes.core.node import NodeDevices
-from pipeline_recipes.recipe.checks import Checked, Command, check_command
+from pipeline_recipes.recipe.check.command import Checked, Command, check_command
 from pipeline_recipes.core.fixes import ConfigError
-from pipeline_recipes.recipe.settings import BASELINES, resolve_layout
+from pipeline_recipes.recipe.check.settings import BASELINES, resolve_layout
 from pipeline_recipes.strategies.schedules import get_spec, names
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

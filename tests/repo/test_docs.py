@@ -18,7 +18,7 @@ commands joined by ``&&`` gives one command each. Other blocks (```text: output)
     writes) are not compared.
 (c) any other ``train.py`` command (directly, under ``torchrun`` or behind ``VAR=value`` assignments): the
     hardware it names is not CI's (GPUs, 8+ devices, several nodes), so it goes through the launcher's own
-    pre-launch checks instead (:func:`pipeline_recipes.recipe.checks.check_command`: the settings, the layout
+    pre-launch checks instead (:func:`pipeline_recipes.recipe.check.command.check_command`: the settings, the layout
     rules, the accelerator and the launcher's environment; the memory pre-flight off): composed by Hydra's
     compose API from ``conf/`` (or ``recipes/``), on a node of eight H100 GPUs under ``trainer=gpu``, a CPU node
     under ``trainer=cpu``, and on both under ``trainer=auto`` (the node decides), in the environment its launcher sets (torchrun's, the assignments, or one SLURM task per
@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from pipeline_recipes.core.node import NodeDevices
-from pipeline_recipes.recipe.checks import check_command
+from pipeline_recipes.recipe.check.command import check_command
 from pipeline_recipes.strategies.schedules import names
 
 ROOT = Path(__file__).resolve().parents[2]

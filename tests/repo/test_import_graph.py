@@ -2,7 +2,8 @@
 
 The packages form layers (:data:`LAYERS`, bottom first): ``core`` (what every layer shares: errors and their
 fixes, the model protocol, the node's probe, signals, exit statuses), then the models and the data, then the
-runtime and schedules (``strategies``), then the planner, then the launch layer (``recipe``), then the package
+runtime and schedules (``strategies``), then the planner, then the recipe by job (``recipe.report``, ``recipe.check``, ``recipe.worker``, ``recipe.launch``),
+then the package
 root (its console commands). No import runs upwards, module-level or inside a function, and packages of one
 layer do not import each other.
 
@@ -35,7 +36,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("core",), ("models", "datamodules"),
     ("strategies.schedules",), ("strategies.compute",), ("strategies.runtime", "strategies"),  # strategies/*.py:
     ("strategies.harness", "strategies.lightning"),                                           # checkpoints
-    ("planner",), ("recipe",), ("",))  # "": the package root, pipeline_recipes itself
+    ("planner",),
+    ("recipe.report",), ("recipe.check",), ("recipe.worker",), ("recipe.launch", "recipe"),  # recipe/ by job
+    ("",))  # "": the package root, pipeline_recipes itself
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ point whose SLURM job ended without a result does not end the sweep.
 The plugin's launcher submits every point as one job of a SLURM array and then fetches the results in order; a job
 that produced none (cancelled with ``scancel``, preempted, killed at its time limit, its node lost, or a stop that
 ended the point's process with a stop status) makes submitit raise ``UncompletedJobError`` there, and the whole sweep
-ends with it: the points after it are never read and the sweep's summary (:mod:`pipeline_recipes.recipe.sweep`) is
+ends with it: the points after it are never read and the sweep's summary (:mod:`pipeline_recipes.recipe.report.sweep`) is
 never printed. Here such a point is recorded in its ``results.json``
-(:func:`pipeline_recipes.recipe.sweep.record_unfinished`: ``stopped`` when SLURM cancelled it, with the job id and what its ``results.json`` said) and the sweep goes on, to
+(:func:`pipeline_recipes.recipe.report.sweep.record_unfinished`: ``stopped`` when SLURM cancelled it, with the job id and what its ``results.json`` said) and the sweep goes on, to
 end with its summary and exit status. A point whose function raised (submitit's ``FailedJobError``) still ends the
 sweep, as Hydra's own launchers do.
 
@@ -31,7 +31,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from omegaconf import OmegaConf, open_dict
 from typing_extensions import override
 
-from pipeline_recipes.recipe.sweep import record_unfinished
+from pipeline_recipes.recipe.report.sweep import record_unfinished
 
 try:  # the optional plugin (pip install -e ".[slurm]"); Hydra scans this module on every run
     import submitit

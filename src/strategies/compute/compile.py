@@ -1,7 +1,7 @@
 """Compiled stages: every repeated block of a model compiled once, its graph shared by all of them.
 
 ``model.compile`` (``auto``: on CUDA, not on CPU; ``true``; ``false``; checked before launch by
-:func:`pipeline_recipes.recipe.accelerator.resolve_compile`) compiles each repeated block with
+:func:`pipeline_recipes.recipe.check.accelerator.resolve_compile`) compiles each repeated block with
 ``torch.compile`` (PyTorch 2: Faster Machine Learning Through Dynamic Python Bytecode Transformation and
 Graph Compilation, Ansel et al., ASPLOS 2024: TorchDynamo captures the graph behind guards, TorchInductor
 generates its kernels). Regional compilation: the blocks are instances of one class whose parameters are

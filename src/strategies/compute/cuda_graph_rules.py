@@ -1,5 +1,5 @@
 """What ``strategy.cuda_graphs`` cannot capture, as one rule with a message (the setting, the value, the rule and
-the fix): the launcher refuses it before any process starts (:mod:`pipeline_recipes.recipe.settings`, which must not
+the fix): the launcher refuses it before any process starts (:mod:`pipeline_recipes.recipe.check.settings`, which must not
 import torch) and the engine for direct users (:func:`pipeline_recipes.strategies.runtime.rank_setup.check_layout`).
 Why each case cannot be captured: :mod:`pipeline_recipes.strategies.compute.cuda_graphs`.
 """

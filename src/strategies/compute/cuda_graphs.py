@@ -25,7 +25,7 @@ are the most micro-batches it holds at once, read off the schedule's action list
 
 What cannot be captured is refused before launch
 (:func:`~pipeline_recipes.strategies.compute.cuda_graph_rules.cuda_graphs_error`, and CUDA devices by
-:func:`pipeline_recipes.recipe.settings.cuda_graphs_device_error`):
+:func:`pipeline_recipes.recipe.check.settings.cuda_graphs_device_error`):
 CPU runs, asynchronous schedules (their weight versions swap parameter storage), recomputation (a no-grad
 forward replayed later under the saved RNG state), split backwards (``W`` would find its weight gradients
 already computed inside the captured backward: Zero Bubble Pipeline Parallelism, Qi et al. 2024, §2) and

@@ -10,7 +10,7 @@ ones, so clipping them by their global norm ("On the difficulty of training recu
 networks", Pascanu et al., §3.2) before the fused step is the same operation as in fp32, for every
 optimizer. :class:`ClippingMixedPrecision` does that when it has no scaler and keeps Lightning's
 behaviour (unscale, then clip; refuse a fused optimizer) when it has one; the launcher refuses fp16
-with a fused optimizer and clipping before any process starts (``pipeline_recipes.recipe.accelerator.check_precision``).
+with a fused optimizer and clipping before any process starts (``pipeline_recipes.recipe.check.accelerator.check_precision``).
 
 The pipeline strategies clip by the norm through their engine (the global norm over all stages) and
 reach this plugin only for ``gradient_clip_algorithm=value``; the baselines (``single``, ``ddp``)

@@ -58,7 +58,7 @@ from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 CONFIG_KEYS = frozenset({"schedule", "name", "D", "chunks", "W", "micro_batch_size", "pipelines", "concat",
                          "timeout_s", "grad_sync", "recompute", "cuda_graphs"})
 """The keys of a pipeline strategy's config (``conf/pipeline_strategy.yaml``) that the launcher derives the layout
-from (:func:`pipeline_recipes.recipe.settings.resolve_layout`), and its ``timeout_s``; any other key is Lightning's."""
+from (:func:`pipeline_recipes.recipe.check.settings.resolve_layout`), and its ``timeout_s``; any other key is Lightning's."""
 
 
 class PipelineStrategy(DDPStrategy):
@@ -478,7 +478,7 @@ def _batch_size(batch: Batch) -> int:
 
 def share_gpus(strategy: DDPStrategy, gpu_of_rank: list[int]) -> None:
     """Run a node's ranks on shared GPUs (more processes than GPUs,
-    :func:`pipeline_recipes.recipe.accelerator.shared_devices`): local rank r on ``cuda:gpu_of_rank[r]``,
+    :func:`pipeline_recipes.recipe.check.accelerator.shared_devices`): local rank r on ``cuda:gpu_of_rank[r]``,
     over gloo, since NCCL refuses two ranks on one GPU; the pipeline stages its messages through the host
     then (:mod:`pipeline_recipes.strategies.runtime.p2p`). Call it before the ``Trainer`` is built: Lightning keeps
     a strategy's own ``parallel_devices``."""

@@ -4,7 +4,7 @@ rules (:mod:`pipeline_recipes.strategies.schedules.registry`) and the schedule b
 the workers run (Chimera §3.3).
 
 :func:`derive_layout` is the only place these are worked out. The launcher calls it through
-:func:`pipeline_recipes.recipe.settings.resolve_layout` (which turns a refusal into candidate fixes of the config),
+:func:`pipeline_recipes.recipe.check.settings.resolve_layout` (which turns a refusal into candidate fixes of the config),
 the planner enumerates its candidates with it (``validate=False``: the arithmetic and the rules, no schedule built,
 :func:`pipeline_recipes.planner.predict.candidates`), and a direct user of the engine gets the same checks from it.
 The runtime only reads the :class:`~pipeline_recipes.core.layout.Layout` it returns. A refusal is a

@@ -8,7 +8,7 @@ whether it concatenates units of micro-batches (Chimera §3.5), which gives the 
 (:func:`~pipeline_recipes.strategies.schedules.validate.validate`). Everything that lists schedules or
 checks a layout reads this table: :func:`build_schedule`, the layout's derivation
 (:func:`pipeline_recipes.strategies.schedules.derivation.derive_layout`, which the Hydra layout check of
-:mod:`pipeline_recipes.recipe.settings` and the planner's candidates of :mod:`pipeline_recipes.planner.predict` call),
+:mod:`pipeline_recipes.recipe.check.settings` and the planner's candidates of :mod:`pipeline_recipes.planner.predict` call),
 the viewer's choices (``scripts/schedule.py``) and the engine
 (:class:`pipeline_recipes.strategies.runtime.engine.PipelineConfig`).
 

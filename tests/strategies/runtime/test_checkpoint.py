@@ -182,8 +182,8 @@ def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ddp_and_single_ask_for_a_consolidated_checkpoint(tmp_path: Path) -> None:
-    from pipeline_recipes.recipe.settings import ConfigError
-    from pipeline_recipes.recipe.resume import resolve_resume
+    from pipeline_recipes.recipe.check.settings import ConfigError
+    from pipeline_recipes.recipe.check.resume import resolve_resume
 
     module, optimizer, config = _trained_module()
     path = _save_two_stages(module, optimizer, tmp_path / "s.ckpt")

@@ -3,7 +3,7 @@ timed out, after how long; not gloo's message, which names no rank.
 
 Three gloo ranks on CPU; one of them (the victim) dies with ``os._exit`` or sleeps through the collective while the
 others wait in the gradient all-reduce (:class:`GradientSynchronizer`) or the metrics all-gather (the collective of
-:mod:`pipeline_recipes.recipe.metrics`). Each survivor writes what it raised to a file (the harness of
+:mod:`pipeline_recipes.recipe.worker.metrics`). Each survivor writes what it raised to a file (the harness of
 ``tests/support/distributed.py`` stops a world at its first dead rank, before the survivors could say anything). The
 expected rank, the timeout and the victim's delay are the test's own settings."""
 
@@ -84,14 +84,14 @@ def _grad_all_reduce(rank: int) -> None:
 
 
 def _metrics_all_gather(rank: int) -> None:
-    from pipeline_recipes.recipe.metrics import _all_gather_rows  # imported in _rank already
+    from pipeline_recipes.recipe.worker.metrics import _all_gather_rows  # imported in _rank already
 
     _victim_acts(rank)
     _all_gather_rows(torch.full((3,), float(rank), dtype=torch.float64))
 
 
 COLLECTIVES = {"grad": _grad_all_reduce, "metrics": _metrics_all_gather}
-MODULES = {"grad": "pipeline_recipes.strategies.runtime.grad_sync", "metrics": "pipeline_recipes.recipe.metrics"}
+MODULES = {"grad": "pipeline_recipes.strategies.runtime.grad_sync", "metrics": "pipeline_recipes.recipe.worker.metrics"}
 
 
 def _victim_acts(rank: int) -> None:

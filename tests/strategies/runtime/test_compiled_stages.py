@@ -22,8 +22,8 @@ from cross_imports import import_test_module
 
 from pipeline_recipes.models import build_model
 from pipeline_recipes.core.node import NodeDevices
-from pipeline_recipes.recipe.accelerator import resolve_accelerator, resolve_compile, with_compile
-from pipeline_recipes.recipe.settings import ConfigError
+from pipeline_recipes.recipe.check.accelerator import resolve_accelerator, resolve_compile, with_compile
+from pipeline_recipes.recipe.check.settings import ConfigError
 from pipeline_recipes.strategies.compute.compile import compile_blocks, repeated_blocks
 from pipeline_recipes.strategies.compute.deferred_weights import WeightGradientStore, defer_weight_gradients
 from pipeline_recipes.strategies.lightning.strategy import PipelineModule

@@ -25,7 +25,7 @@ from distributed import run_world
 from cross_imports import import_test_module
 
 from pipeline_recipes.models import build_model
-from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
+from pipeline_recipes.recipe.check.settings import ConfigError, resolve_layout
 from pipeline_recipes.strategies.compute.compile import compile_target, repeated_blocks
 from pipeline_recipes.strategies.compute.cuda_graphs import ShapeChanged, StageGraphs, slots_needed, thread_local_capture
 from pipeline_recipes.strategies.runtime.engine import check_layout

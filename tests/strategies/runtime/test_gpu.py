@@ -130,7 +130,7 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
     from torch.utils.data import default_collate
 
     from pipeline_recipes.datamodules import SyntheticGPT2Dataset
-    from pipeline_recipes.recipe.metrics import peak_memory_bytes
+    from pipeline_recipes.recipe.worker.metrics import peak_memory_bytes
     from pipeline_recipes.strategies.runtime.engine import build_engine
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -272,8 +272,8 @@ def test_every_train_py_case_of_the_gpu_tests_resolves_its_layout(world: int) ->
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from pipeline_recipes.recipe.launch import num_layers
-    from pipeline_recipes.recipe.settings import check_model, resolve_layout
+    from pipeline_recipes.recipe.launch.main import num_layers
+    from pipeline_recipes.recipe.check.settings import check_model, resolve_layout
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for strategy in TRAIN_STRATEGIES:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline_recipes.recipe.accelerator import check_precision
-from pipeline_recipes.recipe.settings import ConfigError
+from pipeline_recipes.recipe.check.accelerator import check_precision
+from pipeline_recipes.recipe.check.settings import ConfigError
 from pipeline_recipes.strategies.lightning.precision import ClippingMixedPrecision, with_precision_plugin
 from train_jobs import run_train_jobs
 

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pipeline_recipes.planner.predict import candidates, default_schedules
-from pipeline_recipes.recipe.settings import ConfigError, resolve_layout
+from pipeline_recipes.recipe.check.settings import ConfigError, resolve_layout
 from pipeline_recipes.strategies.schedules import (
     SCHEDULES, ScheduleError, ScheduleSpec, best_concat, build_schedule, dapple, get_spec, names, specs, validate,
 )

@@ -4,7 +4,7 @@ a second (``min_interval_s``; the last step's line always prints).
     step 10/40 | loss 6.1423 | lr 8.66e-04 | 512.3 samples/s | 16,394 tokens/s | 0.03 TFLOP/s/device | MFU n/a | peak mem 612 MiB
 
 Rates cover the steps since the previous logging step (the global batch, all W replicas); TFLOP/s per
-device and MFU follow :mod:`pipeline_recipes.recipe.flops`; the peak memory is the largest over the ranks (CUDA
+device and MFU follow :mod:`pipeline_recipes.recipe.report.flops`; the peak memory is the largest over the ranks (CUDA
 max allocated, or the process's peak RSS on CPUs). With ``+trainer.enable_progress_bar=true``
 Lightning's bar replaces the lines and shows MFU (a fraction) beside the loss; the learning rate stays in
 the loggers (the bars print floats with three decimals).
@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from pipeline_recipes.strategies.lightning.strategy import last_step, reporting_step
 
-from .metrics import PipelineMetrics, tokens_in
+from pipeline_recipes.recipe.worker.metrics import PipelineMetrics, tokens_in
 
 _MIB = 1024 * 1024
 

@@ -15,13 +15,13 @@
 * Peak memory per rank: CUDA max allocated on GPU, the process's peak RSS on CPU.
 * The learning rate of every step (a logger row per step, written in bursts on reporting steps; kept
   as ``lr_history``) and the model FLOPs
-  utilisation (:mod:`pipeline_recipes.recipe.flops`: achieved TFLOP/s per device from the median token rate, MFU
+  utilisation (:mod:`pipeline_recipes.recipe.report.flops`: achieved TFLOP/s per device from the median token rate, MFU
   against the device's peak).
 
 At the end rank 0 draws the last step's measured timeline (rows = ranks, like the paper's
 figures), writes ``results.json`` (its status from ``ending``: ok, or stopped by a signal) and only then hands the
 last rows and the summary to the loggers: a logger whose backend is gone (a signal reached W&B's service too) is
-one warning line (:mod:`pipeline_recipes.recipe.background_logger`), never the job's end. Rank 0 also writes
+one warning line (:mod:`pipeline_recipes.recipe.worker.background_logger`), never the job's end. Rank 0 also writes
 ``results.json`` while training (status ``running``, at a reporting step at most every :data:`RUNNING_RESULTS_S`)
 and when a step raises (``failed``/``diverged``, no collective: a peer may be gone), so a job that ends badly keeps
 the losses it reached.
@@ -50,9 +50,9 @@ from pipeline_recipes.strategies.schedules.actions import KINDS
 from pipeline_recipes.strategies.schedules.render import save_png
 from typing_extensions import override
 
-from .background_logger import backend_failures_warned, lost
-from .flops import Utilisation, resolve_utilisation
-from .results import write_results
+from pipeline_recipes.recipe.worker.background_logger import backend_failures_warned, lost
+from pipeline_recipes.recipe.report.flops import Utilisation, resolve_utilisation
+from pipeline_recipes.recipe.report.results import write_results
 
 RUNNING_RESULTS_S = 30.0  # rank 0 rewrites results.json (status running) at most this often while training
 

@@ -19,7 +19,7 @@ scheduler's signal reaches it as well as the ranks (SLURM signals every process 
 every call that needs it fails (:func:`backend_gone`). The first such failure, wherever it shows (a queued row,
 the hyper-parameters, the summary, ``finalize``, ``wandb.finish()``), is one warning line
 (:func:`lose_backend`); the logger then logs nothing more for the rest of the run, and training, its stop and
-``results.json`` (rank 0's metrics, :mod:`pipeline_recipes.recipe.metrics`, which need no logger) go on as if it had
+``results.json`` (rank 0's metrics, :mod:`pipeline_recipes.recipe.worker.metrics`, which need no logger) go on as if it had
 not been there.
 """
 
@@ -39,7 +39,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from .settings import check_drain_timeout
+from pipeline_recipes.recipe.check.settings import check_drain_timeout
 
 _STOP = object()
 _HANDLED = object()  # finish_wandb: the exception being handled where it is called

@@ -1,7 +1,7 @@
 """Worker liveness: each rank touches a file every second; the launcher reads how old it is.
 
 A rank that stops answering while alive (stopped, deadlocked, stuck in one operation) stops
-touching its file. :func:`pipeline_recipes.recipe.supervise.launch_workers` ends the job when a heartbeat is older than
+touching its file. :func:`pipeline_recipes.recipe.launch.supervise.launch_workers` ends the job when a heartbeat is older than
 ``strategy.timeout_s`` and names that rank, also when a peer's wait timed out first (a gloo
 collective's timeout names no peer).
 

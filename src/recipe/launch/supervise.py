@@ -8,7 +8,7 @@
   held back (:func:`pipeline_recipes.core.signals.held_back`) and takes them once its handler is in place, so a
   signal while the ranks start is never a rank's death.
 * **A rank that dies** (a signal, an exit status, an exception) or **hangs** (its heartbeat older than
-  ``hang_s``, :mod:`pipeline_recipes.recipe.heartbeat`) ends the job: the others get ``grace_s`` to end,
+  ``hang_s``, :mod:`pipeline_recipes.recipe.worker.heartbeat`) ends the job: the others get ``grace_s`` to end,
   then are killed, and :func:`diagnose` names the rank that failed *first* and how (not a peer that only lost
   its connection to it).
 * **No worker outlives the launcher**: each runs in its own session (a terminal's Ctrl-C reaches the
@@ -35,9 +35,9 @@ from pipeline_recipes.core.failures import HEARTBEAT_ENV, error_path, read_error
 from pipeline_recipes.core.signals import PARENT_PID_ENV, STOP_SIGNALS, SignalRecord, held_back
 from pipeline_recipes.core.timeouts import STOP_TIMEOUT_S
 
-from .launch_mode import Launch, worker_env
-from .ending import JobEnd
-from .heartbeat import SILENT_S, heartbeat_age
+from pipeline_recipes.recipe.check.launch_mode import Launch, worker_env
+from pipeline_recipes.recipe.report.ending import JobEnd
+from pipeline_recipes.recipe.worker.heartbeat import SILENT_S, heartbeat_age
 
 GRACE_S = 10.0  # how long the other ranks get to exit on their own after one died
 STOP_CODES = {exits.stopped(s) for s in STOP_SIGNALS}
@@ -61,7 +61,7 @@ class Outcome:
 
     @classmethod
     def of(cls, end: JobEnd) -> Outcome:
-        """The outcome of a job that ran in this process (:func:`pipeline_recipes.recipe.job.run_job`)."""
+        """The outcome of a job that ran in this process (:func:`pipeline_recipes.recipe.worker.job.run_job`)."""
         signum = end.exit_code - exits.SIGNAL_BASE if end.status == "stopped" else None
         return cls(end.status, end.reason, signum=signum)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pipeline_recipes.core import exits
 
-from .results import RunResult
+from pipeline_recipes.recipe.report.results import RunResult
 
 
 @dataclass(frozen=True)

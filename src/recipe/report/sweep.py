@@ -4,11 +4,11 @@ says whether all of them trained.
 A Hydra callback (``hydra.callbacks.sweep_summary`` in ``conf/config.yaml``): after the last job it reads the
 ``results.json`` of every job directory of the sweep (one with Hydra's ``.hydra`` folder; a job that wrote
 none is listed as failed; a point whose SLURM job produced no result is recorded by the launcher,
-:func:`record_unfinished`) and prints the table of :func:`pipeline_recipes.recipe.results.summary_table`,
+:func:`record_unfinished`) and prints the table of :func:`pipeline_recipes.recipe.report.results.summary_table`,
 ok points first, then stopped, diverged, refused (``skipped``) and failed ones with their reasons. When any
 point did not train to the end, the last line says how many and the process exits 1: a scheduler or a CI
 never reads a sweep with a failed point as success. (A stop signal ends the sweep at once, with the
-stopped job's status: :mod:`pipeline_recipes.recipe.launch`.) Works the same for jobs run remotely by the
+stopped job's status: :mod:`pipeline_recipes.recipe.launch.main`.) Works the same for jobs run remotely by the
 submitit launcher: it reads the files the jobs wrote on the shared file system. A point whose SLURM job ended
 without a result (``scancel``) is recorded by :func:`record_unfinished` (the ``hydra/launcher=slurm`` preset's
 launcher, :mod:`hydra_plugins.pipeline_recipes_slurm.launcher`).
@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from pipeline_recipes.core import exits
 
-from .results import RESULTS_FILE, RunResult, read_results, summary_table, update_results
+from pipeline_recipes.recipe.report.results import RESULTS_FILE, RunResult, read_results, summary_table, update_results
 
 HYDRA_DIR = ".hydra"  # Hydra writes its copy of the job's config here, in every job directory
 

@@ -10,7 +10,7 @@ and special values, in :func:`numeric_settings`.
 
 The fixes are data (:mod:`pipeline_recipes.core.fixes`): a refusal proposes candidate overrides and
 :func:`resolve_layout` keeps those with which it passes itself; the launcher keeps those that pass every check
-of the command (:func:`pipeline_recipes.recipe.checks.check_command`). So a proposal here is only a candidate:
+of the command (:func:`pipeline_recipes.recipe.check.command.check_command`). So a proposal here is only a candidate:
 every rule is written once, in its check, and decides about the values the others propose.
 """
 
@@ -282,7 +282,7 @@ def check_fixed_settings(config: Mapping[str, Any]) -> None:
 def check_settings(config: Mapping[str, Any]) -> None:
     """Refuse a value its rule of :func:`settings_schema` refuses (``strategy.grad_sync=eagr``,
     ``trainer.max_steps=-5``, ``checkpoint.every_n_steps=abc``) for every key of the schema that ``config`` (the
-    whole config) has: the first check before launch (:func:`pipeline_recipes.recipe.checks.check_command`)."""
+    whole config) has: the first check before launch (:func:`pipeline_recipes.recipe.check.command.check_command`)."""
     _check_rules(config, settings_schema())
 
 
@@ -370,7 +370,7 @@ def resolve_layout(strategy: dict[str, Any], trainer: dict[str, Any], global_bat
     pipeline's layout derived and checked by :func:`pipeline_recipes.strategies.schedules.derive_layout` (the one
     derivation of W, B, N and S; the schedule's rules come from its registry spec), whose refusal becomes a
     :class:`~pipeline_recipes.core.fixes.ConfigError` with candidate fixes of the config. A refusal keeps the fixes
-    with which this function passes (``vet_fixes``; the launcher checks them against the whole command instead, :mod:`pipeline_recipes.recipe.checks`); ``layers_key``: the
+    with which this function passes (``vet_fixes``; the launcher checks them against the whole command instead, :mod:`pipeline_recipes.recipe.check.command`); ``layers_key``: the
     model's setting of its blocks (``model.n_layer``), so that a refusal may propose more of them."""
     try:
         return _resolve(strategy, trainer, global_batch_size, num_layers, layers_key)
@@ -661,7 +661,7 @@ def check_devices(trainer: dict[str, Any], available_gpus: int | None, strategy:
 
 
 def check_drain_timeout(drain_timeout_s: Any) -> float:
-    """``logger.drain_timeout_s`` (:class:`pipeline_recipes.recipe.background_logger.BackgroundWandbLogger`) as its
+    """``logger.drain_timeout_s`` (:class:`pipeline_recipes.recipe.worker.background_logger.BackgroundWandbLogger`) as its
     rule of :func:`numeric_settings` has it (a positive number of seconds), in seconds."""
     if (refusal := setting_rule("logger.drain_timeout_s").refusal(drain_timeout_s)) is not None:
         raise refusal

@@ -1,8 +1,8 @@
-"""One training job inside one process of the job's world (launched by :mod:`pipeline_recipes.recipe.launch`, by
+"""One training job inside one process of the job's world (launched by :mod:`pipeline_recipes.recipe.launch.main`, by
 torchrun or by SLURM): build model, data, strategy, loggers, metrics and checkpointing from the
 resolved config, then ``Trainer.fit`` (resuming from ``ckpt_path`` when given).
 
-The job file (``job.yaml``, :mod:`pipeline_recipes.recipe.job_spec`) holds the resolved Hydra config, the layout the
+The job file (``job.yaml``, :mod:`pipeline_recipes.recipe.worker.job_spec`) holds the resolved Hydra config, the layout the
 launcher resolved (:class:`~pipeline_recipes.core.layout.Layout`) and the W&B group, so a worker needs no Hydra context;
 the pipeline strategy and the stage table read that layout (:func:`build_strategy`, :func:`stage_table`).
 """
@@ -30,16 +30,16 @@ from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 from pipeline_recipes.strategies.lightning.verified_checkpoint import VerifiedCheckpoint
 from pipeline_recipes.strategies.runtime.topology import Topology
 
-from .accelerator import GPU_NAMES, apply_float32_matmul_precision, resolve_compile, shared_devices
-from .background_logger import finish_wandb
-from .launch_mode import is_global_zero
-from .ending import JobEnd
-from .flops import model_flops_per_token
-from .job_spec import JobSpec
-from .loggers import instantiate_loggers
-from .metrics import PipelineMetrics, ReplicaThroughputMonitor
-from .progress import ProgressLine
-from .resume import CHECKPOINT_DIR
+from pipeline_recipes.recipe.check.accelerator import GPU_NAMES, apply_float32_matmul_precision, resolve_compile, shared_devices
+from pipeline_recipes.recipe.worker.background_logger import finish_wandb
+from pipeline_recipes.recipe.check.launch_mode import is_global_zero
+from pipeline_recipes.recipe.report.ending import JobEnd
+from pipeline_recipes.recipe.report.flops import model_flops_per_token
+from pipeline_recipes.recipe.worker.job_spec import JobSpec
+from pipeline_recipes.recipe.worker.loggers import instantiate_loggers
+from pipeline_recipes.recipe.worker.metrics import PipelineMetrics, ReplicaThroughputMonitor
+from pipeline_recipes.recipe.worker.progress import ProgressLine
+from pipeline_recipes.recipe.check.resume import CHECKPOINT_DIR
 
 LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"  # Lightning 2.6's advert, logged by every Trainer
 # Lightning's INFO lines that repeat what the recipe's own lines say (the layout line names the accelerator and
@@ -65,7 +65,7 @@ def is_news(record: logging.LogRecord) -> bool:
 def quiet_library_notices() -> None:
     """Drop library messages that say nothing about this run, each matched by its text: Lightning's own use
     of torch's deprecated ``LeafSpec`` (a ``FutureWarning`` from its ``_pytree`` module), its advice to prepend
-    ``srun`` wherever ``srun`` exists (the recipe reads SLURM itself, :mod:`pipeline_recipes.recipe.launch_mode`: the
+    ``srun`` wherever ``srun`` exists (the recipe reads SLURM itself, :mod:`pipeline_recipes.recipe.check.launch_mode`: the
     workers of a one-task-per-node job are no SLURM tasks, on purpose), and the INFO lines of :data:`NOT_NEWS` (its
     litlogger tip, its accelerator and process-group banners, the ``max_steps`` end). Its warnings all stay (e.g.
     "GPU available but not used")."""

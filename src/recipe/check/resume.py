@@ -9,8 +9,8 @@
   (:func:`pipeline_recipes.strategies.checkpoint.verify_checkpoint`, through
   :func:`~pipeline_recipes.strategies.checkpoint.inspect_checkpoint`), fit the strategy (``ddp`` and ``single``
   read the consolidated file, not a sharded directory) and hold this run's model
-  (:mod:`pipeline_recipes.recipe.model_match`, which names the ``model.*`` overrides that make it so).
-  Each failure is a :class:`~pipeline_recipes.recipe.settings.ConfigError`: one message and exit status 2.
+  (:mod:`pipeline_recipes.recipe.check.model_match`, which names the ``model.*`` overrides that make it so).
+  Each failure is a :class:`~pipeline_recipes.recipe.check.settings.ConfigError`: one message and exit status 2.
 
 Under an external launcher (torchrun, SLURM) every rank resolves ``auto`` itself and reaches the same answer: the
 answer is a function of what the checkpoint directory holds, and nothing writes there before every rank has started
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .settings import BASELINES, ConfigError
-from .model_match import model_mismatch
+from pipeline_recipes.recipe.check.settings import BASELINES, ConfigError
+from pipeline_recipes.recipe.check.model_match import model_mismatch
 
 if TYPE_CHECKING:
     from pipeline_recipes.strategies.checkpoint import SavedCheckpoint

@@ -23,7 +23,7 @@ from pipeline_recipes.planner.memory import device_budget
 from pipeline_recipes.planner.profile import load_or_profile
 from pipeline_recipes.planner.recommend import best_config
 
-from .accelerator import choose_accelerator
+from pipeline_recipes.recipe.check.accelerator import choose_accelerator
 
 AUTO = "strategy=auto"
 

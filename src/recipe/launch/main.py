@@ -13,11 +13,11 @@ under Hydra, Lightning #15737 and #18175). The parent never imports Lightning.
   the first exception a rank raised (``rank <r> raised <Type>: <message>``, the job's last line; not a
   teardown's or a waiting peer's), or else the rank, its exit code and the tail of its log
   (``logs/rank<r>.log``).
-* A rank that hangs ends it too: its heartbeat (:mod:`pipeline_recipes.recipe.heartbeat`) older than
+* A rank that hangs ends it too: its heartbeat (:mod:`pipeline_recipes.recipe.worker.heartbeat`) older than
   ``strategy.timeout_s`` names it, also when a peer's timed-out wait ended first.
 * Under an external launcher (torchrun, SLURM) the processes already exist: the job runs in-process
-  (:mod:`pipeline_recipes.recipe.launch_mode` tells which, and refuses a multi-node job whose nodes could not meet).
-* ``trainer=auto`` becomes the node's GPUs or CPU processes first (:mod:`pipeline_recipes.recipe.accelerator`).
+  (:mod:`pipeline_recipes.recipe.check.launch_mode` tells which, and refuses a multi-node job whose nodes could not meet).
+* ``trainer=auto`` becomes the node's GPUs or CPU processes first (:mod:`pipeline_recipes.recipe.check.accelerator`).
 * Only global rank 0 prints the layout and the summary and writes ``results.json``.
 """
 
@@ -44,18 +44,18 @@ from pipeline_recipes.core.failures import describe_exception
 from pipeline_recipes.core.signals import SignalRecord, early_signal
 from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S, STOP_TIMEOUT_S
 
-from .checks import Checked, check_command, hydra_command
-from .launch_mode import Launch, is_global_zero, rank_env
-from .ending import last_line
-from .job_spec import JobSpec
+from pipeline_recipes.recipe.check.command import Checked, check_command, hydra_command
+from pipeline_recipes.recipe.check.launch_mode import Launch, is_global_zero, rank_env
+from pipeline_recipes.recipe.report.ending import last_line
+from pipeline_recipes.recipe.worker.job_spec import JobSpec
 from pipeline_recipes.core.errors import DataError
 from pipeline_recipes.core.layout import Layout
 
-from .settings import num_layers  # noqa: F401 (read from here by callers)
-from .results import RunResult, read_results, summary_table, update_results, write_results
-from .resume import CHECKPOINT_DIR, Resume, resolve_resume, step_checkpoints
-from .run_lock import RunDirBusy, RunLock
-from .supervise import GRACE_S, Outcome, launch_workers
+from pipeline_recipes.recipe.check.settings import num_layers  # noqa: F401 (read from here by callers)
+from pipeline_recipes.recipe.report.results import RunResult, read_results, summary_table, update_results, write_results
+from pipeline_recipes.recipe.check.resume import CHECKPOINT_DIR, Resume, resolve_resume, step_checkpoints
+from pipeline_recipes.recipe.launch.run_lock import RunDirBusy, RunLock
+from pipeline_recipes.recipe.launch.supervise import GRACE_S, Outcome, launch_workers
 
 LOCK_MARGIN_S = 30.0  # a requeued job's wait for its previous run: beyond that run's stop and its ranks' end
 
@@ -190,7 +190,7 @@ def _finished(out_dir: Path, layout: Layout, launch: Launch, resume: Resume, max
 
 def _run_here(spec: JobSpec, launch: Launch, signals: SignalRecord) -> Outcome:
     """Run the job in this process (one rank of torchrun or SLURM); how it ended."""
-    from .job import run_job  # local: Lightning ≥6.5 s (python -X importtime); the parent never needs it
+    from pipeline_recipes.recipe.worker.job import run_job  # local: Lightning ≥6.5 s (python -X importtime); the parent never needs it
 
     try:
         end = run_job(spec, signals)

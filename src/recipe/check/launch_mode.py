@@ -2,7 +2,7 @@
 
 Three ways to run a job of ``trainer.devices × trainer.num_nodes`` processes:
 
-* ``self``: ``train.py`` starts the node's workers itself (one per local rank, :mod:`pipeline_recipes.recipe.launch`).
+* ``self``: ``train.py`` starts the node's workers itself (one per local rank, :mod:`pipeline_recipes.recipe.launch.main`).
   On one node it picks a free port; on several, every node runs the same command with
   ``MASTER_ADDR``/``MASTER_PORT`` (node 0's address and a free port there) and ``NODE_RANK`` set,
   or SLURM runs one task per node (``--ntasks-per-node=1``) and those come from SLURM.

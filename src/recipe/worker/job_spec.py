@@ -1,7 +1,7 @@
 """The job file (``job.yaml`` in the job's output directory): the resolved Hydra config, the derived layout and the
 W&B group, written by the launcher and read by every worker, so a worker needs no Hydra context.
 
-Apart from :mod:`pipeline_recipes.recipe.job` so that the launcher, which writes it, never imports Lightning or torch.
+Apart from :mod:`pipeline_recipes.recipe.worker.job` so that the launcher, which writes it, never imports Lightning or torch.
 """
 
 from __future__ import annotations

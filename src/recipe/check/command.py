@@ -1,6 +1,6 @@
 """Every check of a job before any process starts, in the launcher's order, and the fixes its refusals propose.
 
-:func:`check_command` is what :func:`pipeline_recipes.recipe.launch.run` runs before it launches anything (and
+:func:`check_command` is what :func:`pipeline_recipes.recipe.launch.main.run` runs before it launches anything (and
 what the tests run, in-process): the fixed sets of values, the data's files, the accelerator, the layout, the
 model's shapes, the tokenizer, the GPUs of the node, the precision, the logger, the cluster's launcher and the
 memory pre-flight. A refusal (:class:`~pipeline_recipes.core.fixes.ConfigError`) comes back with the fixes it
@@ -28,14 +28,14 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from .accelerator import (
+from pipeline_recipes.recipe.check.accelerator import (
     GPU_NAMES, AcceleratorChoice, NodeDevices, check_precision, choose_accelerator, layout_processes, probe_node,
     resolve_loader, with_compile,
 )
-from .launch_mode import Launch, detect_launch
+from pipeline_recipes.recipe.check.launch_mode import Launch, detect_launch
 from pipeline_recipes.core.fixes import ConfigError, Fix, values, vet
-from .loggers import check_logger
-from .settings import (
+from pipeline_recipes.recipe.check.logger import check_logger
+from pipeline_recipes.recipe.check.settings import (
     Layout, check_devices, check_model, check_settings, layers_key, num_layers, refuses,
     resolve_layout,
 )

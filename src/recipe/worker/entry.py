@@ -1,6 +1,6 @@
 """Entry point of one training process: ``python -m pipeline_recipes.recipe.worker <job.yaml>``.
 
-:mod:`pipeline_recipes.recipe.launch` starts one per rank with Lightning's environment variables (``LOCAL_RANK``,
+:mod:`pipeline_recipes.recipe.launch.main` starts one per rank with Lightning's environment variables (``LOCAL_RANK``,
 ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning joins them instead
 of re-launching the script, which is what breaks Hydra multiruns (Lightning #15737, #18175).
 
@@ -22,8 +22,8 @@ from pipeline_recipes.core.errors import TrainingDiverged
 from pipeline_recipes.core.failures import HEARTBEAT_ENV, error_path, record_error
 from pipeline_recipes.core.signals import PARENT_PID_ENV, SignalRecord, die_with_parent
 
-from .heartbeat import start_heartbeat
-from .job_spec import JobSpec
+from pipeline_recipes.recipe.worker.heartbeat import start_heartbeat
+from pipeline_recipes.recipe.worker.job_spec import JobSpec
 
 
 def main(argv: list[str]) -> int:
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pipeline_recipes.recipe.worker <job.yaml>", file=sys.stderr)
         return exits.REFUSED
     try:
-        from .job import run_job  # local: Lightning ≥6.5 s, after the heartbeat has started
+        from pipeline_recipes.recipe.worker.job import run_job  # local: Lightning ≥6.5 s, after the heartbeat has started
 
         return run_job(JobSpec.load(argv[0]), signals).exit_code
     except Exception as err:

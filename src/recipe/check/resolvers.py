@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from pipeline_recipes.core.node import GPU_NAMES
 
 CPUS_PER_GPU_TASK = 8  # a GPU rank's loader processes (data.num_workers=auto takes min(4, CPUs per rank)) and host side
-CPUS_PER_CPU_TASK = 1  # a CPU rank runs one torch thread (recipe/job.py)
+CPUS_PER_CPU_TASK = 1  # a CPU rank runs one torch thread (recipe/worker/job.py)
 
 
 def slurm_gpus_per_node(accelerator: str, devices: int) -> int | None:

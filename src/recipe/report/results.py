@@ -13,7 +13,7 @@ Every job (one Hydra job; a multirun sweep puts them in ``<sweep_dir>/<job_num>/
 - ``bubble_ratio_measured`` and ``bubble_ratio_theory``: both 1 − Σ busy / (ranks × the longest rank's
   span of the step), measured from the recorded action times (waiting on messages and host-side stalls
   count as idle), and for the executed schedule simulated at those measured action times with no
-  communication (:mod:`pipeline_recipes.recipe.metrics`); the table says so under its rows (:data:`BUBBLE_NOTE`);
+  communication (:mod:`pipeline_recipes.recipe.worker.metrics`); the table says so under its rows (:data:`BUBBLE_NOTE`);
 - ``tflops_per_device`` (model FLOPs achieved per device, median) and ``mfu`` (that over the device's
   peak; null where the peak is unknown, e.g. on CPUs);
 - ``peak_memory_bytes`` (one int per rank), ``loss_history`` (loss per optimizer step), ``final_loss``,

@@ -10,7 +10,7 @@ Fewer GPUs than processes under ``trainer=auto`` (one GPU and the default Chimer
 share the GPUs, local rank r on ``cuda:(r mod G)``, over gloo, since NCCL refuses two ranks on one
 device; the pipeline's messages are then staged through the host (:mod:`pipeline_recipes.strategies.runtime.p2p`). Fine for
 trying schedules, not for speed. ``trainer=gpu`` with too few GPUs is refused instead
-(:func:`pipeline_recipes.recipe.settings.check_devices`).
+(:func:`pipeline_recipes.recipe.check.settings.check_devices`).
 
 fp32 matrix products on CUDA: TensorFloat-32 (``torch.set_float32_matmul_precision("high")``; TF32 as
 introduced in NVIDIA's "A100 Tensor Core GPU Architecture" whitepaper) unless
@@ -100,7 +100,7 @@ def _devices(value: Any, default: int, node: NodeDevices) -> Any:
 def layout_processes(strategy: Mapping[str, Any], num_nodes: Any = 1) -> int | None:
     """Processes per node the strategy's layout needs at least: W·D over the nodes (``W`` null: one
     replica). None when the settings are not numbers
-    (:func:`pipeline_recipes.recipe.settings.resolve_layout` says why)."""
+    (:func:`pipeline_recipes.recipe.check.settings.resolve_layout` says why)."""
     D, W = strategy.get("D", 1), strategy.get("W") or 1
     numbers = [v for v in (D, W, num_nodes) if isinstance(v, int) and not isinstance(v, bool) and v > 0]
     if len(numbers) != 3:

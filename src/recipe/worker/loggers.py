@@ -3,11 +3,11 @@
 arguments, so a new logger is one yaml. ``_target_: null`` (``logger=none``) is no logger.
 
 What depends on the run is not written in the yaml but mapped in from the run by the yaml's ``from_run``
-(``{argument: run value}``), one rule for every logger: the run's values are :data:`RUN_VALUES` (its
+(``{argument: run value}``), one rule for every logger: the run's values are :data:`~pipeline_recipes.recipe.check.logger.RUN_VALUES` (its
 directory, its name ``{strategy}-W{W}-D{D}-B{B}-{model}``, its group, its strategy and its tags, those of
 :func:`run_tags`). An argument also set in the yaml or on the command line keeps that value; a list (the
-tags) is extended by it. :func:`check_logger` refuses a bad logger config before any process is launched;
-it imports neither Lightning nor torch.
+tags) is extended by it. :func:`~pipeline_recipes.recipe.check.logger.check_logger` refuses a bad logger config
+before any process is launched.
 """
 
 from __future__ import annotations
@@ -18,47 +18,15 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline_recipes.core.errors import did_you_mean
-from pipeline_recipes.core.fixes import ConfigError, values
-
-from .job_spec import JobSpec
-from .settings import check_drain_timeout
+from pipeline_recipes.recipe.worker.job_spec import JobSpec
+from pipeline_recipes.recipe.check.logger import DRAIN_TIMEOUT, FROM_RUN, check_logger
 
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import Logger
 
-FROM_RUN = "from_run"  # the yaml's key mapping logger arguments to run values
 # Lightning's CSVLogger warns whenever its directory is not empty, and the job directory always holds job.yaml and
 # logs/; it deletes only its metrics.csv, so the warning is news only where that file is there (a resumed run's rows)
 CSV_DIR_NOTICE = r"Experiment logs directory .* exists and is not empty\. Previous log files in this directory"
-RUN_VALUES = ("dir", "name", "group", "strategy", "tags")
-DRAIN_TIMEOUT = "drain_timeout_s"  # BackgroundWandbLogger's own argument
-
-
-def check_logger(cfg: Mapping[str, Any] | None) -> None:
-    """Refuse a ``logger`` config whose ``_target_`` is not a dotted class path, whose ``from_run`` maps an
-    argument to something that is not a run value, or whose ``drain_timeout_s`` is not a positive number."""
-    cfg = cfg or {}
-    target = cfg.get("_target_")
-    if target is not None and (not isinstance(target, str) or "." not in target.strip(".")):
-        raise ConfigError(f"logger._target_ = {target!r}: a logger is the dotted path of a Lightning logger class "
-                          "(e.g. lightning.pytorch.loggers.CSVLogger), or null for none",
-                          [values("logger._target_", [None], lead="no logger:")])
-    mapping = cfg.get(FROM_RUN) or {}
-    if not isinstance(mapping, Mapping):
-        raise ConfigError(f"logger.{FROM_RUN} = {mapping!r}: it maps logger arguments to run values "
-                          f"({{argument: value}}, values among {', '.join(RUN_VALUES)})",
-                          [values("logger._target_", [None], lead="no logger:")])
-    for argument, value in mapping.items():
-        if value not in RUN_VALUES:
-            key = f"logger.{FROM_RUN}.{argument}"
-            close = did_you_mean(value, RUN_VALUES)
-            raise ConfigError(f"{key} = {value!r} is not a value of the run: the run gives a logger argument one of "
-                              f"{', '.join(RUN_VALUES)}",
-                              [values(key, [close] if close else RUN_VALUES, keep=1,
-                                      lead=f"did you mean {close!r}?" if close else "")])
-    if cfg.get(DRAIN_TIMEOUT) is not None:
-        check_drain_timeout(cfg[DRAIN_TIMEOUT])
 
 
 def run_tags(spec: JobSpec) -> list[str]:
@@ -73,7 +41,7 @@ def model_name(spec: JobSpec) -> str:
 
 
 def run_values(spec: JobSpec) -> dict[str, Any]:
-    """The run's values a logger argument may take (:data:`RUN_VALUES`)."""
+    """The run's values a logger argument may take (:data:`~pipeline_recipes.recipe.check.logger.RUN_VALUES`)."""
     return {"dir": spec.out_dir, "name": f"{spec.layout.run_name}-{model_name(spec)}", "group": spec.group,
             "strategy": spec.layout.label, "tags": run_tags(spec)}
 
@@ -96,13 +64,13 @@ def logger_arguments(cfg: Mapping[str, Any], run: Mapping[str, Any]) -> dict[str
 
 def without_writer_keys(cfg: dict[str, Any]) -> dict[str, Any]:
     """The logger config without ``drain_timeout_s`` when its ``_target_`` is not the background W&B writer
-    (:class:`pipeline_recipes.recipe.background_logger.BackgroundWandbLogger`): Lightning's own ``WandbLogger``
+    (:class:`pipeline_recipes.recipe.worker.background_logger.BackgroundWandbLogger`): Lightning's own ``WandbLogger``
     would hand the key on to ``wandb.init``, which rejects it."""
     if DRAIN_TIMEOUT not in cfg:
         return cfg
     from hydra.utils import get_class
 
-    from .background_logger import BackgroundWandbLogger  # local: Lightning loads in the workers only
+    from pipeline_recipes.recipe.worker.background_logger import BackgroundWandbLogger  # local: Lightning loads in the workers only
 
     cls = get_class(cfg["_target_"])
     if isinstance(cls, type) and issubclass(cls, BackgroundWandbLogger):
@@ -113,7 +81,7 @@ def without_writer_keys(cfg: dict[str, Any]) -> dict[str, Any]:
 def instantiate_loggers(spec: JobSpec) -> list[Logger]:
     """The run's loggers (none or one), each given the resolved config and the derived layout as
     hyperparameters. A W&B logger's run prints none of W&B's information lines
-    (:func:`~pipeline_recipes.recipe.background_logger.quiet_wandb_info`); Lightning's CSV logger says its directory
+    (:func:`~pipeline_recipes.recipe.worker.background_logger.quiet_wandb_info`); Lightning's CSV logger says its directory
     is not empty only where it holds a ``metrics.csv`` for it to delete (:data:`CSV_DIR_NOTICE`)."""
     cfg = spec.config.get("logger") or {}
     check_logger(cfg)
@@ -123,7 +91,7 @@ def instantiate_loggers(spec: JobSpec) -> list[Logger]:
     from hydra.utils import instantiate
     from lightning.pytorch.loggers import WandbLogger
 
-    from .background_logger import quiet_wandb_info  # local: Lightning loads in the workers only
+    from pipeline_recipes.recipe.worker.background_logger import quiet_wandb_info  # local: Lightning loads in the workers only
 
     logger = instantiate(arguments)
     if isinstance(logger, WandbLogger):
