@@ -5,7 +5,8 @@ names the setting, no traceback, no ``logs/`` (no worker was launched).
   or ``-3``): the schema of :mod:`pipeline_recipes.recipe.check.settings`, checked first by the launcher's checks
   (every such value in-process: ``tests/recipe/test_settings_checks.py``).
 * A job directory that cannot be created or written (``hydra.run.dir`` on a read-only file system, or under
-  a file): ``train.py``'s :func:`check_output_space`, before Hydra writes its ``.hydra`` files there. As root
+  a file): Hydra's first write there fails, and :func:`~pipeline_recipes.recipe.check.command_line.run_app` says
+  why with a directory that can be written. As root
   permission bits do not stop a write, so the read-only directory is a read-only tmpfs (or bind) mount there,
   a ``chmod 0555`` directory otherwise.
 
@@ -15,9 +16,10 @@ Only the tests that run ``train.py`` are ``slow`` (a few seconds each).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import os
+import runpy
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from pipeline_recipes.recipe.check.command_line import unwritable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -37,13 +41,6 @@ def _train(cwd: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=ENV, capture_output=True,
                             text=True, timeout=300)
     return result, time.monotonic() - started
-
-
-def _train_module():
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _writable(path: Path) -> bool:
@@ -128,25 +125,32 @@ def test_a_read_only_job_directory_stops_train_py_with_one_line(tmp_path: Path, 
     assert len(lines) == 1 and lines[0].startswith(f"error: hydra.run.dir = {job}: "), result.stderr
     assert str(read_only_dir) in lines[0] and "; set hydra.run.dir=" in lines[0]
     fix = lines[0].split("; set hydra.run.dir=")[1].split(" ")[0]
-    assert _train_module().unwritable_reason(fix) is None  # the directory proposed can be written
+    assert unwritable_reason(fix) is None  # the directory proposed can be written
 
 
-def _refusal(argv: list[str]) -> tuple[int | None, str]:
-    """``train.py``'s checks before Hydra's main, in-process: the exit status (None: it passes) and stderr."""
-    train = _train_module()
+def _refusal(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int | None, str]:
+    """``python train.py argv`` in-process, up to Hydra's first write of the job directory: the exit status
+    with which :func:`~pipeline_recipes.recipe.check.command_line.run_app` refuses it, and stderr."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *argv])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # run_app sets it: restored after the test
+    # train.py's first line records stop signals: the handlers are restored after
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)}
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            train.check_output_space(train.check_setting_keys(argv), argv)
-        except SystemExit as stop:
-            return stop.code, err.getvalue()
-    return None, err.getvalue()
+    try:
+        with contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    except SystemExit as stop:
+        return stop.code, err.getvalue()
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    raise AssertionError(f"train.py {' '.join(argv)} ran: {err.getvalue()}")
 
 
-def test_an_unwritable_job_directory_is_refused_before_hydra(tmp_path: Path, read_only_dir: Path) -> None:
+def test_an_unwritable_job_directory_is_refused_in_one_line(tmp_path: Path, read_only_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """hydra.run.dir, and hydra.sweep.dir with -m; under a read-only directory or under a file. Each fix
     proposed is a directory that can be written."""
-    train = _train_module()
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     cases = [([f"hydra.run.dir={read_only_dir}/job"], "hydra.run.dir", f"{read_only_dir}/job"),
@@ -154,21 +158,19 @@ def test_an_unwritable_job_directory_is_refused_before_hydra(tmp_path: Path, rea
               f"{read_only_dir}/sweep"),
              ([f"hydra.run.dir={a_file}/job"], "hydra.run.dir", f"{a_file}/job")]
     for argv, key, path in cases:
-        code, err = _refusal([*argv, *COMMON])  # -m before the overrides, as Hydra parses them
+        code, err = _refusal([*argv, *COMMON], monkeypatch)  # -m before the overrides, as Hydra parses them
         assert code == 2, (argv, err)
         assert err.startswith(f"error: {key} = {path}: the job directory cannot be created or written: "), err
         assert err.count("\n") == 1
         fix = err.split(f"; set {key}=")[1].split(" ")[0]
-        assert train.unwritable_reason(fix) is None
+        assert unwritable_reason(fix) is None
     assert "is not a directory" in err
-    assert train.unwritable_reason(read_only_dir) is not None
-    assert train.unwritable_reason(read_only_dir / "a" / "b") is not None
+    assert unwritable_reason(read_only_dir) is not None
+    assert unwritable_reason(read_only_dir / "a" / "b") is not None
     assert list(read_only_dir.iterdir()) == []  # the probe left nothing
 
 
 def test_a_writable_job_directory_passes(tmp_path: Path) -> None:
-    train = _train_module()
     for path in (tmp_path, tmp_path / "new" / "job"):
-        assert train.unwritable_reason(path) is None
-        assert _refusal([*COMMON, f"hydra.run.dir={path}"]) == (None, "")
+        assert unwritable_reason(path) is None
     assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []  # nothing created, no probe left

@@ -334,3 +334,14 @@ def test_a_submodule_or_a_lazily_exported_name_is_an_edge_to_its_submodule(tmp_p
     assert graph == {f"{PACKAGE}.core": {f"{PACKAGE}.core.b"}, f"{PACKAGE}.core.a": {f"{PACKAGE}.core.b"},
                      f"{PACKAGE}.extra.user": {f"{PACKAGE}.extra", f"{PACKAGE}.extra.slow"}}
 
+
+
+def test_no_private_hydra_api() -> None:
+    """Hydra's public API only (``hydra``, ``hydra.core``, ``hydra.errors``, ...): nothing of ``hydra._internal``, whose
+    names change between Hydra releases without notice."""
+    files = [ROOT / "train.py", *sorted((ROOT / "src").rglob("*.py")), *sorted((ROOT / "scripts").rglob("*.py"))]
+    used = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in files for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            and any(name.startswith("hydra._internal") for name in
+                    ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]))]
+    assert not used, f"hydra._internal imported at {', '.join(used)}"

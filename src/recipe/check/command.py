@@ -1,27 +1,39 @@
-"""Every check of a job before any process starts, in the launcher's order, and the fixes its refusals propose.
+"""Every check of a job before any process starts, from one entry point in one order, and the fixes its refusals
+propose.
 
-:func:`check_command` is what :func:`pipeline_recipes.recipe.launch.main.run` runs before it launches anything (and
-what the tests run, in-process): the fixed sets of values, the data's files, the accelerator, the layout, the
-model's shapes, the tokenizer, the GPUs of the node, the precision, the logger, the cluster's launcher and the
-memory pre-flight. A refusal (:class:`~pipeline_recipes.core.fixes.ConfigError`) comes back with the fixes it
-proposes that pass every one of these checks: each candidate is applied to the command (:class:`Command`: its
-overrides, composed as Hydra composes them) and checked again, so a suggestion never names a value that
-another rule refuses (:func:`~pipeline_recipes.core.fixes.vet`). One exception: the fixes of a refusal that
-comes before the memory pre-flight are checked without it, which needs torch (a layout error stays a fraction
-of a second and imports neither torch nor the data modules); the pre-flight's own fixes are checked by all.
+The order, from ``python train.py`` to the launch:
+
+1. before Hydra composes the config (:func:`~pipeline_recipes.recipe.check.command_line.before_compose`): the
+   cluster launcher's plugin, then ``strategy=auto`` replaced by the planner's layout;
+2. Hydra's composition, once; what it refuses (a misspelled key or group option, a job directory that cannot be
+   written) is said in one line (:func:`~pipeline_recipes.recipe.check.command_line.run_app`);
+3. :func:`check_command`, on the composed config, which :func:`pipeline_recipes.recipe.launch.main.run` runs before
+   it launches anything (and the tests run in-process): the space left in the job directory, the fixed sets of
+   values, the data's files, the accelerator, the layout, the model's shapes, the tokenizer, the GPUs of the
+   node, the precision, the logger, the cluster's launcher and the memory pre-flight; then, holding the job
+   directory (a requeued job waits there for its previous run), the checkpoint to resume
+   (:mod:`~pipeline_recipes.recipe.check.resume`).
+
+A refusal (:class:`~pipeline_recipes.core.fixes.ConfigError`) comes back with the fixes it proposes that pass
+every one of these checks: each candidate is applied to the command (:class:`Command`: its overrides, composed as
+Hydra composes them) and checked again, so a suggestion never names a value that another rule refuses
+(:func:`~pipeline_recipes.core.fixes.vet`). One exception: the fixes of a refusal that comes before the memory
+pre-flight are checked without it, which needs torch (a layout error stays a fraction of a second and imports
+neither torch nor the data modules); the pre-flight's own fixes are checked by all.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
+from pathlib import Path
 from typing import Any
 
 from hydra import compose
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -33,8 +45,10 @@ from pipeline_recipes.recipe.check.accelerator import (
     resolve_loader, with_compile,
 )
 from pipeline_recipes.recipe.check.launch_mode import Launch, detect_launch
+from pipeline_recipes.core.disk import LOW_SPACE_BYTES, free_bytes
 from pipeline_recipes.core.fixes import ConfigError, Fix, values, vet
 from pipeline_recipes.recipe.check.logger import check_logger
+from pipeline_recipes.recipe.check.resume import Resume, resolve_resume
 from pipeline_recipes.recipe.check.settings import (
     Layout, check_devices, check_model, check_settings, layers_key, num_layers, refuses,
     resolve_layout,
@@ -55,6 +69,7 @@ class Checked:
     layout: Layout | None = None
     launch: Launch | None = None
     report: dict[str, Any] | None = None  # preflight=report: the prediction
+    resume: Resume | None = None  # the checkpoint to resume, once the job directory is held
 
 
 @dataclass(frozen=True)
@@ -93,7 +108,7 @@ class Command:
             if base is None:
                 return None
             cfg = copy.deepcopy(base)
-            ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if o.key_or_group not in self.groups], cfg)
+            set_overrides([o for o in parsed if o.key_or_group not in self.groups], cfg)
         except (HydraException, OmegaConfBaseException):
             return None
         return cfg
@@ -133,10 +148,33 @@ def _node(compose: Callable[[tuple[str, ...]], DictConfig | None], chosen: tuple
             return None
         part = OmegaConf.create({key: copy.deepcopy(base)})
         OmegaConf.set_struct(part, True)
-        ConfigLoaderImpl._apply_overrides_to_config(_parse(lines), part)
+        set_overrides(_parse(lines), part)
         return OmegaConf.to_container(part[key], resolve=True)
     except (HydraException, OmegaConfBaseException):
         return None
+
+
+def set_overrides(overrides: list[Any], cfg: DictConfig) -> None:
+    """Set Hydra's overrides of settings (not of config groups) on ``cfg`` as Hydra's composition sets them, with
+    OmegaConf's public API: ``key=value`` (the key must exist), ``+key=value`` (it must not, unless the value is a
+    mapping or list), ``++key=value`` (either way), ``~key`` (removed). A refused one raises ``HydraException``."""
+    for override in overrides:
+        key, value = override.key_or_group, override.value()
+        try:
+            if override.is_delete():
+                parent, _, leaf = key.rpartition(".")
+                node = OmegaConf.select(cfg, parent) if parent else cfg
+                if OmegaConf.select(cfg, key, throw_on_missing=False) is None:
+                    raise HydraException(f"Could not delete from config. '{key}' does not exist.")
+                with open_dict(cfg):
+                    del node[leaf]
+            elif override.is_add() and OmegaConf.select(cfg, key, throw_on_missing=False) is not None \
+                    and not isinstance(value, (dict, list)):
+                raise HydraException(f"Could not append to config. An item is already at '{key}'.")
+            else:
+                OmegaConf.update(cfg, key, value, merge=True, force_add=override.is_add() or override.is_force_add())
+        except OmegaConfBaseException as err:
+            raise HydraException(f"Could not override '{key}'.") from err
 
 
 def _parse(overrides: tuple[str, ...]) -> list[Any]:
@@ -201,7 +239,8 @@ class _Options:
 
 def check_command(cfg: DictConfig, found: Checked | None = None, *, command: Command | None = None,
                   node: NodeDevices | NodeProbe | None = None, env: Mapping[str, str] | None = None,
-                  prepare: bool = True, budget_bytes: int | None = None, vet_fixes: bool = True) -> Layout:
+                  prepare: bool = True, budget_bytes: int | None = None, vet_fixes: bool = True,
+                  job_dir: Path | None = None, hold: Callable[[], None] | None = None) -> Layout:
     """Check the job of ``cfg`` before launch and return its layout; ``cfg`` becomes the job's config (the
     concrete trainer, the data loader's settings). ``found`` is filled in as the checks pass. A refusal
     raises a :class:`ConfigError` (or the pre-flight's error) whose fixes, each applied to ``command`` (default:
@@ -209,13 +248,19 @@ def check_command(cfg: DictConfig, found: Checked | None = None, *, command: Com
 
     ``node``: what the node offers (default: probed); ``env``: the environment (default ``os.environ``);
     ``prepare``: prepare a real corpus on the node before the pre-flight, as the launcher does; ``budget_bytes``:
-    the memory budget of the pre-flight (default: the accelerator's, else measured)."""
+    the memory budget of the pre-flight (default: the accelerator's, else measured).
+
+    ``job_dir``: the job's directory, whose disk must have space left (else :class:`JobDirFull`);
+    after every other check, global rank 0 calls ``hold`` (taking the directory for this job) and the checkpoint
+    to resume is found there (``found.resume``; ``cfg.ckpt_path`` becomes its path, or null)."""
     probe = node if isinstance(node, NodeProbe) else NodeProbe(node)
     options = _Options(probe, os.environ if env is None else env, prepare, budget_bytes,
                        checked=found if found is not None else Checked())
     original = None if command is not None or not vet_fixes else Command.of(cfg)
+    if job_dir is not None:
+        check_space(job_dir)
     try:
-        return _checks(cfg, options)
+        layout = _checks(cfg, options)
     except ConfigError as err:
         if not vet_fixes:
             raise
@@ -225,6 +270,30 @@ def check_command(cfg: DictConfig, found: Checked | None = None, *, command: Com
         passes = partial(_passes, command, replace(options, prepare=False, suggest=False, checked=checked,
                                                    memory=options.checked.memory))
         raise vet(err, passes) from err.__cause__
+    if job_dir is not None:
+        _hold_and_resume(cfg, job_dir, layout, options.checked, hold)
+    return layout
+
+
+class JobDirFull(OSError):
+    """The job directory's disk has too little space left for the job's files (errno ``ENOSPC``)."""
+
+
+def check_space(job_dir: Path) -> None:
+    """The job directory's disk has space left for the job's files (:data:`LOW_SPACE_BYTES`)."""
+    free = free_bytes(job_dir)
+    if free is not None and free < LOW_SPACE_BYTES:
+        raise JobDirFull(errno.ENOSPC, os.strerror(errno.ENOSPC), str(job_dir))
+
+
+def _hold_and_resume(cfg: DictConfig, job_dir: Path, layout: Layout, found: Checked,
+                     hold: Callable[[], None] | None) -> None:
+    """Hold the job directory (global rank 0), then find and check the checkpoint to resume there."""
+    if hold is not None and found.launch is not None and found.launch.is_global_zero:
+        hold()  # one job per directory; a requeued job waits for its previous run
+    found.resume = resolve_resume(cfg, job_dir, layout.strategy)  # ckpt_path=auto found; complete, fits, same model
+    with open_dict(cfg):
+        cfg.ckpt_path = found.resume.path  # what the workers resume from (job.yaml), or null
 
 
 def _layout_inputs(command: Command, probe: NodeProbe) -> tuple | None:

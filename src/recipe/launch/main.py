@@ -44,7 +44,7 @@ from pipeline_recipes.core.failures import describe_exception
 from pipeline_recipes.core.signals import SignalRecord, early_signal
 from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S, STOP_TIMEOUT_S
 
-from pipeline_recipes.recipe.check.command import Checked, check_command, hydra_command
+from pipeline_recipes.recipe.check.command import Checked, JobDirFull, check_command, hydra_command
 from pipeline_recipes.recipe.check.launch_mode import Launch, is_global_zero, rank_env
 from pipeline_recipes.recipe.report.ending import last_line
 from pipeline_recipes.recipe.worker.job_spec import JobSpec
@@ -53,7 +53,7 @@ from pipeline_recipes.core.layout import Layout
 
 from pipeline_recipes.recipe.check.settings import num_layers  # noqa: F401 (read from here by callers)
 from pipeline_recipes.recipe.report.results import RunResult, read_results, summary_table, update_results, write_results
-from pipeline_recipes.recipe.check.resume import CHECKPOINT_DIR, Resume, resolve_resume, step_checkpoints
+from pipeline_recipes.recipe.check.resume import CHECKPOINT_DIR, Resume, step_checkpoints
 from pipeline_recipes.recipe.launch.run_lock import RunDirBusy, RunLock
 from pipeline_recipes.recipe.launch.supervise import GRACE_S, Outcome, launch_workers
 
@@ -91,13 +91,12 @@ def run(cfg: DictConfig) -> float | None:
 def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals: SignalRecord,
          lock: RunLock) -> float | None:
     checked = Checked()
-    try:  # every check before launch, in-process (recipe.checks; the tests run the same), its fixes checked too
-        layout = check_command(cfg, checked, command=hydra_command())
-        if checked.launch.is_global_zero:  # one job per directory; a requeued job waits for its previous run
-            _lock(lock, cfg, multirun, signals)
-        resume = resolve_resume(cfg, out_dir, layout.strategy)  # ckpt_path=auto found; complete, fits, same model
-        with open_dict(cfg):
-            cfg.ckpt_path = resume.path  # what the workers resume from (job.yaml), or null
+    try:  # every check before launch, in-process (recipe.check.command; the tests run the same), its fixes checked too
+        layout = check_command(cfg, checked, command=hydra_command(), job_dir=out_dir,
+                               hold=lambda: _lock(lock, cfg, multirun, signals))
+        resume = checked.resume
+    except JobDirFull as err:
+        _unwritable(err, out_dir)
     except ValueError as err:  # ConfigError, or the planner's PreflightError (does not fit in memory)
         choice, launch = checked.choice, checked.launch
         # a DataError's cause and fixes end the message: nothing after it (no import here: a layout error stays light)
