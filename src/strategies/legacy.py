@@ -45,7 +45,7 @@ MOVED = {
     **{f"strategies.{m}": f"strategies.lightning.{m}" for m in ("stop", "precision", "optim", "baselines")},
     "strategies.pipeline_model": "core.pipeline_model",
     "recipe.fixes": "core.fixes",
-    "planner.auto": "recipe.auto",
+    "planner.auto": "recipe.check.auto",
 }
 
 

@@ -261,7 +261,7 @@ def test_a_sweep_with_a_failing_and_a_refused_point_lists_both_and_exits_1(besid
     assert [read_results(sweep / str(n)).status for n in (0, 1)] == ["diverged", "skipped"]
 
 
-def test_a_full_disk_under_the_job_directory_is_said_before_hydra_writes(tmp_path: Path) -> None:
+def test_a_full_disk_under_the_job_directory_is_said_in_one_line(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     no_disk = _mount_tmpfs(disk, "64k")
     if no_disk:

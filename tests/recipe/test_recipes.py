@@ -254,6 +254,32 @@ def _launch_fake_workers(tmp_path: Path, name: str, script: str, **kwargs):
         sys.path.remove(str(tmp_path))
 
 
+def test_the_job_end_is_made_of_the_ranks_end_records(tmp_path: Path) -> None:
+    """Each rank whose run returns leaves its end record beside its heartbeat; the launcher's end of the job is
+    made of them: ok only where the first rank said so, a stop in the first rank's own words (with the signal),
+    and a job whose ranks all exited 0 without the first rank's record is failed, not ok."""
+    said = "SIGTERM received by rank 1; stopped after step 4"
+    script = (
+        "import os, sys\n"
+        "from pipeline_recipes.core.failures import HEARTBEAT_ENV\n"
+        "from pipeline_recipes.recipe.report.ending import JobEnd, end_path, write_end\n"
+        "mode = open(os.path.join(os.path.dirname(__file__), 'mode')).read()\n"
+        "end = JobEnd.stopped(15, %r) if mode == 'stop' else JobEnd('ok')\n"
+        "if mode != 'silent' or os.environ['RANK'] != '0':\n"
+        "    write_end(end_path(os.environ[HEARTBEAT_ENV]), end)\n"
+        "sys.exit(end.exit_code)\n" % said)
+    ends = {}
+    for mode in ("ok", "stop", "silent"):
+        (tmp_path / "mode").write_text(mode)
+        ends[mode], _ = _launch_fake_workers(tmp_path, "ending_worker", script)
+    assert (ends["ok"].status, ends["ok"].exit_code) == ("ok", 0)
+    assert (ends["stop"].status, ends["stop"].signum, ends["stop"].rank_said, ends["stop"].exit_code) == (
+        "stopped", 15, said, 128 + 15)
+    assert ends["silent"].status == "failed" and ends["silent"].exit_code == 1
+    assert ends["silent"].reason == (f"every rank exited 0 but rank 0 ({socket.gethostname()}) left no end record "
+                                     "(its run did not return)")
+
+
 @pytest.mark.slow
 def test_a_dead_rank_ends_the_job_with_its_log(tmp_path: Path) -> None:
     """Rank 1 dies; rank 0 would wait forever: the launcher stops it and names rank 1."""

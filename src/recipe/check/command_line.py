@@ -263,10 +263,11 @@ def _job_dir_refusal(err: OSError, args: argparse.Namespace, base: list[tuple[st
 
 
 def _names_path(err: OSError, out: Path) -> bool:
-    """Whether ``err`` is about ``out``, a directory above it or a file in it."""
+    """Whether ``err`` may be about ``out``: it names ``out``, a directory above it or a file in it, or no file
+    (a write that failed for want of space names none)."""
     named = [Path(str(f)).absolute() for f in (err.filename, err.filename2) if f]
     out = out.absolute()
-    return any(p == out or out in p.parents or p in out.parents for p in named)
+    return not named or any(p == out or out in p.parents or p in out.parents for p in named)
 
 
 def unwritable_reason(path: str | os.PathLike[str]) -> str | None:

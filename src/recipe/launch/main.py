@@ -30,6 +30,7 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from pipeline_recipes.core.timeouts import COLLECTIVE_TIMEOUT_S, STOP_TIMEOUT_S
 
 from pipeline_recipes.recipe.check.command import Checked, JobDirFull, check_command, hydra_command
 from pipeline_recipes.recipe.check.launch_mode import Launch, is_global_zero, rank_env
-from pipeline_recipes.recipe.report.ending import last_line
+from pipeline_recipes.recipe.report.ending import JobEnd, last_line
 from pipeline_recipes.recipe.worker.job_spec import JobSpec
 from pipeline_recipes.core.errors import DataError
 from pipeline_recipes.core.layout import Layout
@@ -55,7 +56,7 @@ from pipeline_recipes.recipe.check.settings import num_layers  # noqa: F401 (rea
 from pipeline_recipes.recipe.report.results import RunResult, read_results, summary_table, update_results, write_results
 from pipeline_recipes.recipe.check.resume import CHECKPOINT_DIR, Resume, step_checkpoints
 from pipeline_recipes.recipe.launch.run_lock import RunDirBusy, RunLock
-from pipeline_recipes.recipe.launch.supervise import GRACE_S, Outcome, launch_workers
+from pipeline_recipes.recipe.launch.supervise import GRACE_S, launch_workers
 
 LOCK_MARGIN_S = 30.0  # a requeued job's wait for its previous run: beyond that run's stop and its ranks' end
 
@@ -133,12 +134,12 @@ def _run(cfg: DictConfig, hydra_cfg: Any, multirun: bool, out_dir: Path, signals
     if launch.external:
         if launch.launcher == "slurm":  # Lightning joins the tasks whatever the job's name (salloc's "interactive")
             os.environ.update(rank_env(os.environ, launch, int(trainer_cfg["devices"]), layout.world_size))
-        outcome = _run_here(spec, launch, signals)
+        end = _run_here(spec, launch, signals)
     else:
-        outcome = launch_workers(job_file, layout.world_size, int(trainer_cfg["devices"]), out_dir / "logs",
+        end = launch_workers(job_file, layout.world_size, int(trainer_cfg["devices"]), out_dir / "logs",
                                  hang_s=float(cfg.strategy.get("timeout_s", COLLECTIVE_TIMEOUT_S)), launch=launch,
                                  stop_timeout_s=float(cfg.get("stop_timeout_s", STOP_TIMEOUT_S)), signals=signals)
-    return _conclude(out_dir, layout, outcome, launch, multirun)
+    return _conclude(out_dir, layout, end, launch, multirun)
 
 
 def _lock(lock: RunLock, cfg: DictConfig, multirun: bool, signals: SignalRecord) -> None:
@@ -187,7 +188,7 @@ def _finished(out_dir: Path, layout: Layout, launch: Launch, resume: Resume, max
     return result.final_loss
 
 
-def _run_here(spec: JobSpec, launch: Launch, signals: SignalRecord) -> Outcome:
+def _run_here(spec: JobSpec, launch: Launch, signals: SignalRecord) -> JobEnd:
     """Run the job in this process (one rank of torchrun or SLURM); how it ended."""
     from pipeline_recipes.recipe.worker.job import run_job  # local: Lightning ≥6.5 s (python -X importtime); the parent never needs it
 
@@ -196,8 +197,8 @@ def _run_here(spec: JobSpec, launch: Launch, signals: SignalRecord) -> Outcome:
     except Exception as err:
         traceback.print_exc()
         status = "diverged" if isinstance(err, TrainingDiverged) else "failed"
-        return Outcome(status, f"rank {launch.rank} raised {describe_exception(err)}")
-    return Outcome.of(end)
+        return JobEnd(status, f"rank {launch.rank} raised {describe_exception(err)}")
+    return replace(end, rank_said=end.reason)
 
 
 def _unwritable(err: OSError, path: Path) -> None:
@@ -217,40 +218,36 @@ def _held_results(path: Path) -> RunResult:
         return RunResult()
 
 
-def _record_end(out_dir: Path, layout: Layout, outcome: Outcome) -> RunResult:
-    """``results.json`` with how the job ended, over the histories rank 0 wrote (global rank 0 only)."""
+def _record_end(out_dir: Path, layout: Layout, end: JobEnd) -> RunResult:
+    """The final ``results.json``, derived from the job's end over the histories and figures rank 0 wrote while it
+    ran (global rank 0 only: the one writer of a job's final results)."""
     path = out_dir / "results.json"
     held = _held_results(path)
-    if outcome.status == "ok":
-        if held.status == "ok":
-            return held
-        outcome = Outcome("failed", "every rank exited 0 but rank 0 wrote no final results.json")
-    reason = outcome.reason
-    if outcome.status == "stopped":
+    reason, extra = end.reason, {}
+    if end.status == "stopped":
         step = f"; stopped after step {held.global_step}" if held.global_step is not None else ""
-        if outcome.forwarded:
-            said = f"{exits.signal_name(outcome.signum)} received by train.py (pid {os.getpid()}), forwarded to every rank"
-        elif held.status == "stopped":
-            said, step = held.reason, ""
+        if end.forwarded:
+            said = f"{exits.signal_name(end.signum)} received by train.py (pid {os.getpid()}), forwarded to every rank"
+        elif end.rank_said:
+            said, step = end.rank_said, ""  # the rank's own words name the step
         else:
-            said = f"{exits.signal_name(outcome.signum)} received by a rank"
-        reason = said + step + (f"; {outcome.reason}" if outcome.reason else "")
-    extra: dict[str, Any] = {}
-    if outcome.status == "stopped" and outcome.cut_short is not None:
-        clause, extra = _cut_short(out_dir, held, outcome.cut_short)
-        reason += f"; {clause}"
+            said = f"{exits.signal_name(end.signum)} received by a rank"
+        reason = said + step + (f"; {end.reason}" if end.reason else "")
+        if end.cut_short is not None:
+            clause, extra = _cut_short(out_dir, end)
+            reason += f"; {clause}"
     try:
-        update_results(path, status=outcome.status, reason=reason, **layout.result_fields(), **extra)
+        update_results(path, status=end.status, reason=reason, **layout.result_fields(), **extra)
     except OSError as err:
         _unwritable(err, path)
     return read_results(path)
 
 
-def _cut_short(out_dir: Path, held: RunResult, signum: int) -> tuple[str, dict[str, Any]]:
+def _cut_short(out_dir: Path, end: JobEnd) -> tuple[str, dict[str, Any]]:
     """What a second signal that killed the stopping ranks skipped, and the newest checkpoint on disk when the
-    step reached was not saved (rank 0 writes its final ``results.json`` only after the stop's save)."""
-    cut = f"{exits.signal_name(signum)} again cut the stop short"
-    if held.status == "stopped":
+    step reached was not saved (rank 0 records its end only after the stop's save)."""
+    cut = f"{exits.signal_name(end.cut_short)} again cut the stop short"
+    if end.rank_said is not None:
         return f"{cut} after the step reached was saved (skipped: the ranks' teardown)", {}
     finished = [path for _, path, done in step_checkpoints(out_dir / CHECKPOINT_DIR) if done]
     newest = str(finished[0]) if finished else None
@@ -277,25 +274,26 @@ def requeue_slurm_job(env: Mapping[str, str]) -> str:
     return f"SLURM job {job} requeued (scontrol requeue): it resumes with ckpt_path=auto"
 
 
-def _conclude(out_dir: Path, layout: Layout, outcome: Outcome, launch: Launch, multirun: bool) -> float | None:
+def _conclude(out_dir: Path, layout: Layout, end: JobEnd, launch: Launch, multirun: bool) -> float | None:
     """Record and say how the job ended (global rank 0: ``results.json``, the summary, the last line), then exit
     with its status unless it trained to the end; a sweep goes on after a failed point (its end says so) but
     not after a stop signal."""
+    final_loss = None
     if launch.is_global_zero:
-        result = _record_end(out_dir, layout, outcome)
-        if outcome.detail.strip():
-            print(outcome.detail.rstrip(), file=sys.stderr, flush=True)
+        result = _record_end(out_dir, layout, end)
+        final_loss = result.final_loss
+        if end.detail.strip():
+            print(end.detail.rstrip(), file=sys.stderr, flush=True)
         if result.status in ("ok", "stopped"):
             print(summary_table([result]), flush=True)
         line = last_line(result, str(out_dir))
-        if result.status == "stopped" and outcome.signum == REQUEUE_SIGNAL:
+        if result.status == "stopped" and end.signum == REQUEUE_SIGNAL:
             line += f"; {requeue_slurm_job(os.environ)}"
         print(line, file=sys.stdout if result.ok else sys.stderr, flush=True)
-        outcome = Outcome(result.status, result.reason, signum=outcome.signum) if result.status != outcome.status else outcome
-    elif not outcome.ok and outcome.status != "stopped":
-        print(f"error: job failed on node {launch.node_rank}: {outcome.reason}", file=sys.stderr, flush=True)
-    if outcome.ok:
-        return result.final_loss if launch.is_global_zero else None
-    if multirun and outcome.status in ("failed", "diverged"):
+    elif not end.ok and end.status != "stopped":
+        print(f"error: job failed on node {launch.node_rank}: {end.reason}", file=sys.stderr, flush=True)
+    if end.ok:
+        return final_loss
+    if multirun and end.status in ("failed", "diverged"):
         return None
-    sys.exit(outcome.exit_code)
+    sys.exit(end.exit_code)

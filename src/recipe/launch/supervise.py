@@ -36,40 +36,11 @@ from pipeline_recipes.core.signals import PARENT_PID_ENV, STOP_SIGNALS, SignalRe
 from pipeline_recipes.core.timeouts import STOP_TIMEOUT_S
 
 from pipeline_recipes.recipe.check.launch_mode import Launch, worker_env
-from pipeline_recipes.recipe.report.ending import JobEnd
+from pipeline_recipes.recipe.report.ending import JobEnd, end_path, read_end
 from pipeline_recipes.recipe.worker.heartbeat import SILENT_S, heartbeat_age
 
 GRACE_S = 10.0  # how long the other ranks get to exit on their own after one died
 STOP_CODES = {exits.stopped(s) for s in STOP_SIGNALS}
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How the node's workers ended: ``status`` ok | stopped | failed | diverged, the one-line ``reason``,
-    the lines to show above it (``detail``: a schedule grid, a log's tail), and the stop signal."""
-
-    status: str
-    reason: str = ""
-    detail: str = ""
-    signum: int | None = None
-    forwarded: bool = False  # the launcher received the stop signal and forwarded it
-    cut_short: int | None = None  # a later signal with which the launcher killed the stopping ranks
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @classmethod
-    def of(cls, end: JobEnd) -> Outcome:
-        """The outcome of a job that ran in this process (:func:`pipeline_recipes.recipe.worker.job.run_job`)."""
-        signum = end.exit_code - exits.SIGNAL_BASE if end.status == "stopped" else None
-        return cls(end.status, end.reason, signum=signum)
-
-    @property
-    def exit_code(self) -> int:
-        if self.status == "stopped" and self.signum is not None:
-            return exits.stopped(self.signum)
-        return {"ok": exits.OK, "diverged": exits.DIVERGED}.get(self.status, exits.FAILED)
 
 
 def _free_port() -> int:
@@ -200,7 +171,7 @@ class StopForwarder:
 def launch_workers(job_file: Path, world_size: int, devices: int, log_dir: Path,
                    module: str = "pipeline_recipes.recipe.worker", grace_s: float = GRACE_S,
                    hang_s: float | None = None, launch: Launch | None = None,
-                   stop_timeout_s: float = STOP_TIMEOUT_S, signals: SignalRecord | None = None) -> Outcome:
+                   stop_timeout_s: float = STOP_TIMEOUT_S, signals: SignalRecord | None = None) -> JobEnd:
     """Start ``devices`` workers (``python -m module job_file``) of this node (``launch``: which node
     and where the ranks meet; default one node) of a job of ``world_size`` ranks, stream rank 0's output,
     and watch them until they end (see the module docstring). ``signals``: the launcher's stop signals so far
@@ -227,11 +198,12 @@ def launch_workers(job_file: Path, world_size: int, devices: int, log_dir: Path,
 
 
 def _start(workers: Workers, module: str, job_file: Path, log_dir: Path, local_rank: int, env: dict[str, str]) -> None:
-    """Start one worker in its own session, its heartbeat and error files cleared, its output pumped to its log."""
+    """Start one worker in its own session, its heartbeat, error and end files cleared, its output pumped to its log."""
     rank = workers.first_rank + local_rank
     beat = log_dir / f"rank{rank}.heartbeat"
     beat.unlink(missing_ok=True)
     error_path(beat).unlink(missing_ok=True)
+    end_path(beat).unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", module, str(job_file)],
                             env={**env, HEARTBEAT_ENV: str(beat), PARENT_PID_ENV: str(os.getpid())}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -244,7 +216,7 @@ def _start(workers: Workers, module: str, job_file: Path, log_dir: Path, local_r
 
 
 def _watch(workers: Workers, stop: StopForwarder, grace_s: float, hang_s: float | None,
-           stop_timeout_s: float) -> Outcome:
+           stop_timeout_s: float) -> JobEnd:
     """Wait for the workers; once one fails (or hangs) give the others ``grace_s`` to end, once a stop signal
     came ``stop_timeout_s``; then kill the rest and say how the job ended."""
     failed_at: float | None = None
@@ -271,10 +243,10 @@ def _watch(workers: Workers, stop: StopForwarder, grace_s: float, hang_s: float 
         workers.kill()
     stop.say_notes()
     codes = [p.returncode for p in workers.procs]
-    outcome = diagnose(workers, codes, silent, stop.signum, timed_out_stop, stop_timeout_s)
-    if stop.cut_short is not None and outcome.status == "stopped":
-        return replace(outcome, cut_short=stop.cut_short)
-    return outcome
+    end = diagnose(workers, codes, silent, stop.signum, timed_out_stop, stop_timeout_s)
+    if stop.cut_short is not None and end.status == "stopped":
+        return replace(end, cut_short=stop.cut_short)
+    return end
 
 
 def _silent(workers: Workers, codes: list[int | None]) -> dict[int, float]:
@@ -293,8 +265,8 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 
 def diagnose(workers: Workers, codes: list[int | None], silent: dict[int, float], forwarded: int | None,
-             timed_out_stop: bool = False, stop_timeout_s: float = 0.0) -> Outcome:
-    """How the job ended, from every rank's exit status, recorded exception and heartbeat.
+             timed_out_stop: bool = False, stop_timeout_s: float = 0.0) -> JobEnd:
+    """How the job ended, from every rank's end record, exit status, recorded exception and heartbeat.
 
     A stop: every rank ended with 0 or a stop status (or the launcher forwarded a signal and killed the
     ranks that did not stop in time). A failure names the rank that failed first: a silent (hung) rank;
@@ -309,9 +281,12 @@ def diagnose(workers: Workers, codes: list[int | None], silent: dict[int, float]
         return f"rank {first + i} ({host})"
 
     errors = {i: e for i, beat in enumerate(workers.beats) if (e := read_error(error_path(beat))) is not None}
+    first_end = read_end(end_path(workers.beats[0])) if workers.beats else None
     stop_codes = {c - exits.SIGNAL_BASE for c in codes if c in STOP_CODES}
     if all(c == 0 for c in codes) and forwarded is None:
-        return Outcome("ok")
+        if first_end is None:
+            return JobEnd.failed(f"every rank exited 0 but {who(0)} left no end record (its run did not return)")
+        return JobEnd("ok", rank_said=first_end.reason)
     if (forwarded is not None or stop_codes) and all(c == 0 or c in STOP_CODES or i in workers.killed
                                                      for i, c in enumerate(codes)) and not silent:
         signum = forwarded if forwarded is not None else max(stop_codes)
@@ -320,12 +295,13 @@ def diagnose(workers: Workers, codes: list[int | None], silent: dict[int, float]
         if timed_out_stop and late:
             reason = (f"{', '.join(late)} did not reach a step boundary within stop_timeout_s = {stop_timeout_s:g} s "
                       f"and {'were' if len(late) > 1 else 'was'} killed")
-        return Outcome("stopped", reason, signum=signum, forwarded=forwarded is not None)
+        return JobEnd.stopped(signum, reason, forwarded=forwarded is not None,
+                              rank_said=first_end.reason if first_end is not None else None)
     if silent:
         i, age = min(silent.items(), key=lambda item: item[0])
         died = [j for j, c in enumerate(codes) if c not in (None, 0) and j not in workers.killed and j != i]
         then = f"; then {who(died[0])} {exits.describe_returncode(codes[died[0]])}" if died else ""
-        return Outcome("failed", f"{who(i)} stopped answering: no heartbeat for {age:.0f}s (hung, stopped or stuck "
+        return JobEnd.failed(f"{who(i)} stopped answering: no heartbeat for {age:.0f}s (hung, stopped or stuck "
                                  f"in one operation){then}", f"last lines of {workers.logs[i]}:\n{_tail(workers.logs[i], 8)}")
     causes: list[tuple[float, int, str, str]] = []  # (when, index, reason, detail)
     for i, code in enumerate(codes):
@@ -341,12 +317,12 @@ def diagnose(workers: Workers, codes: list[int | None], silent: dict[int, float]
     if not causes:
         causes = [(e.at, i, f"{who(i)} raised {e.summary}", e.detail) for i, e in errors.items()]
     if not causes:
-        return Outcome("failed", "every rank ended without an error, but not all with exit status 0: "
+        return JobEnd.failed("every rank ended without an error, but not all with exit status 0: "
                                  + ", ".join(f"{who(i)} {exits.describe_returncode(c)}" for i, c in enumerate(codes)
                                              if c is not None))
     _, i, reason, detail = min(causes)
     diverged = codes[i] == exits.DIVERGED and i in errors
-    return Outcome("diverged" if diverged else "failed", reason, detail)
+    return JobEnd("diverged" if diverged else "failed", reason, detail)
 
 
 def _monotonic_offset() -> float:

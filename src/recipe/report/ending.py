@@ -17,7 +17,11 @@ way, by the rank that lost it (:mod:`pipeline_recipes.core.transport`).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from pipeline_recipes.core import exits
 
@@ -26,26 +30,68 @@ from pipeline_recipes.recipe.report.results import RunResult
 
 @dataclass(frozen=True)
 class JobEnd:
-    """A job's status (``results.json``), why, and the exit status its processes end with."""
+    """How a job, or one rank of it, ended: the one record from which ``results.json``'s ``status`` and
+    ``reason``, the job's last line (:func:`last_line`) and the exit status (:attr:`exit_code`) are derived.
 
-    status: str
+    A rank's own end (:func:`pipeline_recipes.recipe.worker.job.run_job`: ok, or stopped by the signal the ranks
+    agreed on) reaches the launcher as its return value, or from a worker process as the file beside the rank's
+    heartbeat (:func:`write_end`); the launcher's supervisor (:func:`pipeline_recipes.recipe.launch.supervise.diagnose`)
+    makes the job's end of the ranks' ends, exit statuses, exceptions and heartbeats."""
+
+    status: str  # ok | stopped | failed | diverged
     reason: str = ""
-    exit_code: int = exits.OK
+    detail: str = ""  # lines to show above the last line: a log's tail, a schedule grid
+    signum: int | None = None  # the stop signal
+    forwarded: bool = False  # the launcher received the stop signal and forwarded it to the ranks
+    cut_short: int | None = None  # a later signal with which the launcher killed the stopping ranks
+    rank_said: str | None = None  # the reason the node's first rank gave for its own end; None: it left no record
 
-    def as_status(self) -> tuple[str, str]:
-        return self.status, self.reason
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def exit_code(self) -> int:
+        if self.status == "stopped" and self.signum is not None:
+            return exits.stopped(self.signum)
+        return {"ok": exits.OK, "diverged": exits.DIVERGED}.get(self.status, exits.FAILED)
 
     @classmethod
-    def stopped(cls, signum: int, reason: str) -> JobEnd:
-        return cls("stopped", reason, exits.stopped(signum))
+    def stopped(cls, signum: int, reason: str, **fields: Any) -> JobEnd:
+        return cls("stopped", reason, signum=signum, **fields)
 
     @classmethod
-    def failed(cls, reason: str) -> JobEnd:
-        return cls("failed", reason, exits.FAILED)
+    def failed(cls, reason: str, detail: str = "") -> JobEnd:
+        return cls("failed", reason, detail)
 
     @classmethod
-    def diverged(cls, reason: str) -> JobEnd:
-        return cls("diverged", reason, exits.DIVERGED)
+    def diverged(cls, reason: str, detail: str = "") -> JobEnd:
+        return cls("diverged", reason, detail)
+
+
+END_SUFFIX = ".end"  # beside rank<r>.heartbeat: the rank's own end, written when its run returns
+
+
+def end_path(heartbeat: str | os.PathLike[str]) -> Path:
+    """Where the rank whose heartbeat file is ``heartbeat`` writes its end."""
+    return Path(heartbeat).with_suffix(END_SUFFIX)
+
+
+def write_end(path: str | os.PathLike[str], end: JobEnd) -> None:
+    """A rank's end for the launcher (a failed write is left to the launcher: the rank then said nothing)."""
+    try:
+        Path(path).write_text(json.dumps({"status": end.status, "reason": end.reason, "signum": end.signum}))
+    except OSError:
+        pass
+
+
+def read_end(path: str | os.PathLike[str]) -> JobEnd | None:
+    """A rank's end as it wrote it, or None where it wrote none."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return JobEnd(str(record["status"]), str(record.get("reason") or ""), signum=record.get("signum"))
 
 
 def resume_hint(checkpoint: str | None) -> str:

@@ -6,8 +6,9 @@ of re-launching the script, which is what breaks Hydra multiruns (Lightning #157
 
 The first thing a worker does is record stop signals (:class:`~pipeline_recipes.core.signals.SignalRecord`):
 a SIGTERM or SIGINT that arrives while it still imports Lightning or builds its stages stops it cleanly
-before the first step instead of killing it. A rank that raises records its first exception for the
-launcher (:func:`pipeline_recipes.core.failures.record_error`). The exit status says how the job ended
+before the first step instead of killing it. A rank whose run returns records its end for the launcher
+(:func:`pipeline_recipes.recipe.report.ending.write_end`: ok, or stopped and why); a rank that raises records its
+first exception (:func:`pipeline_recipes.core.failures.record_error`). The exit status says how the job ended
 (:mod:`pipeline_recipes.core.exits`): 0 ok, 1 failed, 3 diverged, 128 + n stopped by signal n.
 """
 
@@ -22,6 +23,7 @@ from pipeline_recipes.core.errors import TrainingDiverged
 from pipeline_recipes.core.failures import HEARTBEAT_ENV, error_path, record_error
 from pipeline_recipes.core.signals import PARENT_PID_ENV, SignalRecord, die_with_parent
 
+from pipeline_recipes.recipe.report.ending import end_path, write_end
 from pipeline_recipes.recipe.worker.heartbeat import start_heartbeat
 from pipeline_recipes.recipe.worker.job_spec import JobSpec
 
@@ -41,7 +43,10 @@ def main(argv: list[str]) -> int:
     try:
         from pipeline_recipes.recipe.worker.job import run_job  # local: Lightning ≥6.5 s, after the heartbeat has started
 
-        return run_job(JobSpec.load(argv[0]), signals).exit_code
+        end = run_job(JobSpec.load(argv[0]), signals)
+        if heartbeat:  # the launcher makes the job's end of it (recipe.report.ending)
+            write_end(end_path(heartbeat), end)
+        return end.exit_code
     except Exception as err:
         if heartbeat:  # the launcher names this exception (its first, not a teardown's) as the job's failure
             record_error(error_path(heartbeat), err)

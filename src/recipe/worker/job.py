@@ -218,7 +218,7 @@ def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
                         timeout=timedelta(seconds=float(cfg["strategy"].get("timeout_s", COLLECTIVE_TIMEOUT_S))))
     metrics = PipelineMetrics(layout, spec.out_dir, throughput, warmup_steps=int(metrics_cfg.get("warmup_steps", 1)),
                               flops_per_token=model_flops_per_token(cfg["model"], seq_len, model),
-                              peak_tflops=peak_tflops, ending=lambda _: stop_ending(stop).as_status())
+                              peak_tflops=peak_tflops)
     progress = ProgressLine(metrics, layout.W, min_interval_s=float(metrics_cfg.get("progress_interval_s", 1.0)))
     loggers = instantiate_loggers(spec)
     # bf16-mixed as a plugin that also clips a fused optimizer (Lightning's refuses: strategies/lightning/precision.py)

@@ -19,12 +19,13 @@
   against the device's peak).
 
 At the end rank 0 draws the last step's measured timeline (rows = ranks, like the paper's
-figures), writes ``results.json`` (its status from ``ending``: ok, or stopped by a signal) and only then hands the
-last rows and the summary to the loggers: a logger whose backend is gone (a signal reached W&B's service too) is
-one warning line (:mod:`pipeline_recipes.recipe.worker.background_logger`), never the job's end. Rank 0 also writes
-``results.json`` while training (status ``running``, at a reporting step at most every :data:`RUNNING_RESULTS_S`)
-and when a step raises (``failed``/``diverged``, no collective: a peer may be gone), so a job that ends badly keeps
-the losses it reached.
+figures), writes the summary into ``results.json`` and only then hands the last rows and the summary to the
+loggers: a logger whose backend is gone (a signal reached W&B's service too) is one warning line
+(:mod:`pipeline_recipes.recipe.worker.background_logger`), never the job's end. Rank 0 also writes ``results.json``
+while training (at a reporting step at most every :data:`RUNNING_RESULTS_S`) and when a step raises (no
+collective: a peer may be gone), so a job that ends badly keeps the losses it reached. Every write of rank 0 says
+``running``: the launcher writes the final ``results.json`` over it, from how the job ended
+(:class:`~pipeline_recipes.recipe.report.ending.JobEnd`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
-from pipeline_recipes.core.errors import TrainingDiverged
 from pipeline_recipes.core.layout import Layout
 from pipeline_recipes.strategies.lightning.strategy import PipelineStrategy, reporting_step
 from pipeline_recipes.strategies.runtime.collectives import wait_collective
@@ -65,10 +65,6 @@ def newest_checkpoint(trainer: pl.Trainer) -> str | None:
             return str(saved)
     resumed = getattr(trainer, "ckpt_path", None)
     return str(resumed) if resumed else None
-
-
-def ok_ending(trainer: pl.Trainer) -> tuple[str, str]:
-    return "ok", ""
 
 
 def samples_in(batch: dict[str, Any]) -> int:
@@ -229,11 +225,8 @@ class PipelineMetrics(Callback):
     """Loss history, measured bubble ratio, peak memory per rank, timeline picture and results.json."""
 
     def __init__(self, layout: Layout, out_dir: str | Path, throughput: ReplicaThroughputMonitor,
-                 warmup_steps: int = 1, flops_per_token: int | None = None, peak_tflops: float | None = None,
-                 ending: Callable[[pl.Trainer], tuple[str, str]] = ok_ending) -> None:
-        """``ending``: the run's ``(status, reason)`` once training ended without an exception."""
+                 warmup_steps: int = 1, flops_per_token: int | None = None, peak_tflops: float | None = None) -> None:
         self.layout, self.out_dir, self.throughput, self.warmup_steps = layout, Path(out_dir), throughput, warmup_steps
-        self.ending = ending
         self._running_written_at: float | None = None
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.utilisation = Utilisation(flops_per_token, layout.world_size)  # the peak is known once set up
@@ -305,13 +298,14 @@ class PipelineMetrics(Callback):
         if trainer.is_global_zero and (self._running_written_at is None
                                        or now - self._running_written_at >= RUNNING_RESULTS_S):
             self._running_written_at = now
-            self._write_partial(trainer, "running", "")
+            self._write_progress(trainer)
 
-    def _write_partial(self, trainer: pl.Trainer, status: str, reason: str) -> None:
-        """Rank 0's ``results.json`` of a run that has not ended well (or not yet): the layout and the histories
-        reached, no collective. A write that fails (a full disk) is left to the launcher to report."""
+    def _write_progress(self, trainer: pl.Trainer, **figures: Any) -> None:
+        """Rank 0's ``results.json`` while the job runs (status ``running``): the layout, the histories reached and
+        ``figures``, no collective. The launcher writes the final one over it, with how the job ended
+        (:mod:`pipeline_recipes.recipe.report.ending`); a write that fails (a full disk) is left to it to report."""
         try:
-            write_results(self.out_dir, status=status, reason=reason, **self.layout.result_fields(),
+            write_results(self.out_dir, status="running", reason="", **self.layout.result_fields(), **figures,
                           peak_memory_bytes=self.peak_memory, loss_history=self.loss_history,
                           lr_history=self.lr_history,
                           final_loss=self.loss_history[-1] if self.loss_history else None,
@@ -364,9 +358,7 @@ class PipelineMetrics(Callback):
         if engine is not None and not engine.config.is_async:
             pending, self._pending = self._pending, []
             self.loss_history.extend(float(loss.to("cpu", torch.float64).reshape(())) for loss, *_ in pending)
-        diverged = isinstance(exception, TrainingDiverged)
-        self._write_partial(trainer, "diverged" if diverged else "failed",
-                            f"rank {trainer.global_rank} raised {type(exception).__name__}: {exception}")
+        self._write_progress(trainer)
 
     def _record_loss(self, value: float, engine: Any, step: int | None = None) -> None:
         """One loss per optimizer step, in step order: an asynchronous schedule reports step t's loss
@@ -423,13 +415,7 @@ class PipelineMetrics(Callback):
             "tflops_per_device": self.utilisation.tflops_per_device(tokens_per_s),
             "mfu": self.utilisation.mfu(tokens_per_s),
         }
-        status, reason = self.ending(trainer)
-        write_results(
-            self.out_dir, status=status, reason=reason, **self.layout.result_fields(), **summary,
-            peak_memory_bytes=self.peak_memory, loss_history=self.loss_history, lr_history=self.lr_history,
-            final_loss=self.loss_history[-1] if self.loss_history else None,
-            global_step=trainer.global_step, last_checkpoint=newest_checkpoint(trainer),
-        )
+        self._write_progress(trainer, **summary)
         # then the loggers (results.json and the log needed none of them): the rows kept since the last reporting
         # step, the summary, the picture; a logger whose backend is gone says so once and the run's end stands
         self._write_rows(trainer)
