@@ -106,3 +106,27 @@ def split_batch(batch: Batch, parts: int) -> list[dict[str, Any]]:
         raise ValueError(f"a batch of {size} samples cannot be split into {parts} equal micro-batches")
     chunks = {k: v.chunk(parts) if isinstance(v, torch.Tensor) else [v] * parts for k, v in batch.items()}
     return [{k: chunks[k][i] for k in batch} for i in range(parts)]
+
+
+def loss_counts(model: PipelineModel, batch: Batch) -> dict[str, Tensor]:
+    """Per loss term, how many items (samples, tokens) of ``batch`` it averages over."""
+    counts = getattr(model, "loss_counts", None)
+    if counts is not None:
+        return {k: torch.as_tensor(v, dtype=torch.float64) for k, v in counts(batch).items()}
+    size = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
+    return {"samples": torch.tensor(float(size), dtype=torch.float64)}
+
+
+def micro_batch_loss(
+    model: PipelineModel, output: Tensor, batch: Batch, totals: Mapping[str, float | Tensor]
+) -> Tensor:
+    """This micro-batch's share of the mini-batch loss: per-term sums over mini-batch counts.
+
+    Models with several mean terms (BERT: MLM over masked tokens + NSP over samples) provide
+    ``loss_terms`` (per-term sums) and ``loss_counts``; others are weighted by sample count.
+    """
+    terms = getattr(model, "loss_terms", None)
+    if terms is not None:
+        return sum(value / totals[name] for name, value in terms(output, batch).items())
+    counts = loss_counts(model, batch)
+    return model.pipeline_loss(output, batch) * (float(counts["samples"]) / totals["samples"])

@@ -53,11 +53,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from pipeline_recipes.datamodules.synthetic import SyntheticBertDataset, SyntheticGPT2Dataset
 from pipeline_recipes.models import build_model, preset
 from pipeline_recipes.models.families import data_format
-from pipeline_recipes.strategies.runtime.executor import loss_counts, micro_batch_loss
-from pipeline_recipes.core.pipeline_model import call_layer, run_layers
+from pipeline_recipes.core.pipeline_model import call_layer, loss_counts, micro_batch_loss, run_layers
 from pipeline_recipes.strategies.runtime.recompute import SavedBytes, parameter_storages
 
-from .comm_profile import load_or_measure_comm
 from .costs import AlphaBeta, fit_line, quantile
 from .model_costs import CommCosts, LayerCosts, ModelCosts
 from .parallel import available_cores
@@ -684,5 +682,6 @@ def load_or_profile(model_cfg: Any, *, cache_dir: str | Path | None = None, refr
         return costs.with_comm(CommCosts(AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0)))
     if comm == "default":
         return costs.with_comm(CommCosts())
+    from .comm_profile import load_or_measure_comm  # local: spawns worlds (the runtime, torch._dynamo ≥1 s); the pre-flight never measures
 
     return costs.with_comm(load_or_measure_comm(root, desc, refresh=refresh, log=log))

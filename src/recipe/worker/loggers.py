@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline_recipes.recipe.worker.background_logger import BackgroundWandbLogger, quiet_wandb_info
 from pipeline_recipes.recipe.worker.job_spec import JobSpec
 from pipeline_recipes.recipe.check.logger import DRAIN_TIMEOUT, FROM_RUN, check_logger
 
@@ -70,8 +71,6 @@ def without_writer_keys(cfg: dict[str, Any]) -> dict[str, Any]:
         return cfg
     from hydra.utils import get_class
 
-    from pipeline_recipes.recipe.worker.background_logger import BackgroundWandbLogger  # local: Lightning loads in the workers only
-
     cls = get_class(cfg["_target_"])
     if isinstance(cls, type) and issubclass(cls, BackgroundWandbLogger):
         return cfg
@@ -90,8 +89,6 @@ def instantiate_loggers(spec: JobSpec) -> list[Logger]:
         return []
     from hydra.utils import instantiate
     from lightning.pytorch.loggers import WandbLogger
-
-    from pipeline_recipes.recipe.worker.background_logger import quiet_wandb_info  # local: Lightning loads in the workers only
 
     logger = instantiate(arguments)
     if isinstance(logger, WandbLogger):

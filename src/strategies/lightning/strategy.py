@@ -47,7 +47,7 @@ from pipeline_recipes.strategies import checkpoint as ckpt
 from pipeline_recipes.strategies.compute.compile import compile_blocks, repeated_blocks
 from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
 from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine, build_engine
-from pipeline_recipes.strategies.runtime.executor import loss_counts, micro_batch_loss
+from pipeline_recipes.core.pipeline_model import loss_counts, micro_batch_loss
 from pipeline_recipes.strategies.runtime.fetch_ahead import fetch_during_waits
 from pipeline_recipes.strategies.lightning.optim import OptimizerFactory, SchedulerFactory, build_scheduler, param_groups
 from pipeline_recipes.core.pipeline_model import Batch, run_layers, sequential_loss

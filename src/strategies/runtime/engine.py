@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
-from pipeline_recipes.strategies.runtime.executor import AsyncWindows, StageExecutor, StepRecord, loss_counts
+from pipeline_recipes.core.pipeline_model import loss_counts
+from pipeline_recipes.strategies.runtime.executor import AsyncWindows, StageExecutor, StepRecord
 from pipeline_recipes.strategies.runtime.grad_sync import GradientSynchronizer, launch_plan
 from pipeline_recipes.strategies.runtime.late_loss import LateLosses
 from pipeline_recipes.core.layout import Layout, LayoutMismatch

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline_recipes.strategies.runtime.p2p import Incoming, Outgoing, PipeComm
-from pipeline_recipes.core.pipeline_model import Batch, PipelineModel, run_layers
+from pipeline_recipes.core.pipeline_model import Batch, PipelineModel, micro_batch_loss, run_layers
 from pipeline_recipes.strategies.runtime.recompute import parameter_storages
 from pipeline_recipes.strategies.schedules import Action, Schedule, format_grid, simulate
 from pipeline_recipes.strategies.schedules.asynchronous import steady_step
@@ -53,30 +53,6 @@ def batch_signature(batch: Batch) -> tuple:
 
 def half_of(batch: Batch, half: int) -> dict:
     return {k: (v.chunk(2)[half] if isinstance(v, Tensor) else v) for k, v in batch.items()}
-
-
-def loss_counts(model: PipelineModel, batch: Batch) -> dict[str, Tensor]:
-    """Per loss term, how many items (samples, tokens) of ``batch`` it averages over."""
-    counts = getattr(model, "loss_counts", None)
-    if counts is not None:
-        return {k: torch.as_tensor(v, dtype=torch.float64) for k, v in counts(batch).items()}
-    size = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
-    return {"samples": torch.tensor(float(size), dtype=torch.float64)}
-
-
-def micro_batch_loss(
-    model: PipelineModel, output: Tensor, batch: Batch, totals: Mapping[str, float | Tensor]
-) -> Tensor:
-    """This micro-batch's share of the mini-batch loss: per-term sums over mini-batch counts.
-
-    Models with several mean terms (BERT: MLM over masked tokens + NSP over samples) provide
-    ``loss_terms`` (per-term sums) and ``loss_counts``; others are weighted by sample count.
-    """
-    terms = getattr(model, "loss_terms", None)
-    if terms is not None:
-        return sum(value / totals[name] for name, value in terms(output, batch).items())
-    counts = loss_counts(model, batch)
-    return model.pipeline_loss(output, batch) * (float(counts["samples"]) / totals["samples"])
 
 
 @dataclass
