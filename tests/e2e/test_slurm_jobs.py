@@ -279,8 +279,7 @@ def test_the_submitit_sweep_runs_on_a_cpu_partition_with_the_preset_as_shipped(s
                                                                                tmp_path: Path) -> None:
     """Three points through the preset's launcher; the third, cancelled with ``scancel`` once it runs, is recorded as
     stopped and the sweep ends with its summary (submitit's ``UncompletedJobError`` for the job without a result does
-    not end it). A point cancelled while pending is not tested here: sacct lists no such array task, and submitit
-    waits on it."""
+    not end it)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     cluster = slurm_clusters.get(nodes=1, accounting=True)
     sweep = subprocess.Popen([*TRAIN, "-m", "hydra/launcher=slurm", "hydra.launcher.timeout_min=10",
@@ -305,6 +304,35 @@ def test_the_submitit_sweep_runs_on_a_cpu_partition_with_the_preset_as_shipped(s
     assert results[0].loss_history == pytest.approx(results[1].loss_history, abs=1e-5)
     assert "error: sweep: 1 of 3 points did not train to the end (1 stopped)" in stdout + stderr
     assert "UncompletedJobError" not in stderr and "Bypassing sacct error" not in stderr
+
+
+def test_a_sweep_point_cancelled_while_pending_is_recorded_as_stopped(slurm_clusters,  # noqa: ANN001
+                                                                     tmp_path: Path) -> None:
+    """One point at a time (``array_parallelism=1``): the second, cancelled while it waits in the queue, never runs.
+    sacct lists no such array task, so submitit alone would wait for it forever; the sweep ends with the first
+    point's result, the second recorded as stopped, and its summary."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    cluster = slurm_clusters.get(nodes=1, accounting=True)
+    sweep = subprocess.Popen([*TRAIN, "-m", "hydra/launcher=slurm", "hydra.launcher.timeout_min=10",
+                              "hydra.launcher.array_parallelism=1", f"hydra.sweep.dir={tmp_path / 'sweep'}", *LAYOUT,
+                              "trainer.devices=2", "trainer.max_steps=2", "strategy=gpipe,dapple"],
+                             env=cluster.environ(_env()), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    deadline, cancelled = time.monotonic() + 240, None
+    while cancelled is None and time.monotonic() < deadline and sweep.poll() is None:
+        queue = cluster.run("squeue", "-h", "-r", "-o", "%i %T", check=False).stdout
+        cancelled = next((job for job, state in (line.split() for line in queue.splitlines())
+                          if job.endswith("_1") and state == "PENDING"), None)
+        time.sleep(0.2)
+    assert cancelled is not None, "the sweep's second point never waited in the queue"
+    cluster.run("scancel", cancelled)
+    stdout, stderr = sweep.communicate(timeout=400)
+    assert sweep.returncode == 1, stdout[-3000:] + stderr[-3000:]
+    results = [read_results(tmp_path / "sweep" / str(n)) for n in (0, 1)]
+    assert [r.status for r in results] == ["ok", "stopped"], [r.reason for r in results]
+    assert results[1].reason.startswith(f"cancelled by SLURM (scancel): job {cancelled}, state CANCELLED"), results[1]
+    assert "it wrote no results.json (it never started" in results[1].reason
+    assert "error: sweep: 1 of 2 points did not train to the end (1 stopped)" in stdout + stderr
 
 
 def test_the_cluster_tests_pass_inside_a_slurm_allocation(cluster: Cluster, tmp_path: Path) -> None:

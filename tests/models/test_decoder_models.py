@@ -364,6 +364,17 @@ def test_planner_estimates_decoder_memory_with_the_tied_head() -> None:
     assert sum(layer.params for layer in big.layers) == 1_235_814_400 + 128256 * 2048  # tied: in both layers
 
 
+@pytest.mark.parametrize("name, published", [("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)])
+def test_llama3_presets_have_the_published_parameter_counts(name: str, published: int) -> None:
+    """conf/model/llama3-8b.yaml and llama3-70b.yaml are Meta's shapes: their parameter counts are the published
+    ones (the checkpoints' safetensors index: total bf16 bytes / 2), counted on the meta device."""
+    from pipeline_recipes.models import hydra_config
+    from pipeline_recipes.planner.estimate import estimate_costs
+
+    costs = estimate_costs({**hydra_config(name), "seq_len": 16})
+    assert costs.tied == () and sum(layer.params for layer in costs.layers) == published
+
+
 def test_pretrained_hub_name_fetches_only_the_needed_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hub name: the index, then only the shards holding this rank's tensors (the download is faked by
     a local directory, so no network is used)."""

@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pipeline_recipes.core.node import NodeDevices
+from pipeline_recipes.models import build_model, hydra_config
 from pipeline_recipes.recipe.check.accelerator import resolve_accelerator
 from pipeline_recipes.recipe.launch.main import launch_workers, num_layers
 from pipeline_recipes.recipe.check.settings import ConfigError, resolve_layout
@@ -202,6 +203,15 @@ def test_multirun_sweep_runs_every_job_once_and_logs_offline(tmp_path: Path) -> 
         assert (Path(r.path).parent / "timeline.png").stat().st_size > 0
     # synchronous schedules are equivalent: the same losses, whatever the order of the actions
     assert ok[0].loss_history == pytest.approx(ok[1].loss_history, abs=1e-5)
+    # what each rank holds, against the unsplit model: GPipe's two stages hold it once, the tied embedding on both
+    # ends; Adam keeps two moments per parameter (and a step count per tensor)
+    model = build_model(hydra_config("gpt2-tiny"))
+    uses = [p.numel() * p.element_size() for _, p in model.named_parameters(remove_duplicate=False)]
+    gpipe = next(r for r in ok if r.strategy == "gpipe")
+    assert sum(gpipe.parameter_bytes) == sum(uses)  # every use: a tied weight's two ends are on two stages
+    for r in ok:
+        assert len(r.parameter_bytes) == len(r.optimizer_state_bytes) == 2
+        assert all(0 <= state - 2 * held <= 4096 for held, state in zip(r.parameter_bytes, r.optimizer_state_bytes))
 
     from pipeline_recipes.recipe.worker.wandb_offline import find_offline_runs
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,47 @@ except ImportError:
     PluginSlurmLauncher = None
 
 log = logging.getLogger(__name__)
+POLL_S = 2.0  # how often a point's job is looked up while the sweep waits for it
+RESULT_GRACE_S = 60.0  # a job that ran and left SLURM's queue may still be writing its result (a shared file system)
+
+
+def wait_listed(job: Any, poll_s: float = POLL_S, grace_s: float = RESULT_GRACE_S) -> str | None:
+    """Wait until submitit has the point's result, or until SLURM no longer lists the job and no result will come;
+    the job's last state then (``CANCELLED by 0``), else None. submitit alone reads a job's end from ``sacct``,
+    which lists no array task cancelled while it was pending (and there is no ``sacct`` without accounting): it
+    would wait for that job forever. A job that never started has no result to wait for; one that ran gets
+    ``grace_s`` for its result to appear."""
+    gone_at: float | None = None
+    while not job.done():
+        listed, started, state = slurm_job(str(job.job_id))
+        if listed:
+            gone_at = None
+        elif not started:
+            return state
+        else:
+            gone_at = gone_at if gone_at is not None else time.monotonic()
+            if time.monotonic() - gone_at > grace_s:
+                return state
+        time.sleep(poll_s)
+    return None
+
+
+def slurm_job(job_id: str) -> tuple[bool, bool, str]:
+    """Whether SLURM's queue lists the job, whether it started, and its state (``scontrol show job``, which knows an
+    ended job for ``MinJobAge``, 300 s by default). A job SLURM cannot be asked about counts as listed."""
+    try:
+        queue = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                               timeout=60)
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return True, True, "UNKNOWN"
+    fields = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
+    state = fields.get("JobState", "UNKNOWN")
+    if fields.get("Reason") not in (None, "None"):
+        state += f" ({fields['Reason']})"
+    listed = queue.returncode != 0 or bool(queue.stdout.strip()) or state.startswith(("PENDING", "RUNNING"))
+    started = fields.get("StartTime") not in (None, "Unknown", "None") and fields.get("RunTime") != "00:00:00"
+    return listed, started, state
 
 
 if PluginSlurmLauncher is not None:
@@ -58,18 +101,24 @@ if PluginSlurmLauncher is not None:
 
         def fetch(self, job: Any, overrides: list[str], job_num: int) -> JobReturn:
             """The point's result (its task 0's), or, for a job that produced none, a completed return whose
-            ``results.json`` says how it ended."""
+            ``results.json`` says how it ended. Waits while SLURM lists the job (:func:`wait_listed`)."""
+            ended = wait_listed(job)
+            if ended is not None:
+                return self.unfinished(job, overrides, job_num, ended)
             try:
                 return job.results()[0]
             except FailedJobError:
                 raise
             except UncompletedJobError:
-                job_dir = self.job_dir(overrides, job_num)
-                result = record_unfinished(job_dir, str(job.job_id), str(job.state))
-                point = " ".join(filter_overrides(overrides))
-                print(f"sweep point #{job_num} ({point}): {result.status}: {result.reason}", file=sys.stderr,
-                      flush=True)
-                return JobReturn(overrides=overrides, working_dir=str(job_dir), status=JobStatus.COMPLETED)
+                return self.unfinished(job, overrides, job_num, str(job.state))
+
+        def unfinished(self, job: Any, overrides: list[str], job_num: int, state: str) -> JobReturn:
+            """A point whose job ended without a result: recorded in its ``results.json`` and said on one line."""
+            job_dir = self.job_dir(overrides, job_num)
+            result = record_unfinished(job_dir, str(job.job_id), state)
+            point = " ".join(filter_overrides(overrides))
+            print(f"sweep point #{job_num} ({point}): {result.status}: {result.reason}", file=sys.stderr, flush=True)
+            return JobReturn(overrides=overrides, working_dir=str(job_dir), status=JobStatus.COMPLETED)
 
         def job_dir(self, overrides: list[str], job_num: int) -> Path:
             """The point's output directory, as the point composes it (``hydra.sweep.dir``/``hydra.sweep.subdir``)."""

@@ -16,7 +16,8 @@ Every job (one Hydra job; a multirun sweep puts them in ``<sweep_dir>/<job_num>/
   communication (:mod:`pipeline_recipes.recipe.worker.metrics`); the table says so under its rows (:data:`BUBBLE_NOTE`);
 - ``tflops_per_device`` (model FLOPs achieved per device, median) and ``mfu`` (that over the device's
   peak; null where the peak is unknown, e.g. on CPUs);
-- ``peak_memory_bytes`` (one int per rank), ``loss_history`` (loss per optimizer step), ``final_loss``,
+- ``peak_memory_bytes``, ``parameter_bytes`` (the parameters a rank holds) and ``optimizer_state_bytes`` (its
+  optimizer's state tensors), one int per rank each; ``loss_history`` (loss per optimizer step), ``final_loss``,
   ``lr_history`` (the learning rate of each optimizer step);
 - ``global_step`` (optimizer steps done, a resumed run's included) and ``last_checkpoint`` (the newest
   checkpoint this job wrote, or null): where a stopped or failed job resumes from.
@@ -57,6 +58,8 @@ RESULT_KEYS: tuple[str, ...] = (
     "tflops_per_device",
     "mfu",
     "peak_memory_bytes",
+    "parameter_bytes",
+    "optimizer_state_bytes",
     "loss_history",
     "final_loss",
     "lr_history",
@@ -64,7 +67,7 @@ RESULT_KEYS: tuple[str, ...] = (
     "last_checkpoint",
 )
 
-_LIST_KEYS = ("peak_memory_bytes", "loss_history", "lr_history")
+_LIST_KEYS = ("peak_memory_bytes", "parameter_bytes", "optimizer_state_bytes", "loss_history", "lr_history")
 _MIB = 1024 * 1024
 
 
@@ -89,6 +92,8 @@ class RunResult:
     tflops_per_device: float | None = None
     mfu: float | None = None
     peak_memory_bytes: tuple[int, ...] = ()
+    parameter_bytes: tuple[int, ...] = ()
+    optimizer_state_bytes: tuple[int, ...] = ()
     loss_history: tuple[float, ...] = ()
     final_loss: float | None = None
     lr_history: tuple[float, ...] = ()

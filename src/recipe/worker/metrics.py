@@ -75,6 +75,28 @@ def tokens_in(batch: dict[str, Any]) -> int:
     return int(batch["input_ids"].numel())
 
 
+def held_bytes(trainer: pl.Trainer | None) -> tuple[int, int]:
+    """The bytes of the parameters this rank holds (materialised: a pipeline rank's stages) and of its optimizers'
+    state tensors (Adam's moments, ...), each storage counted once."""
+    if trainer is None:
+        return 0, 0
+    seen: set[int] = set()
+
+    def size(tensors: Iterable[Any]) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+    module = trainer.lightning_module
+    parameters = size(module.parameters()) if module is not None else 0
+    state = size(value for optimizer in trainer.optimizers for entry in optimizer.state.values()
+                 for value in entry.values())
+    return parameters, state
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory a rank held: on a GPU what the caching allocator reserved (what must fit: tensors,
     fragmentation and cached blocks), on CPU the process's peak resident set."""
@@ -235,6 +257,8 @@ class PipelineMetrics(Callback):
         self._lr: float | None = None
         self.bubbles: list[float] = []
         self.peak_memory: list[int] = []
+        self.parameter_bytes: list[int] = []  # per rank: the parameters it holds, and its optimizer's state
+        self.optimizer_state_bytes: list[int] = []
         # (loss, step record, async loss step) of the steps since the last gather (:meth:`_collect`); the
         # records' timelines are read there, not every step (on a GPU reading one waits for the device)
         self._pending: list[tuple[torch.Tensor, Any, int | None]] = []
@@ -306,7 +330,8 @@ class PipelineMetrics(Callback):
         (:mod:`pipeline_recipes.recipe.report.ending`); a write that fails (a full disk) is left to it to report."""
         try:
             write_results(self.out_dir, status="running", reason="", **self.layout.result_fields(), **figures,
-                          peak_memory_bytes=self.peak_memory, loss_history=self.loss_history,
+                          peak_memory_bytes=self.peak_memory, parameter_bytes=self.parameter_bytes,
+                          optimizer_state_bytes=self.optimizer_state_bytes, loss_history=self.loss_history,
                           lr_history=self.lr_history,
                           final_loss=self.loss_history[-1] if self.loss_history else None,
                           global_step=trainer.global_step, last_checkpoint=newest_checkpoint(trainer))
@@ -332,8 +357,8 @@ class PipelineMetrics(Callback):
         pending, self._pending = self._pending, []
         losses = torch.stack([loss.to("cpu", torch.float64).reshape(()) for loss, *_ in pending])
         times = torch.tensor([busy_and_span(record) for _, record, _ in pending], dtype=torch.float64)
-        local = torch.cat([losses, times.flatten(), torch.tensor([float(peak_memory_bytes(self._device))],
-                                                               dtype=torch.float64)])
+        held = [float(peak_memory_bytes(self._device)), *map(float, held_bytes(self._trainer))]
+        local = torch.cat([losses, times.flatten(), torch.tensor(held, dtype=torch.float64)])
         gathered = _all_gather_rows(local.to(self._device)).cpu()
         k = len(pending)
         mean_losses = gathered[:, :k].mean(dim=0)
@@ -342,7 +367,9 @@ class PipelineMetrics(Callback):
             self._record_loss(float(mean_losses[i]), engine, step)
             if engine is not None and engine.last_record is not None and float(spans[:, i, 1].max()) > 0:
                 self.bubbles.append(bubble_ratio([(float(b), float(t)) for b, t in spans[:, i].tolist()]))
-        self.peak_memory = [int(m) for m in gathered[:, -1]]
+        self.peak_memory = [int(m) for m in gathered[:, -3]]
+        self.parameter_bytes = [int(m) for m in gathered[:, -2]]
+        self.optimizer_state_bytes = [int(m) for m in gathered[:, -1]]
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
