@@ -6,6 +6,8 @@ wrote no result (``tests/e2e/test_slurm_jobs.py`` runs a real sweep on a private
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +72,10 @@ class _Job:
     job_id: str
     state: str
     error: Exception | None = None
+    finished: bool = True  # submitit knows how it ended (its result, or sacct's state)
+
+    def done(self) -> bool:
+        return self.finished
 
     def results(self) -> list[JobReturn]:
         if self.error is not None:
@@ -104,3 +110,21 @@ def test_a_point_whose_function_raised_still_ends_the_sweep(tmp_path: Path, monk
         launcher.fetch(_Job("9", "FAILED", FailedJobError("Job (task=0) failed during processing")), [], 0)
     assert not (tmp_path / "0").exists()
 
+
+
+def test_a_job_slurm_no_longer_lists_ends_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """submitit never learns how a job cancelled while pending ended (sacct lists no such array task): the wait ends
+    once SLURM's queue no longer lists it, at once for a job that never started, after the grace for its result to
+    appear for one that ran; a job still listed is waited for."""
+    from hydra_plugins.pipeline_recipes_slurm import launcher as module
+
+    answers = iter([(True, False, "PENDING"), (False, False, "CANCELLED by 0")])
+    monkeypatch.setattr(module, "slurm_job", lambda job_id: next(answers))
+    pending = _Job("42_2", "UNKNOWN", finished=False)
+    assert module.wait_listed(pending, poll_s=0.0) == "CANCELLED by 0"
+    ran = iter([(False, True, "CANCELLED by 0")] * 1000)
+    monkeypatch.setattr(module, "slurm_job", lambda job_id: next(ran))
+    start = time.monotonic()
+    assert module.wait_listed(_Job("42_1", "UNKNOWN", finished=False), poll_s=0.01, grace_s=0.2) == "CANCELLED by 0"
+    assert time.monotonic() - start >= 0.2
+    assert module.wait_listed(_Job("42_0", "COMPLETED"), poll_s=0.0) is None  # submitit has its result

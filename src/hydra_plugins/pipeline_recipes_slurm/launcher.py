@@ -33,7 +33,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from omegaconf import OmegaConf, open_dict
 from typing_extensions import override
 
-from pipeline_recipes.recipe.report.sweep import record_unfinished
+from pipeline_recipes.recipe.report.sweep import CANCELLED, record_unfinished
 
 try:  # the optional plugin (pip install -e ".[slurm]"); Hydra scans this module on every run
     import submitit
@@ -71,20 +71,26 @@ def wait_listed(job: Any, poll_s: float = POLL_S, grace_s: float = RESULT_GRACE_
 
 def slurm_job(job_id: str) -> tuple[bool, bool, str]:
     """Whether SLURM's queue lists the job, whether it started, and its state (``scontrol show job``, which knows an
-    ended job for ``MinJobAge``, 300 s by default). A job SLURM cannot be asked about counts as listed."""
+    ended job for ``MinJobAge``, 300 s by default). An array task cancelled while pending is removed from its array
+    at once: SLURM knows it no more. A job SLURM cannot be asked about counts as listed."""
     try:
         queue = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
                                timeout=60)
         shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return True, True, "UNKNOWN"
+    if queue.returncode != 0 or queue.stdout.strip():
+        return True, True, queue.stdout.strip() or "UNKNOWN"
+    if shown.returncode != 0:  # "Job 42_2 not found"
+        if "_" in job_id:
+            return False, False, f"{CANCELLED} (an array task SLURM no longer knows: removed while pending)"
+        return False, True, "UNKNOWN (SLURM no longer knows the job)"
     fields = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
     state = fields.get("JobState", "UNKNOWN")
     if fields.get("Reason") not in (None, "None"):
         state += f" ({fields['Reason']})"
-    listed = queue.returncode != 0 or bool(queue.stdout.strip()) or state.startswith(("PENDING", "RUNNING"))
     started = fields.get("StartTime") not in (None, "Unknown", "None") and fields.get("RunTime") != "00:00:00"
-    return listed, started, state
+    return state.startswith(("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")), started, state
 
 
 if PluginSlurmLauncher is not None:
