@@ -90,9 +90,10 @@ def held_bytes(trainer: pl.Trainer | None) -> tuple[int, int]:
                 total += t.numel() * t.element_size()
         return total
 
-    module = trainer.lightning_module
+    module = getattr(trainer, "lightning_module", None)  # a test's stand-in trainer may have neither
     parameters = size(module.parameters()) if module is not None else 0
-    state = size(value for optimizer in trainer.optimizers for entry in optimizer.state.values()
+    optimizers = getattr(trainer, "optimizers", [])
+    state = size(value for optimizer in optimizers for entry in getattr(optimizer, "state", {}).values()
                  for value in entry.values())
     return parameters, state
 
