@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline_recipes.core import signals
 from pipeline_recipes.recipe.check.command_line import unwritable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +134,8 @@ def _refusal(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int | No
     with which :func:`~pipeline_recipes.recipe.check.command_line.run_app` refuses it, and stderr."""
     monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *argv])
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # run_app sets it: restored after the test
-    # train.py's first line records stop signals: the handlers are restored after
+    # train.py's first line records stop signals (install_early): its record and the handlers are this test's only
+    monkeypatch.setattr(signals, "_EARLY", [])
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)}
     err = io.StringIO()
     try:

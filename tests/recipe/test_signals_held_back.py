@@ -8,6 +8,9 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+from pipeline_recipes.core import signals
 from pipeline_recipes.core.signals import SignalRecord, early_signal, held_back, install_early
 
 CHILD = """
@@ -35,8 +38,9 @@ def test_without_holding_back_the_same_signal_kills_the_child() -> None:  # the 
     assert child.returncode == -signal.SIGTERM
 
 
-def test_the_early_record_hands_its_signal_to_the_launchers_record_once() -> None:
+def test_the_early_record_hands_its_signal_to_the_launchers_record_once(monkeypatch: pytest.MonkeyPatch) -> None:
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    monkeypatch.setattr(signals, "_EARLY", [])  # a record left by another test in this process would be kept
     try:
         install_early()
         os.kill(os.getpid(), signal.SIGUSR1)  # handled before kill returns (the main thread signals itself)
