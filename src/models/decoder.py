@@ -179,21 +179,13 @@ def build_decoder(
     seq_len: int = 2048,
     *,
     family: str = "llama",
-    attn_implementation: str = "sdpa",
-    embedding_cost: float = 0.0,
-    head_cost: float = 0.0,
-    init_seed: int | None = None,
-    device: str | torch.device | None = None,
-    pretrained: str | None = None,
-    data_family: str | None = None,
-    loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
-    **config: Any,
+    **settings: Any,
 ) -> DecoderPipelineModel:
     """Hydra target of ``conf/model/{llama,qwen2}*.yaml``: ``<Family>Config(**config)`` ->
     ``DecoderPipelineModel``.
 
-    ``family``: a decoder family of :data:`~pipeline_recipes.models.families.FAMILIES` (the HF ``model_type``); ``config`` holds
-    fields of its config class (``num_hidden_layers``, ``num_key_value_heads``, ``rope_parameters``, ...).
+    ``family``: a decoder family of :data:`~pipeline_recipes.models.families.FAMILIES` (the HF ``model_type``);
+    ``settings``: :func:`build_decoder_as`'s keyword arguments, the rest being fields of its config class (``num_hidden_layers``, ``num_key_value_heads``, ``rope_parameters``, ...).
     ``pretrained``: a hub name or local directory whose ``config.json`` gives the architecture (the
     fields given here must agree with it, see :func:`~pipeline_recipes.models.pretrained.checkpoint_config`) and whose
     weights replace the initialisation, layer by layer as each rank materialises its own.
@@ -204,10 +196,7 @@ def build_decoder(
     ``device`` and ``init_seed`` as in :func:`~pipeline_recipes.models.gpt2.build_gpt2`.
     """
     family_classes(family)
-    return build_decoder_as(DecoderPipelineModel, name, seq_len, family=family,
-                            attn_implementation=attn_implementation, embedding_cost=embedding_cost,
-                            head_cost=head_cost, init_seed=init_seed, device=device, pretrained=pretrained,
-                            data_family=data_family, loss_chunk_tokens=loss_chunk_tokens, **config)
+    return build_decoder_as(DecoderPipelineModel, name, seq_len, family=family, **settings)
 
 
 def build_decoder_as(
