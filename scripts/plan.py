@@ -14,7 +14,7 @@ from the description (intra- vs inter-node links, its all-reduce algorithm).
 Positional arguments are ``train.py``'s Hydra overrides (same ``conf/``); options:
 
 * ``--json FILE``: write every candidate as ``{"strategy", "W", "D", "B", "N", "pipelines", "concat",
-  "recompute", "predicted_iteration_s", "predicted_peak_bytes_per_rank", "fits"}``, best first;
+  "recompute", "shard_optimizer", "predicted_iteration_s", "predicted_peak_bytes_per_rank", "fits"}``, best first;
 * ``--cache DIR``: profile cache (default ``~/.cache/pipeline-recipes/planner``); ``--refresh`` re-profiles;
 * ``--profile-batches 1,2``, ``--reps 5``, ``--profile-seconds 30``: profiling micro-batch sizes, the most
   timed repetitions per layer and size, and their time budget (at least 1 repetition runs); identical
@@ -24,8 +24,11 @@ Positional arguments are ``train.py``'s Hydra overrides (same ``conf/``); option
 * ``--partition runtime|time|memory``: the split used for predictions (``runtime``: what train.py runs; for a
   described cluster ``runtime`` or ``time``, whose ``best_per_schedule`` rows give the split as ``split_overrides``);
 * ``--schedules``, ``--recompute``, ``--grad-sync``, ``--top``: the search space and the table length;
+* ``--shard-optimizer false,true``: the ``strategy.shard_optimizer`` choices compared (default both; sharded only
+  where some stage has copies, ZeRO stage 1 across them: docs/planner.md, "Sharded optimizer state");
 * ``--compare``: the best layout of every schedule (W, D, B, recomputation, samples/s, step time, bubble, unhidden
-  all-reduce time, peak memory); with ``--json`` the file is ``{"cluster", "best_per_schedule": {name: {...}}, "rows"}``.
+  gradient sync time, exposed parameter all-gather, peak memory, variant: e.g. ``shard_optim``); with ``--json`` the
+  file is ``{"cluster", "best_per_schedule": {name: {...}}, "rows"}`` (each with ``shard_optimizer``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedules", help="comma-separated schedules of the registry (default: every synchronous one)")
     p.add_argument("--recompute", default="none,always")
     p.add_argument("--grad-sync", default="end", choices=("end", "eager", "eager_opt"))
+    p.add_argument("--shard-optimizer", default="false,true",
+                   help="strategy.shard_optimizer choices to compare: false, true or false,true")
     p.add_argument("--top", type=int, default=15, help="rows of the table (0: all)")
     p.add_argument("--compare", action="store_true", help="the best layout of every schedule")
     return p
@@ -76,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1 or args.profile_seconds < 0:
         _parser().error(f"--reps must be at least 1 and --profile-seconds at least 0 (0: no budget), "
                         f"got {args.reps} and {args.profile_seconds}")
+    args.shard_choices = _shard_choices(args.shard_optimizer)
     from omegaconf import OmegaConf
 
     from pipeline_recipes.core.node import GPU_NAMES
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = plan_all(costs, devices, global_batch, budget, ranks_per_node=per_node,
                      schedules=[s for s in args.schedules.split(",") if s] if args.schedules else None,
                      recompute=[r for r in args.recompute.split(",") if r], grad_sync=args.grad_sync,
-                     partition=args.partition)
+                     partition=args.partition, shard_optimizer=args.shard_choices)
     c = costs.comm
     print(f"model {costs.model}: {costs.num_layers} pipeline layers on {costs.device}; p2p α={c.p2p.alpha * 1e6:.0f} µs "
           f"β={c.p2p.beta * 1e9:.3f} s/GB, all-reduce α={c.allreduce.alpha * 1e6:.0f} µs β={c.allreduce.beta * 1e9:.3f} s/GB"
@@ -175,7 +181,7 @@ def _plan_cluster(cfg, spec, args) -> int:
     requested = [s for s in args.schedules.split(",") if s] if args.schedules else every
     plans = best_plans(costs, devices, global_batch, budget, ranks_per_node=spec.devices_per_node, schedules=requested,
                        recompute=[r for r in args.recompute.split(",") if r], grad_sync=args.grad_sync,
-                       partition=args.partition)
+                       partition=args.partition, shard_optimizer=args.shard_choices)
     print(f"cluster {spec.name}: {devices} x {spec.device} ({spec.nodes(devices)} nodes of {spec.devices_per_node}), "
           f"all-reduce {spec.allreduce}; model {costs.model}, {costs.num_layers} pipeline layers, precision {precision}")
     print(f"NOTE: {costs.meta['derived']}")
@@ -190,7 +196,8 @@ def _plan_cluster(cfg, spec, args) -> int:
         for plan in plans:  # best_plans: one plan per schedule
             best[plan.candidate.strategy]["split_overrides"] = partition_overrides(plan.partition, weights)
     for name in [n for n in (requested or names()) if n not in best]:  # e.g. dualpipev needs N >= 2D
-        best[name] = {"W": None, "D": None, "B": None, "recompute": None, "samples_per_s": None, "peak_bytes": None,
+        best[name] = {"W": None, "D": None, "B": None, "recompute": None, "shard_optimizer": None,
+                      "samples_per_s": None, "peak_bytes": None,
                       "no_layout": f"no layout of {devices} devices for global batch {global_batch} passes {name}'s "
                                    "rules (python scripts/schedule.py explains them)"}
     if args.compare:
@@ -206,16 +213,33 @@ def _plan_cluster(cfg, spec, args) -> int:
     return 0 if plans and plans[0].fits else 1
 
 
+def _shard_choices(text: str) -> tuple[bool, ...]:
+    """``--shard-optimizer``: ``false``, ``true`` or both, comma-separated."""
+    values = {"false": False, "true": True}
+    words = [w.strip().lower() for w in text.split(",") if w.strip()]
+    if not words or any(w not in values for w in words):
+        _parser().error(f"--shard-optimizer takes false, true or false,true, got {text!r}")
+    return tuple(dict.fromkeys(values[w] for w in words))
+
+
+def _variant(row: dict) -> str:
+    """What the layout sets beyond the schedule's defaults (its label after the schedule's name), e.g.
+    ``forward_doubling+shard_optim``; ``-`` for none."""
+    label = row.get("label") or ""
+    return label.split("+", 1)[1] if "+" in label else "-"
+
+
 def _format_compare(best: dict) -> str:
     lines = [f"{'schedule':<22} {'W':>5} {'D':>3} {'B':>3} {'recompute':>9} {'samples/s':>10} {'step s':>8} "
-             f"{'bubble':>6} {'all-red s':>9} {'peak GiB':>8} fits"]
+             f"{'bubble':>6} {'all-red s':>9} {'gather s':>8} {'peak GiB':>8} fits variant"]
     for name, row in sorted(best.items(), key=lambda kv: -(kv[1]["samples_per_s"] or 0.0)):
         if row["samples_per_s"] is None:
             lines.append(f"{name:<22} {row['no_layout']}")
             continue
         lines.append(f"{name:<22} {row['W']:>5} {row['D']:>3} {row['B']:>3} {row['recompute']:>9} "
                      f"{row['samples_per_s']:>10.2f} {row['step_s']:>8.3f} {row['bubble']:>6.1%} "
-                     f"{row['allreduce_s']:>9.3f} {row['peak_bytes'] / 2**30:>8.2f} {'yes' if row['fits'] else 'NO'}")
+                     f"{row['allreduce_s']:>9.3f} {row['gather_s']:>8.3f} {row['peak_bytes'] / 2**30:>8.2f} "
+                     f"{'yes ' if row['fits'] else 'NO  '} {_variant(row)}")
     return "\n".join(lines)
 
 

@@ -49,6 +49,7 @@ class Layout:
     recompute: str | None = None  # strategy.recompute (GPipe §2.3); None: a baseline, which has none
     placement: tuple[tuple[int, ...], ...] = ()  # [pipeline][stage] → worker of the validated schedule; (): baseline
     precision: str | None = None  # trainer.precision as the launcher resolved it
+    shard_optimizer: bool = False  # strategy.shard_optimizer: optimizer state sharded across a stage's copies
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Layout:
@@ -105,4 +106,6 @@ class Layout:
             + (f"; {self.pipelines} pipelines" if self.pipelines > 1 else "")
             + (f"; concat=auto → {self.concat}" if self.concat_auto else "")
             + ("; CUDA graphs per micro-batch slot (strategy.cuda_graphs=true)" if self.cuda_graphs else "")
+            + ("; optimizer state sharded across each stage's copies (strategy.shard_optimizer=true)"
+               if self.shard_optimizer else "")
         )

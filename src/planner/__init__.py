@@ -11,7 +11,8 @@ prediction and partition recommendation, for this repository's schedules and run
 
 Modules: :mod:`.costs` (formulas), :mod:`.model_costs` (the data), :mod:`.profile` / :mod:`.comm_profile`
 (measurements), :mod:`.estimate` (fake-tensor estimate), :mod:`.predict` (time), :mod:`.memory`
-(memory, budgets), :mod:`.partition_search`, :mod:`.recommend`, :mod:`.preflight`.
+(memory, budgets), :mod:`.sharding` (a sharded optimizer state's memory and collectives), :mod:`.partition_search`,
+:mod:`.recommend`, :mod:`.preflight`.
 Names are imported lazily, so ``pipeline_recipes.planner.costs`` stays pure Python.
 """
 

@@ -20,6 +20,9 @@ count, :func:`worker_peak` walks the worker's actions in schedule order, as the 
 * with ``strategy.cuda_graphs`` every stage adds one graph pool per micro-batch it holds at once
   (:func:`pipeline_recipes.strategies.schedules.slots_needed`) of
   :meth:`~pipeline_recipes.planner.model_costs.ModelCosts.graph_slot_bytes`, on top of the walk's peak;
+* with ``strategy.shard_optimizer`` (ZeRO stage 1 over each stage's copies, :mod:`pipeline_recipes.planner.sharding`)
+  AdamW's moments of each gradient bucket are ``1/G`` of the bucket's, ``G`` the ranks holding a copy of it; the
+  weights and gradients stay whole;
 * where a stage has copies on other ranks, its gradients are views of its all-reduce bucket's flat
   buffer (:mod:`pipeline_recipes.strategies.runtime.grad_sync`), allocated once and kept across steps, so they count from
   the start and the all-reduce (at the end or eager) needs no buffer of its own; elsewhere they
@@ -32,7 +35,7 @@ With equal per-micro-batch bytes the activation part is ``bytes × peak in-fligh
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import psutil
@@ -48,6 +51,7 @@ from pipeline_recipes.strategies.schedules.messages import receiving_stage
 from .costs import format_bytes
 from .model_costs import ADAMW_STATES, ModelCosts
 from .predict import Candidate, partition_for
+from .sharding import optimizer_bytes, worker_buckets
 
 
 @lru_cache(maxsize=512)
@@ -132,7 +136,8 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     if get_spec(cand.strategy).asynchronous:
         stashed = _stashed_versions(cand.strategy, D, cand.N)
         versions = 2 * params * max(stashed[s] for s in stages)
-    states = params * (1 + ADAMW_STATES) + versions  # weights, AdamW moments; gradients appear on first backward
+    optimizer = optimizer_state(costs, cand, schedule, worker, ranges)
+    states = params + optimizer + versions  # weights, AdamW moments; gradients appear on first backward
     recompute = cand.recompute_stages()
     halved = {a.mb for acts in schedule.workers for a in acts if a.half is not None}
     casts = float(costs.cast_bytes(layers))  # made by the step's first forward, kept until its last backward
@@ -191,23 +196,57 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
             retained += sent
     live -= retained  # the messenger's flush at the end of the step
     peak = max(peak, live)
-    held = params * (2 + ADAMW_STATES) + versions
+    held = 2 * params + optimizer + versions
     pools = 0.0
     if cand.cuda_graphs:  # beside the walk: the eager allocator cannot use a graph's private pool
         pools = sum(count * costs.graph_slot_bytes(ranges[s], B) for s, count in slots_needed(schedule, worker).items())
     return WorkerMemory(peak + pools, held, peak - held - casts, casts, pools)
 
 
+def optimizer_state(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: int,
+                    ranges: Mapping[int, range]) -> float:
+    """AdamW's two moments on ``worker``: ``ADAMW_STATES`` bytes per weight byte it holds, or with
+    ``strategy.shard_optimizer`` each bucket's over its group of ``G`` copies (:mod:`.sharding`)."""
+    if not cand.shard_optimizer:
+        layers = {i for s in schedule.stages_of(worker) for i in ranges[s]}
+        return ADAMW_STATES * _grad_bytes(costs, layers)
+    return optimizer_bytes(worker_buckets(costs, cand.W, schedule, worker, ranges), True)
+
+
 def predict_memory(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,
                    keep_sends: bool | None = None, receive_ahead: bool = True) -> MemoryPrediction:
-    """Peak bytes of every worker of one replica; ``keep_sends`` defaults to gloo on CPU."""
-    partition = partition_for(costs, cand.S, partition)
+    """Peak bytes of every worker of one replica; ``keep_sends`` defaults to gloo on CPU. A sharded optimizer state
+    is constant through the step, so a sharded layout's walk is its unsharded twin's (walked once for both), every
+    worker lower by the optimizer state it no longer holds (:func:`worker_peak` walks it directly)."""
+    partition = tuple(partition_for(costs, cand.S, partition))
     if keep_sends is None:
         keep_sends = not costs.device.startswith("cuda")
+    if not cand.shard_optimizer:
+        return _predicted(costs, cand, partition, keep_sends, receive_ahead)
+    whole = _predicted(costs, cand.replace(shard_optimizer=False), partition, keep_sends, receive_ahead)
+    return _without_sharded_state(costs, cand, whole, partition)
+
+
+@lru_cache(maxsize=16)  # a sharded twin is predicted right after its layout (candidates() lists them so)
+def _predicted(costs: ModelCosts, cand: Candidate, partition: tuple[range, ...], keep_sends: bool,
+               receive_ahead: bool) -> MemoryPrediction:
+    """Every worker's :func:`worker_peak` of ``cand`` on ``partition``, once per layout."""
     schedule = cand.schedule()
     workers = tuple(worker_peak(costs, cand, schedule, w, partition, keep_sends=keep_sends, receive_ahead=receive_ahead)
                     for w in range(cand.D))
     return MemoryPrediction(workers, cand.W)
+
+
+def _without_sharded_state(costs: ModelCosts, cand: Candidate, whole: MemoryPrediction,
+                           partition: Sequence[range]) -> MemoryPrediction:
+    """``whole`` (the unsharded twin's prediction) with each worker's optimizer state sharded as ``cand`` shards it."""
+    schedule, ranges = cand.schedule(), dict(enumerate(partition))
+    workers = []
+    for w, mem in enumerate(whole.workers):
+        layers = {i for s in schedule.stages_of(w) for i in ranges[s]}
+        saved = ADAMW_STATES * _grad_bytes(costs, layers) - optimizer_state(costs, cand, schedule, w, ranges)
+        workers.append(replace(mem, peak=mem.peak - saved, states=mem.states - saved))
+    return MemoryPrediction(tuple(workers), whole.W)
 
 
 @dataclass(frozen=True)

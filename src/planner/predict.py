@@ -16,6 +16,11 @@ workers will execute through :func:`pipeline_recipes.strategies.schedules.simula
   §3.2); :func:`pipeline_recipes.planner.costs.sync_timeline` gives the part not hidden behind computation. With
   ``end``, buckets copied on the same workers are one fused all-reduce, as the runtime runs them
   (:class:`pipeline_recipes.strategies.runtime.grad_sync.GradientSynchronizer`).
+* Sharded optimizer state (``strategy.shard_optimizer``, ZeRO stage 1 over each stage's copies,
+  :mod:`pipeline_recipes.planner.sharding`): on NCCL the gradient is reduce-scattered (half an all-reduce, launched
+  and overlapped as the all-reduce was), each worker steps ``1/G`` of its buckets, and the parameters are
+  all-gathered (the other half) after the step, exposed; on gloo both are all-reduces. The schedule's simulation
+  is shared with the unsharded twin (:func:`_simulated`).
 * Asynchronous schedules (PipeDream-2BW, PipeDream) never flush: one iteration is the steady-state
   window, measured as the makespan added by one more step of the no-flush stream.
 * CPU ranks that outnumber the cores share them: the simulated compute is stretched to at least the
@@ -46,8 +51,10 @@ from pipeline_recipes.strategies.schedules.rules import DEFAULT_GRAD_SYNC, DEFAU
 
 from .costs import Collective, rabenseifner, sync_timeline
 from .model_costs import ModelCosts
+from .sharding import optimizer_share, stage_members, worker_buckets
 
 RECOMPUTE = (DEFAULT_RECOMPUTE, "always")  # the recomputation choices the planner compares
+SHARDING = (False, True)  # strategy.shard_optimizer choices the planner compares (where the rule allows sharding)
 
 
 @dataclass(frozen=True)
@@ -60,17 +67,18 @@ class Candidate:
     @classmethod
     def of(cls, strategy: str, W: int, D: int, B: int, N: int, pipelines: int = 1, concat: str = "direct",
            recompute: str = DEFAULT_RECOMPUTE, grad_sync: str = DEFAULT_GRAD_SYNC, chunks: int | None = None,
-           cuda_graphs: bool = False) -> Candidate:
+           cuda_graphs: bool = False, shard_optimizer: bool = False) -> Candidate:
         """The candidate of these sizes and settings, as given (:func:`~pipeline_recipes.strategies.schedules.layout_of`;
         :func:`candidates` enumerates those the rules accept)."""
         return cls(layout_of(get_spec(strategy), W, D, B, N, pipelines, concat, chunks=chunks, grad_sync=grad_sync,
-                             recompute=recompute, cuda_graphs=cuda_graphs))
+                             recompute=recompute, cuda_graphs=cuda_graphs, shard_optimizer=shard_optimizer))
 
     def replace(self, **changes: object) -> Candidate:
         """This candidate with some of :meth:`of`'s settings changed."""
         settings = {"strategy": self.strategy, "W": self.W, "D": self.D, "B": self.B, "N": self.N,
                     "pipelines": self.pipelines, "concat": self.concat, "recompute": self.recompute,
-                    "grad_sync": self.grad_sync, "chunks": self.chunks, "cuda_graphs": self.cuda_graphs}
+                    "grad_sync": self.grad_sync, "chunks": self.chunks, "cuda_graphs": self.cuda_graphs,
+                    "shard_optimizer": self.shard_optimizer}
         return Candidate.of(**{**settings, **changes})  # type: ignore[arg-type]
 
     @property
@@ -120,6 +128,11 @@ class Candidate:
         return self.layout.cuda_graphs
 
     @property
+    def shard_optimizer(self) -> bool:
+        """strategy.shard_optimizer: AdamW's state split across each stage's copies (:mod:`.sharding`)."""
+        return self.layout.shard_optimizer
+
+    @property
     def world_size(self) -> int:
         return self.layout.world_size
 
@@ -162,7 +175,7 @@ class Candidate:
         """Hydra overrides of ``train.py`` that select this layout."""
         out = [f"strategy={self.strategy}", f"strategy.D={self.D}", f"strategy.W={self.W}",
                f"strategy.micro_batch_size={self.B}", f"strategy.recompute={self.recompute}",
-               f"strategy.grad_sync={self.grad_sync}"]
+               f"strategy.grad_sync={self.grad_sync}", f"strategy.shard_optimizer={str(self.shard_optimizer).lower()}"]
         spec = get_spec(self.strategy)
         if spec.pipelines.choices is not None:
             out.append(f"strategy.pipelines={self.pipelines}")
@@ -185,6 +198,8 @@ class Candidate:
             extra.append(f"recompute_{self.recompute}")
         if self.grad_sync != "end":
             extra.append(f"sync_{self.grad_sync}")
+        if self.shard_optimizer:
+            extra.append("shard_optim")
         return "+".join([self.strategy, *extra])
 
 
@@ -214,13 +229,16 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def candidates(devices: int, global_batch_size: int, num_layers: int, *,
                schedules: Sequence[str] | None = None, recompute: Sequence[str] = RECOMPUTE,
-               grad_sync: str = DEFAULT_GRAD_SYNC, max_micro_batches: int = 1024) -> list[Candidate]:
+               grad_sync: str = DEFAULT_GRAD_SYNC, max_micro_batches: int = 1024,
+               shard_optimizer: Sequence[bool] = SHARDING) -> list[Candidate]:
     """Every layout of ``devices`` processes for this global batch (the planner's search space).
 
     W·D = devices; B a power of two with W·B dividing B̂; every schedule of ``schedules`` (default:
     :func:`default_schedules`) with each of its registry variants (Chimera: 2f pipelines for every
-    divisor f of D/2 and each concatenation method of §3.5 that ``strategy.concat=auto`` compares) and
-    recomputation none / always, wherever the schedule's layout rules allow it.
+    divisor f of D/2 and each concatenation method of §3.5 that ``strategy.concat=auto`` compares),
+    recomputation none / always and the optimizer state whole / sharded across each stage's copies
+    (``shard_optimizer``; sharded right after whole, only where some stage has copies), wherever the
+    schedule's layout rules allow it.
     """
     if devices < 1 or global_batch_size < 1:
         raise ValueError(f"devices and global_batch_size must be positive, got {devices}, {global_batch_size}")
@@ -242,26 +260,29 @@ def candidates(devices: int, global_batch_size: int, num_layers: int, *,
                 if D == 1 and name != DEFAULT_SCHEDULE:
                     continue  # one stage: every schedule is plain gradient accumulation
                 out += _layouts_of(get_spec(name), devices, D, B, N, global_batch_size, num_layers, recompute,
-                                   grad_sync)
+                                   grad_sync, shard_optimizer)
     return out
 
 
 def _layouts_of(spec: ScheduleSpec, devices: int, D: int, B: int, N: int, global_batch_size: int, num_layers: int,
-                recompute: Sequence[str], grad_sync: str) -> list[Candidate]:
-    """The candidates of one schedule at D and B (N micro-batches): each of its registry variants and chunk choices
-    and each recomputation mode, as :func:`~pipeline_recipes.strategies.schedules.derive_layout` derives and checks
-    them (the arithmetic and the rules; the schedules are built only for the candidates predicted)."""
+                recompute: Sequence[str], grad_sync: str, shard_optimizer: Sequence[bool] = (False,)
+                ) -> list[Candidate]:
+    """The candidates of one schedule at D and B (N micro-batches): each of its registry variants and chunk choices,
+    each recomputation mode and each ``shard_optimizer`` choice, as
+    :func:`~pipeline_recipes.strategies.schedules.derive_layout` derives and checks them (the arithmetic and the
+    rules; the schedules are built only for the candidates predicted)."""
     out = []
     for pipes, concat in spec.planner_variants(D, N, B):
         for v in CHUNK_CHOICES if spec.chunks.choosable else (None,):
             for mode in recompute:
-                try:
-                    layout = derive_layout(spec, devices, D, global_batch_size, B=B, pipelines=pipes, concat=concat,
-                                           chunks=v, grad_sync=grad_sync, recompute=mode, num_layers=num_layers,
-                                           validate=False)
-                except LayoutRefusal:
-                    continue
-                out.append(Candidate(layout))
+                for shard in shard_optimizer:
+                    try:
+                        layout = derive_layout(spec, devices, D, global_batch_size, B=B, pipelines=pipes,
+                                               concat=concat, chunks=v, grad_sync=grad_sync, recompute=mode,
+                                               num_layers=num_layers, shard_optimizer=shard, validate=False)
+                    except LayoutRefusal:
+                        continue
+                    out.append(Candidate(layout))
     return out
 
 
@@ -281,13 +302,14 @@ def partition_for(costs: ModelCosts, S: int, partition: Sequence[range] | None =
 class TimePrediction:
     iteration_s: float
     compute_s: float  # simulated pipeline (after core sharing)
-    sync_s: float  # gradient all-reduce time not hidden behind computation
+    sync_s: float  # gradient all-reduce (reduce-scatter, sharded on NCCL) time not hidden behind computation
     optimizer_s: float
     step_s: float  # the runtime's fixed cost per step
     bubble_ratio: float
     t_f: tuple[float, ...] = field(default=())
     t_b: tuple[float, ...] = field(default=())
     t_comm: float = 0.0
+    gather_s: float = 0.0  # strategy.shard_optimizer: the parameter all-gather after the optimizer step (exposed)
 
 
 def stage_costs(costs: ModelCosts, cand: Candidate, partition: Sequence[range]) -> tuple[list[float], list[float], float]:
@@ -321,14 +343,27 @@ def _last_backward_end(timeline: Sequence, stage: int) -> float:
     return max((t.end for t in timeline if t.action.completes_weight_gradient and t.action.stage == stage), default=0.0)
 
 
-def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,
-                 cores: int | None = None) -> TimePrediction:
-    """Predicted seconds of one training iteration (forward, backward, gradient sync, AdamW step).
-    ``concat=auto`` is predicted as the runtime resolves it (:meth:`Candidate.resolved`)."""
-    partition = partition_for(costs, cand.S, partition)
-    cand = cand.resolved()
+@dataclass(frozen=True)
+class _Simulated:
+    """The computation of one layout, before any collective: what a sharded optimizer state does not change
+    (so a layout and its sharded twin are simulated once, :func:`_simulated`)."""
+
+    schedule: Schedule
+    timeline: Sequence
+    compute_end: tuple[float, ...]  # per worker, stretched by core sharing
+    stretch: float
+    makespan: float
+    bubble: float
+    t_f: tuple[float, ...]
+    t_b: tuple[float, ...]
+    t_comm: float
+
+
+@lru_cache(maxsize=8)  # a sharded twin is predicted right after its layout (candidates() lists them so)
+def _simulated(costs: ModelCosts, cand: Candidate, partition: tuple[range, ...], cores: int) -> _Simulated:
+    """Simulate ``cand``'s schedule with its stage costs (module docstring); cached by layout, the optimizer sharding
+    aside (the caller passes the unsharded twin)."""
     t_f, t_b, t_comm = stage_costs(costs, cand, partition)
-    cores = costs.cores if cores is None else cores
     if get_spec(cand.strategy).asynchronous:
         schedule, makespan, busy = _steady_window(cand, t_f, t_b, t_comm)
         timeline: Sequence = [()] * cand.D
@@ -342,23 +377,91 @@ def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] 
     stretch = 1.0
     if cores and cand.world_size > cores and makespan > 0:  # never faster than the cores allow
         stretch = max(1.0, cand.W * sum(busy) / cores / makespan)
-    compute_end = [end * stretch for end in ends]
-    collectives = _collectives(costs, cand, partition, schedule, timeline, compute_end, stretch)
+    return _Simulated(schedule, timeline, tuple(end * stretch for end in ends), stretch, makespan, bubble,
+                      tuple(t_f), tuple(t_b), t_comm)
+
+
+def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] | None = None, *,
+                 cores: int | None = None) -> TimePrediction:
+    """Predicted seconds of one training iteration (forward, backward, gradient sync, AdamW step and, with
+    ``strategy.shard_optimizer``, the parameter all-gather; :mod:`.sharding`). ``concat=auto`` is predicted as the
+    runtime resolves it (:meth:`Candidate.resolved`)."""
+    partition = partition_for(costs, cand.S, partition)
+    cand = cand.resolved()
+    cores = costs.cores if cores is None else cores
+    whole = cand.replace(shard_optimizer=False) if cand.shard_optimizer else cand
+    run = _simulated(costs, whole, tuple(partition), cores)
+    schedule, timeline, stretch = run.schedule, run.timeline, run.stretch
+    compute_end = list(run.compute_end)
+    buckets = _buckets(costs, cand, partition, schedule, timeline, compute_end, stretch)
+    collectives = [Collective(name, members, launches, gradient_sync_s(costs, cand, members, nbytes))
+                   for name, members, launches, nbytes in buckets]
     if cores and cand.world_size >= cores:
         compute_end = _cpu_contention(collectives, timeline, compute_end, stretch)
     finish = sync_timeline(collectives, compute_end)
-    opt = []
+    opt = _optimizer_s(costs, cand, schedule, partition)
+    stepped = [f + o for f, o in zip(finish, opt)]
+    gathered = _parameters_gathered(costs, cand, buckets, stepped)
+    step = _step_s(costs, cand)
+    sync = max(f - c for f, c in zip(finish, compute_end))
+    gather = max(g - s for g, s in zip(gathered, stepped))
+    return TimePrediction(max(gathered) + step, max(compute_end), sync, max(opt), step, run.bubble, run.t_f, run.t_b,
+                          run.t_comm, gather)
+
+
+def _parameters_gathered(costs: ModelCosts, cand: Candidate, buckets: Sequence[tuple], stepped: Sequence[float]
+                         ) -> list[float]:
+    """Per worker, when its parameters are whole for the next forward: after its optimizer step (``stepped``), or
+    with a sharded optimizer state after each of its buckets' all-gathers, which start once every member of the
+    bucket has stepped its slice (:mod:`.sharding`)."""
+    if not cand.shard_optimizer:
+        return list(stepped)
+    gathers = [Collective(name, members, {w: stepped[w] for w in members},
+                          parameter_gather_s(costs, cand, members, nbytes))
+               for name, members, _, nbytes in buckets]
+    return sync_timeline(gathers, stepped)
+
+
+def _optimizer_s(costs: ModelCosts, cand: Candidate, schedule: Schedule, partition: Sequence[range]) -> list[float]:
+    """Per worker, its AdamW step: over its layers' parameters, or its share of them with a sharded state."""
+    out = []
+    ranges = dict(enumerate(partition))
     for w in range(cand.D):
         layers = {i for s in schedule.stages_of(w) for i in partition[s]}
-        opt.append(sum(costs.layers[i].opt_s for i in layers))
+        full = sum(costs.layers[i].opt_s for i in layers)
+        if cand.shard_optimizer:
+            full *= optimizer_share(worker_buckets(costs, cand.W, schedule, w, ranges), True)
+        out.append(full)
+    return out
+
+
+def _step_s(costs: ModelCosts, cand: Candidate) -> float:
+    """The runtime's fixed cost per step and its scalar all-reduces (loss normalisers over the replicas)."""
     ar = costs.comm.allreduce
-    step = costs.comm.step_s + max(rabenseifner(cand.world_size, 8, ar.alpha, ar.beta) - rabenseifner(2, 8, ar.alpha, ar.beta), 0.0)
+    step = costs.comm.step_s + max(rabenseifner(cand.world_size, 8, ar.alpha, ar.beta)
+                                   - rabenseifner(2, 8, ar.alpha, ar.beta), 0.0)
     if cand.W > 1:
         step += rabenseifner(cand.world_size, 8, ar.alpha, ar.beta)  # loss normalisers over the replicas
-    total = max(f + o for f, o in zip(finish, opt)) + step
-    compute = max(compute_end)
-    sync = max(f - c for f, c in zip(finish, compute_end))
-    return TimePrediction(total, compute, sync, max(opt), step, bubble, tuple(t_f), tuple(t_b), t_comm)
+    return step
+
+
+def gradient_sync_s(costs: ModelCosts, cand: Candidate, members: Sequence[int], nbytes: float) -> float:
+    """One bucket's gradient sync over its ``W·len(members)`` copies: an all-reduce, or with a sharded optimizer
+    state on NCCL (a GPU device) a reduce-scatter, half of it (:mod:`.sharding`); gloo all-reduces either way."""
+    full = costs.comm.allreduce_s(cand.W * len(members), nbytes, D=cand.D, W=cand.W, copies=len(members))
+    return full / 2 if cand.shard_optimizer and uses_nccl(costs) else full
+
+
+def parameter_gather_s(costs: ModelCosts, cand: Candidate, members: Sequence[int], nbytes: float) -> float:
+    """One bucket's parameter gather after a sharded optimizer step: an all-gather, half an all-reduce, on NCCL; an
+    all-reduce of the buffer zeroed outside the rank's slice on gloo (:mod:`.sharding`)."""
+    full = costs.comm.allreduce_s(cand.W * len(members), nbytes, D=cand.D, W=cand.W, copies=len(members))
+    return full / 2 if uses_nccl(costs) else full
+
+
+def uses_nccl(costs: ModelCosts) -> bool:
+    """Whether the ranks of these costs run NCCL's collectives (a CUDA device, profiled or described) or gloo's."""
+    return costs.device.startswith("cuda")
 
 
 def _steady_window(cand: Candidate, t_f: Sequence[float], t_b: Sequence[float],
@@ -385,9 +488,12 @@ def _cpu_contention(collectives: Sequence[Collective], timeline: Sequence, compu
     return out
 
 
-def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range], schedule: Schedule,
-                 timeline: Sequence, compute_end: Sequence[float], stretch: float) -> list[Collective]:
-    """The gradient all-reduces of one replica group's workers (every replica alike, Chimera §3.3)."""
+def _buckets(costs: ModelCosts, cand: Candidate, partition: Sequence[range], schedule: Schedule,
+             timeline: Sequence, compute_end: Sequence[float], stretch: float
+             ) -> list[tuple[str, tuple[int, ...], dict[int, float], float]]:
+    """The gradient buckets of one replica group's workers (every replica alike, Chimera §3.3), as
+    ``(name, member workers, launch time per member, bytes)``: one per stage and one for the tied weights, those
+    copied on the same workers fused with ``grad_sync=end`` as the runtime fuses them."""
     early: dict[int, set[int]] = {}
     for w in range(cand.D):
         plan = launch_plan(schedule, w, cand.grad_sync) if cand.grad_sync != "end" else {}
@@ -400,7 +506,7 @@ def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range],
 
     buckets: list[tuple[str, tuple[int, ...], dict[int, float], float]] = []  # name, members, launches, bytes
     for s, stage in enumerate(partition):
-        members = tuple(sorted({row[s] for row in schedule.placement}))
+        members = stage_members(schedule, s)
         nbytes = costs.stage_sync_bytes(stage)
         if cand.W * len(members) > 1 and nbytes > 0:
             buckets.append((f"stage{s}", members, {w: launch(w, s) for w in members}, nbytes))
@@ -421,6 +527,4 @@ def _collectives(costs: ModelCosts, cand: Candidate, partition: Sequence[range],
             else:
                 fused[members] = (name, members, launches, nbytes)
         buckets = list(fused.values())
-    return [Collective(name, members, launches, costs.comm.allreduce_s(cand.W * len(members), nbytes, D=cand.D, W=cand.W,
-                                                                      copies=len(members)))
-            for name, members, launches, nbytes in buckets]
+    return buckets

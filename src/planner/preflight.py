@@ -126,7 +126,7 @@ def predict_layout(cfg_dict: Mapping[str, Any], layout: Layout, *, budget_bytes:
     fits = None if budget is None else budget.fits(mem.per_rank, per_node)
     return {"predicted_peak_bytes_per_rank": mem.per_rank, "model": costs.model, "device": costs.device,
             "precision": precision, "strategy": layout.strategy,
-            "W": cand.W, "D": cand.D, "B": cand.B, "N": cand.N,
+            "W": cand.W, "D": cand.D, "B": cand.B, "N": cand.N, "shard_optimizer": cand.shard_optimizer,
             "states_bytes": int(worst.states), "autocast_weight_copies_bytes": int(worst.casts),
             "activations_bytes": int(worst.activations), "cuda_graph_pools_bytes": int(worst.graph_pools),
             "ranks_per_node": per_node,
@@ -167,6 +167,7 @@ def preflight(cfg_dict: Mapping[str, Any], layout: Layout, *, budget_bytes: int 
         f"{costs.model} needs {format_bytes(budget.need(peaks, per_node))} against {budget.describe()} "
         f"(short by {format_bytes(short)}).",
         f"largest rank {worst}: {format_bytes(w.peak)} = {format_bytes(w.states)} weights+gradients+AdamW state"
+        f"{' (sharded across its copies)' if cand.shard_optimizer else ''}"
         f"{casts} + {format_bytes(w.activations)} activations and buffers{pools}; per rank: "
         + ", ".join(format_bytes(p) for p in peaks[: min(len(peaks), 8)]) + (" ..." if len(peaks) > 8 else ""),
     ]
@@ -189,16 +190,18 @@ SEARCHED = 5  # fitting layouts a refusal made without its search offers once as
 def _searched(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int, keep_sends: bool) -> list[Proposal]:
     """The fitting layouts of a refusal that did not search for them (:func:`preflight` with ``max_options=0``),
     as alternatives: the same search for every layout of one schedule, devices and batch (:func:`_walked`)."""
-    key = (cand.strategy, cand.world_size, cand.global_batch_size, cand.recompute, cand.grad_sync, cand.cuda_graphs)
+    key = (cand.strategy, cand.world_size, cand.global_batch_size, cand.recompute, cand.grad_sync, cand.cuda_graphs,
+           cand.shard_optimizer)
     return [Proposal(tuple(_fix(c) for c, _ in _walked(costs, key, budget, per_node, keep_sends)))]
 
 
 @lru_cache(maxsize=32)
 def _walked(costs: ModelCosts, key: tuple, budget: Budget, per_node: int, keep_sends: bool) -> tuple:
     """:func:`_fitting_options` once per ``key``: what the search reads of the refused layout (its schedule, its
-    processes and global batch, its gradient sync and CUDA graphs), whatever its D and B."""
-    strategy, world, batch, recompute, grad_sync, cuda_graphs = key
-    like = Candidate.of(strategy, 1, world, 1, batch, recompute=recompute, grad_sync=grad_sync, cuda_graphs=cuda_graphs)
+    processes and global batch, its gradient sync, CUDA graphs and optimizer sharding), whatever its D and B."""
+    strategy, world, batch, recompute, grad_sync, cuda_graphs, shard = key
+    like = Candidate.of(strategy, 1, world, 1, batch, recompute=recompute, grad_sync=grad_sync, cuda_graphs=cuda_graphs,
+                        shard_optimizer=shard)
     return tuple(_fitting_options(costs, like, budget, per_node, keep_sends, SEARCHED))
 
 
@@ -218,10 +221,13 @@ def _without_graphs(costs: ModelCosts, cand: Candidate, budget: Budget, per_node
 def _states_bound(costs: ModelCosts, cand: Candidate, budget: Budget, per_node: int) -> float:
     """A lower bound of what ``budget`` compares for ``cand``, from the model states alone: every
     replica's ``D`` ranks hold each weight with its gradient and AdamW moments at least once, so the
-    largest rank holds at least ``1/D`` of them and a node's ``k`` largest ranks ``k/D``."""
+    largest rank holds at least ``1/D`` of them and a node's ``k`` largest ranks ``k/D``. With
+    ``strategy.shard_optimizer`` the AdamW moments of each weight are split over its copies, so all
+    ``W·D`` ranks together hold them once: ``1/(W·D)`` of them on average."""
     if budget.per_rank is None and budget.host is None:
         return 0.0
-    states = (sum(layer.param_bytes for layer in costs.layers) - sum(b for *_, b in costs.tied)) * (2 + ADAMW_STATES)
+    weights = sum(layer.param_bytes for layer in costs.layers) - sum(b for *_, b in costs.tied)
+    states = weights * (2 + ADAMW_STATES / (cand.W if cand.shard_optimizer else 1))
     if budget.per_rank is not None:
         return states / cand.D
     k = min(per_node, cand.world_size)
@@ -242,7 +248,7 @@ def _fitting_options(costs: ModelCosts, cand: Candidate, budget: Budget, per_nod
     in the same process (each builds the schedule once), and the same order picks them."""
 
     def rank(c: Candidate) -> tuple:
-        return (c.strategy != cand.strategy, c.recompute != "none", -c.B)
+        return (c.strategy != cand.strategy, c.recompute != "none", c.shard_optimizer != cand.shard_optimizer, -c.B)
 
     walk = [c for c in sorted(candidates(cand.world_size, cand.global_batch_size, costs.num_layers,
                                          grad_sync=cand.grad_sync), key=rank)

@@ -21,10 +21,12 @@ from .memory import Budget, MemoryPrediction, predict_memory
 from .model_costs import ModelCosts
 from .partition_search import recommend_partition
 from .parallel import map_grouped, map_groups, planner_pool, workers_for
-from .predict import RECOMPUTE, Candidate, TimePrediction, candidates, partition_for, predict_time, stage_costs
+from .predict import (
+    RECOMPUTE, SHARDING, Candidate, TimePrediction, candidates, partition_for, predict_time, stage_costs,
+)
 
-JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "predicted_iteration_s",
-             "predicted_peak_bytes_per_rank", "fits")
+JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "shard_optimizer",
+             "predicted_iteration_s", "predicted_peak_bytes_per_rank", "fits")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         c = self.candidate
         return {"strategy": c.strategy, "W": c.W, "D": c.D, "B": c.B, "N": c.N, "pipelines": c.pipelines,
-                "concat": c.concat, "recompute": c.recompute, "predicted_iteration_s": self.time.iteration_s,
+                "concat": c.concat, "recompute": c.recompute, "shard_optimizer": c.shard_optimizer,
+                "predicted_iteration_s": self.time.iteration_s,
                 "predicted_peak_bytes_per_rank": self.memory.per_rank, "fits": self.fits}
 
 
@@ -74,8 +77,12 @@ def _plan_each(costs: ModelCosts, cands: Sequence[Candidate], budget: Budget | N
 def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget | None = None, *,
              ranks_per_node: int | None = None, schedules: Sequence[str] | None = None,
              recompute: Sequence[str] = RECOMPUTE, grad_sync: str = DEFAULT_GRAD_SYNC,
-             partition: str = "runtime", refine: int = 10, workers: int | None = None) -> list[Plan]:
+             partition: str = "runtime", refine: int = 10, workers: int | None = None,
+             shard_optimizer: Sequence[bool] = SHARDING) -> list[Plan]:
     """Every candidate predicted and ranked (fitting first, then by predicted samples/s).
+
+    ``shard_optimizer``: the ``strategy.shard_optimizer`` choices compared (both by default, sharded only where
+    the rule allows it: :func:`~pipeline_recipes.planner.predict.candidates`).
 
     ``workers``: processes that predict the candidates (default: one per available core where
     processes fork, for a large search; 1: in this process).
@@ -94,7 +101,7 @@ def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Bu
         return (not p.fits, -p.samples_per_s, max(p.memory.per_rank))
 
     cands = candidates(devices, global_batch_size, costs.num_layers, schedules=schedules, recompute=recompute,
-                       grad_sync=grad_sync)
+                       grad_sync=grad_sync, shard_optimizer=shard_optimizer)
     plans = sorted(_plan_each(costs, cands, budget, ranks_per_node, workers), key=order)
     if partition != "runtime":
         chosen = [k for k, p in enumerate(plans) if k < refine or (partition == "memory" and not p.fits)]
@@ -108,17 +115,19 @@ def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Bu
 
 def best_per_schedule(plans: Sequence[Plan]) -> dict[str, dict[str, Any]]:
     """The first plan of each schedule in ``plans`` (ranked as :func:`plan_all` or :func:`best_plans` rank them:
-    fitting first), with its W, D, B, recomputation, samples/s, step time, bubble ratio, unhidden all-reduce time and
-    peak bytes per rank."""
+    fitting first), with its W, D, B, recomputation, optimizer sharding, samples/s, step time, bubble ratio, unhidden
+    gradient sync time (``allreduce_s``), exposed parameter all-gather of a sharded optimizer state (``gather_s``)
+    and peak bytes per rank."""
     out: dict[str, dict[str, Any]] = {}
     for p in plans:
         c = p.candidate
         if c.strategy in out:
             continue
-        out[c.strategy] = {"W": c.W, "D": c.D, "B": c.B, "recompute": c.recompute, "samples_per_s": p.samples_per_s,
+        out[c.strategy] = {"W": c.W, "D": c.D, "B": c.B, "recompute": c.recompute,
+                           "shard_optimizer": c.shard_optimizer, "samples_per_s": p.samples_per_s,
                            "peak_bytes": max(p.memory.per_rank), "N": c.N, "pipelines": c.pipelines,
                            "step_s": p.time.iteration_s, "bubble": p.time.bubble_ratio, "allreduce_s": p.time.sync_s,
-                           "fits": p.fits}
+                           "gather_s": p.time.gather_s, "label": c.label(), "fits": p.fits}
     return out
 
 
@@ -160,7 +169,7 @@ def _best_of_schedule(costs: ModelCosts, budget: Budget, ranks_per_node: int | N
 def best_plans(costs: ModelCosts, devices: int, global_batch_size: int, budget: Budget, *,
                ranks_per_node: int | None = None, schedules: Sequence[str] | None = None,
                recompute: Sequence[str] = RECOMPUTE, grad_sync: str = DEFAULT_GRAD_SYNC, partition: str = "runtime",
-               workers: int | None = None) -> list[Plan]:
+               workers: int | None = None, shard_optimizer: Sequence[bool] = SHARDING) -> list[Plan]:
     """The fastest fitting plan of every schedule (the least memory where none fits), fastest first: the search for
     a large cluster. ``partition``: ``runtime`` (``model.partition(D)``, what ``train.py`` runs) or ``time`` (each
     candidate's split balanced by its layers' predicted times, head and embeddings included; run it with the
@@ -168,11 +177,13 @@ def best_plans(costs: ModelCosts, devices: int, global_batch_size: int, budget: 
     Per schedule, candidates go in order of :func:`time_lower_bound`; a candidate is simulated only while its bound
     is below the best fitting time found, and its memory (a walk over every worker's actions and messages, the
     expensive part) predicted only when it would be faster. The result equals ranking every plan with
-    :func:`plan_all` and keeping each schedule's first fitting one."""
+    :func:`plan_all` and keeping each schedule's first fitting one. A layout and its sharded-optimizer twin share
+    one simulation (:func:`pipeline_recipes.planner.predict.predict_time`) and one memory walk
+    (:func:`pipeline_recipes.planner.memory.predict_memory`)."""
     if partition not in ("runtime", "time"):
         raise ValueError(f"partition must be runtime or time for a cluster-wide search, got {partition!r}")
     cands = candidates(devices, global_batch_size, costs.num_layers, schedules=schedules, recompute=recompute,
-                       grad_sync=grad_sync)
+                       grad_sync=grad_sync, shard_optimizer=shard_optimizer)
     groups: dict[str, list[Candidate]] = {}
     for cand in cands:
         groups.setdefault(cand.strategy, []).append(cand)

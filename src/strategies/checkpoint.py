@@ -13,6 +13,10 @@ a directory::
                       {"model": {state-dict key: tensor},
                        "optimizers": [{"state": {parameter name: state}, "param_groups": [...]}]}
       rng/rank0.pt    each rank's RNG states (restored when the layout is unchanged)
+      optim/rank0.pt  with optimizer state sharded across a stage's copies (``strategy.shard_optimizer``), each
+                      rank's part of it instead of the stage files': per optimizer, its groups (names) and
+                      {parameter name: {"offset", "numel", "shape", "state"}}, the state of the rank's slice of
+                      the flattened parameter from ``offset`` on (``meta.json: optimizer_pieces``)
 
 Keys are the LightningModule's state-dict keys (``model.layers.3.block.attn.c_attn.weight``); the
 optimizer state is keyed by parameter name, not by position, so a rank of any other layout (other
@@ -77,6 +81,10 @@ def stage_file(stage: int) -> str:
 
 def rng_file(rank: int) -> str:
     return f"rng/rank{rank}.pt"
+
+
+def optimizer_pieces_file(rank: int) -> str:
+    return f"optim/rank{rank}.pt"
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -192,6 +200,27 @@ def stage_payload(
     return {"model": model, "optimizers": out}
 
 
+def optimizer_pieces(optimizer: torch.optim.Optimizer, groups: Sequence[Sequence[nn.Parameter]],
+                     segments: Mapping[int, tuple[nn.Parameter, int]], names: Mapping[int, str]) -> dict[str, Any]:
+    """This rank's part of a sharded optimizer (``optim/rank<r>.pt``): ``groups`` are the parameters of each
+    optimizer group before sharding (named whole, also those this rank steps none of), ``segments`` maps a stepped
+    segment to its parameter and its offset in the flattened parameter; a parameter stepped whole is its own piece at
+    offset 0."""
+    packed = optimizer.state_dict()
+    pieces: dict[str, Any] = {}
+    position = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if position in packed["state"]:
+                param, offset = segments.get(id(p), (p, 0))
+                pieces[names[id(param)]] = {"offset": offset, "numel": param.numel(), "shape": list(param.shape),
+                                            "state": packed["state"][position]}
+            position += 1
+    param_groups = [{**_group_hparams(saved), "params": [names[id(p)] for p in whole]}
+                    for saved, whole in zip(packed["param_groups"], groups)]
+    return {"param_groups": param_groups, "pieces": pieces}
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -258,12 +287,13 @@ def save_sharded(
     trainer_state: Mapping[str, Any] | None,
     write_trainer_state: Callable[[Mapping[str, Any], Path], None],
     any_failed: Callable[[bool], bool],
+    rank_files: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write one sharded checkpoint; every rank calls it (a collective through ``any_failed``, which tells
     every rank whether any rank's write failed).
 
-    Each rank writes the stage files in ``payloads`` (the stages it owns) and its RNG file into
-    ``<path>.partial``; rank 0 then writes ``trainer.pt`` and ``meta.json`` and renames the directory
+    Each rank writes the stage files in ``payloads`` (the stages it owns), its ``rank_files`` (relative path →
+    payload: a sharded optimizer's part) and its RNG file into ``<path>.partial``; rank 0 then writes ``trainer.pt`` and ``meta.json`` and renames the directory
     into place, replacing an older checkpoint of that name. The directory must be on a file system
     every rank sees. When any write fails (a full disk, a quota) every rank raises
     :class:`CheckpointWriteError` (the failing one with the cause) and the partial directory is removed:
@@ -289,12 +319,16 @@ def save_sharded(
         except OSError as err:
             failure = _write_failure(rank, partial, err, None)
     agree(failure)
-    needed = sum(tensor_bytes(p) for p in payloads.values())
+    needed = sum(tensor_bytes(p) for p in (*payloads.values(), *(rank_files or {}).values()))
     target = partial
     try:
         for stage, payload in payloads.items():
             target = partial / stage_file(stage)
             save_file(dict(payload), target)
+        for name, payload in (rank_files or {}).items():
+            target = partial / name
+            target.parent.mkdir(exist_ok=True)
+            save_file(payload, target)
         target = partial / rng_file(rank)
         save_file(rng_state(), target)
         failure = None
@@ -329,18 +363,79 @@ def file_sizes(directory: Path) -> dict[str, int]:
 # -- reading ----------------------------------------------------------------------------------
 
 
+def _per_element(value: Any) -> bool:
+    """A state entry with one value per parameter element (Adam's moments), not a scalar (its step)."""
+    return isinstance(value, Tensor) and value.dim() > 0
+
+
+@dataclass
+class StatePieces:
+    """One parameter's optimizer state saved in slices of the flattened parameter (a sharded optimizer: each rank
+    its own): ``pieces`` are (offset, state of the elements from offset on)."""
+
+    numel: int
+    shape: tuple[int, ...]
+    pieces: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+
+    def range(self, start: int, stop: int) -> dict[str, Any]:
+        """The state of elements ``[start, stop)`` of the flattened parameter (per-element entries 1-D, copied;
+        scalars such as Adam's step as saved)."""
+        pieces = sorted(self.pieces, key=lambda piece: piece[0])
+        out: dict[str, Any] = {}
+        for key, first in pieces[0][1].items():
+            if not _per_element(first):
+                out[key] = first
+                continue
+            parts = [state[key][max(start, offset) - offset: min(stop, offset + state[key].numel()) - offset]
+                     for offset, state in pieces if offset < stop and offset + state[key].numel() > start]
+            joined = torch.cat(parts) if parts else first.new_empty(0)
+            if joined.numel() != stop - start:
+                raise CheckpointError(f"the saved pieces of a parameter cover {joined.numel()} of its elements "
+                                      f"{start}..{stop}: a rank's optimizer part is missing from the checkpoint")
+            out[key] = joined.clone()
+        return out
+
+    def whole(self) -> dict[str, Any]:
+        """The state of the whole parameter, shaped like it."""
+        return {k: v.view(self.shape) if _per_element(v) else v for k, v in self.range(0, self.numel).items()}
+
+
+def state_range(entry: Mapping[str, Any] | StatePieces, start: int, stop: int) -> dict[str, Any]:
+    """Elements ``[start, stop)`` of a parameter's saved state (whole or in pieces), per-element entries 1-D."""
+    if isinstance(entry, StatePieces):
+        return entry.range(start, stop)
+    return {k: v.reshape(-1)[start:stop].clone() if _per_element(v) else v for k, v in entry.items()}
+
+
+def whole_state(entry: Mapping[str, Any] | StatePieces) -> dict[str, Any]:
+    """A parameter's saved state (whole or in pieces) as one state of the whole parameter."""
+    return entry.whole() if isinstance(entry, StatePieces) else dict(entry)
+
+
 @dataclass
 class OptimizerState:
-    """One optimizer's state by canonical parameter name, and its groups (hyper-parameters + names)."""
+    """One optimizer's state by canonical parameter name (whole, or :class:`StatePieces` from a sharded
+    optimizer), and its groups (hyper-parameters + names)."""
 
-    state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    state: dict[str, dict[str, Any] | StatePieces] = field(default_factory=dict)
     param_groups: list[dict[str, Any]] = field(default_factory=list)
 
     def merge(self, other: Mapping[str, Any]) -> None:
         """Add one stage's part (stages sharing a tied parameter hold the same state for it)."""
         for name, value in other["state"].items():
             self.state.setdefault(name, value)
-        for g, group in enumerate(other["param_groups"]):
+        self._merge_groups(other["param_groups"])
+
+    def merge_pieces(self, other: Mapping[str, Any], wanted: Callable[[str], bool]) -> None:
+        """Add one rank's part of a sharded optimizer (:func:`optimizer_pieces`), the parameters ``wanted`` only."""
+        for name, piece in other["pieces"].items():
+            if wanted(name):
+                entry = self.state.setdefault(name, StatePieces(piece["numel"], tuple(piece["shape"])))
+                entry.pieces.append((piece["offset"], piece["state"]))
+        self._merge_groups([{**g, "params": [n for n in g["params"] if wanted(n)]} for g in other["param_groups"]])
+
+    def _merge_groups(self, groups: Sequence[Mapping[str, Any]]) -> None:
+        for g, group in enumerate(groups):
             if g == len(self.param_groups):
                 self.param_groups.append({**_group_hparams(group), "params": []})
             known = set(self.param_groups[g]["params"])
@@ -436,6 +531,14 @@ def read_sharded(path: str | Path, stages: Iterable[int] | None = None,
             if i == len(optimizers):
                 optimizers.append(OptimizerState())
             optimizers[i].merge(part)
+    if meta.get("optimizer_pieces"):  # a sharded optimizer: every rank's part, the wanted stages' parameters only
+        aliases = meta["index"]["aliases"]
+        held = {aliases.get(k, k) for k in model}
+        for file in sorted((path / "optim").glob("rank*.pt")):
+            for i, part in enumerate(_load(file)):
+                if i == len(optimizers):
+                    optimizers.append(OptimizerState())
+                optimizers[i].merge_pieces(part, held.__contains__)
     with old_module_names():
         trainer_state = (load_trainer_state or _load_file)(path / TRAINER_FILE)
     index = meta["index"]
@@ -626,8 +729,12 @@ def select_model_state(full: FullState, local: Mapping[str, Tensor], strict: boo
 
 
 def select_optimizer_state(saved: OptimizerState, optimizer: torch.optim.Optimizer, names: Mapping[int, str],
-                           source: str) -> dict[str, Any]:
+                           source: str, ranges: Mapping[int, tuple[int, int]] | None = None) -> dict[str, Any]:
     """Torch's positional state dict for ``optimizer`` (this rank's parameters) from state by name.
+
+    ``ranges``: for an optimizer of sharded state, each segment it steps (by id) → the elements ``[start, stop)`` of
+    its flattened parameter (``names`` names the segment as its parameter); the segment gets the state of those
+    elements, whether the checkpoint holds it whole or in pieces.
 
     Hyper-parameters (learning rate, betas, ...) come from the checkpoint's group of the same index. A
     checkpoint with one group (saved before the weight-decay groups) fills every group; each keeps its
@@ -649,8 +756,11 @@ def select_optimizer_state(saved: OptimizerState, optimizer: torch.optim.Optimiz
             if name not in known:
                 raise CheckpointError(f"{source} has no optimizer entry for {name} in parameter group {g}: it was "
                                       "saved with another model or optimizer set-up")
-            if name in saved.state:  # copies: the optimizer updates its state in place, not the checkpoint's pages
-                state[position] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in saved.state[name].items()}
+            entry = saved.state.get(name)
+            if entry is not None and ranges is not None and id(p) in ranges:
+                state[position] = state_range(entry, *ranges[id(p)])
+            elif entry is not None:  # copies: the optimizer updates its state in place, not the checkpoint's pages
+                state[position] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in whole_state(entry).items()}
             ids.append(position)
             position += 1
         hparams = _group_hparams(saved_group)
@@ -684,7 +794,7 @@ def consolidate(path: str | Path) -> dict[str, Any]:
                            key=lambda n: (order.get(n, len(order)), n))
             groups.append({**_group_hparams(group), "params": list(range(len(names), len(names) + len(canon)))})
             names.extend(canon)
-        state = {i: saved.state[n] for i, n in enumerate(names) if n in saved.state}
+        state = {i: whole_state(saved.state[n]) for i, n in enumerate(names) if n in saved.state}
         optimizer_states.append({"state": state, "param_groups": groups})
         param_names.append(names)
     return {
@@ -716,4 +826,4 @@ def model_state(checkpoint: str | Path | FullState, prefix: str = "model.") -> d
 def optimizer_state_by_name(checkpoint: str | Path | FullState, optimizer: int = 0) -> dict[str, dict[str, Any]]:
     """One optimizer's state keyed by canonical parameter name, from any checkpoint."""
     full = checkpoint if isinstance(checkpoint, FullState) else read_checkpoint(checkpoint)
-    return dict(full.optimizers[optimizer].state)
+    return {name: whole_state(entry) for name, entry in full.optimizers[optimizer].state.items()}

@@ -142,3 +142,26 @@ def test_hop_seconds_recovers_the_transfer_time_the_simulator_was_given() -> Non
         step = simulate(schedule, 0.02, 0.04, t_w=t_w, t_comm=0.003).makespan
         assert bench.hop_seconds(schedule, step, 0.02, 0.04, t_w) == pytest.approx(0.003, rel=1e-6), name
         assert bench.hop_seconds(schedule, simulate(schedule, 0.02, 0.04, t_w=t_w).makespan, 0.02, 0.04, t_w) == 0.0
+
+
+@pytest.mark.slow
+def test_the_sharding_benchmark_records_both_variants_side_by_side(tmp_path: Path) -> None:
+    """``bench_shard.py --quick``: each layout sharded and whole in one run, the same losses, the sharded rank's
+    optimizer state half the whole one's (two copies of every stage), the ratios re-derived from the rows."""
+    import bench_shard
+
+    assert bench_shard.main(["--quick", "--out", str(tmp_path / "shard.json")]) == 0
+    data = json.loads((tmp_path / "shard.json").read_text())
+    assert [(r["layout"], r["variant"]) for r in data["rows"]] == [
+        ("chimera D=2 W=1", "whole"), ("chimera D=2 W=1", "sharded"), ("dapple D=1 W=2", "whole"),
+        ("dapple D=1 W=2", "sharded")]
+    for ratio in data["ratios"]:
+        whole, sharded = (next(r for r in data["rows"] if r["layout"] == ratio["layout"] and r["variant"] == v)
+                          for v in ("whole", "sharded"))
+        assert sharded["losses"] == whole["losses"] and ratio["loss_difference"] == 0.0
+        assert sharded["parameter_bytes"] == whole["parameter_bytes"]
+        for part, full in zip(sharded["optimizer_state_bytes"], whole["optimizer_state_bytes"]):
+            assert 0.49 <= part / full <= 0.51
+        assert ratio["optimizer_state_ratio"] == max(s / w for s, w in zip(sharded["optimizer_state_bytes"],
+                                                                           whole["optimizer_state_bytes"]))
+        assert ratio["time_ratio"] > 0 and data["meta"]["command"].startswith("python scripts/bench_shard.py")

@@ -129,7 +129,8 @@ def test_cpu_bf16_mixed_step_peak_within_ten_percent_of_the_prediction() -> None
 
 @pytest.mark.slow
 def test_fitting_options_are_those_of_every_layout_in_order() -> None:
-    """The pruned, early-stopping search lists what predicting every layout and sorting gives."""
+    """The pruned, early-stopping search lists what predicting every layout and sorting gives (the configured
+    layout's schedule first, then no recomputation, then its own optimizer sharding, then the largest B)."""
     from pipeline_recipes.models import hydra_config
     from pipeline_recipes.planner.estimate import estimate_costs
     from pipeline_recipes.planner.memory import Budget, predict_memory
@@ -144,7 +145,8 @@ def test_fitting_options_are_those_of_every_layout_in_order() -> None:
             peaks = predict_memory(costs, c, keep_sends=True).per_rank
             if budget.fits(peaks, 4):
                 every.append((c, max(peaks)))
-        every.sort(key=lambda x: (x[0].strategy != "dapple", x[0].recompute != "none", -x[0].B, x[1]))
+        every.sort(key=lambda x: (x[0].strategy != "dapple", x[0].recompute != "none", x[0].shard_optimizer, -x[0].B,
+                                  x[1]))
         assert _fitting_options(costs, cand, budget, 4, True, 5) == every[:5]
 
 

@@ -459,3 +459,56 @@ def test_stage_table_lists_the_stages_that_train_and_their_workers(schedule: str
         stages = re.search(r"stages \[([\d, ]+)\]", topology.describe(rank)).group(1)
         held = [s for s in range(S) if rank % D in holders[s]]
         assert [int(s) for s in stages.split(", ")] == held
+
+
+# -- strategy.shard_optimizer ----------------------------------------------------------------------------------
+
+
+def _applied(strategy: dict[str, Any], fix: dict[str, str]) -> dict[str, Any]:
+    """``strategy`` with a proposed fix's overrides (``strategy=NAME`` chooses another schedule's config)."""
+    out = dict(strategy)
+    for key, text in fix.items():
+        value = yaml.safe_load(text)
+        if key == "strategy":
+            out = {k: v for k, v in out.items() if k not in ("schedule", "pipelines", "concat")} | {"name": value}
+        else:
+            out[key.removeprefix("strategy.")] = value
+    return out
+
+
+@pytest.mark.parametrize("strategy, devices, words", [
+    ({"name": "single", "D": 1}, 1, "strategy=single runs one process, which holds the only copy"),
+    ({"name": "ddp", "D": 1}, 2, "strategy=ddp keeps a whole optimizer per replica"),
+    ({"name": "gpipe", "D": 2, "micro_batch_size": 1}, 2, "every stage of gpipe at W = 1 has one copy"),
+    ({"name": "pipedream_2bw", "D": 2, "micro_batch_size": 1}, 4, "pipedream_2bw is asynchronous"),
+    ({"name": "dapple", "D": 2, "micro_batch_size": 1, "shard_optimizer": "yes"}, 4, "must be true or false"),
+])
+def test_a_sharded_optimizer_without_copies_to_shard_is_refused_with_fixes_that_pass(
+        strategy: dict[str, Any], devices: int, words: str) -> None:
+    """Nothing to shard (one process, one copy per stage), an optimizer the strategy does not shard (DDP, the
+    asynchronous schedules) or a value that is no bool: refused before launch, each proposed fix accepted."""
+    strategy = {"shard_optimizer": True, **strategy}
+    with pytest.raises(ConfigError) as refused:
+        resolve_layout(strategy, {"devices": devices}, 8, 8)
+    assert words in str(refused.value) and "strategy.shard_optimizer" in str(refused.value)
+    assert refused.value.fixes and any(f.get("strategy.shard_optimizer") == "false" for f in refused.value.fixes)
+    for fix in refused.value.fixes:
+        resolve_layout(_applied(strategy, fix), {"devices": devices}, 8, 8)
+
+
+@pytest.mark.parametrize("strategy, devices", [({"name": "chimera", "D": 2}, 2), ({"name": "dapple", "D": 2}, 4),
+                                               ({"name": "dapple", "D": 1}, 2), ({"name": "zbv", "D": 2}, 4)])
+def test_a_sharded_optimizer_is_part_of_the_layout(strategy: dict[str, Any], devices: int) -> None:
+    """Chimera's two pipelines hold two copies of each stage even at W = 1; DAPPLE at D = 1 is data parallelism
+    with sharded state (what ``strategy=ddp`` is told to use instead)."""
+    layout = resolve_layout({**strategy, "micro_batch_size": 1, "shard_optimizer": True}, {"devices": devices}, 8, 8)
+    assert layout.shard_optimizer and layout.label.endswith("shard_optim")
+    assert "strategy.shard_optimizer=true" in layout.describe()
+
+
+@pytest.mark.slow
+def test_a_sharded_optimizer_refusal_from_train_py(tmp_path: Path) -> None:
+    err = _refused(_train(tmp_path, "strategy=ddp", "trainer=cpu", "trainer.devices=2",
+                          "strategy.shard_optimizer=true"), tmp_path)
+    assert "strategy.shard_optimizer = true but strategy=ddp" in err
+    assert "set strategy=dapple strategy.D=1 strategy.shard_optimizer=true" in err

@@ -4,7 +4,11 @@
 this device (cached, :func:`pipeline_recipes.planner.profile.load_or_profile`) or, under ``cluster=<name>`` (a
 described cluster), derives its costs there (:func:`pipeline_recipes.planner.derived_costs.described_costs`), predicts every layout of the configured
 processes and global batch (:func:`pipeline_recipes.planner.recommend.best_config`, Chimera §3.4) and returns the
-overrides with ``strategy=auto`` replaced by the best one's ``strategy=…``, ``strategy.D=…`` and so on.
+overrides with ``strategy=auto`` replaced by the best one's ``strategy=…``, ``strategy.D=…`` and so on
+(:meth:`pipeline_recipes.planner.predict.Candidate.overrides`), ``strategy.shard_optimizer`` included: the planner
+compares every layout with its optimizer state whole and sharded across each stage's copies (ZeRO stage 1, "ZeRO:
+Memory Optimizations Toward Training Trillion Parameter Models", §5.1) where the rule allows it, so a layout that fits
+only sharded, or runs faster sharded, comes with ``strategy.shard_optimizer=true``.
 """
 
 from __future__ import annotations

@@ -322,6 +322,22 @@ def _baseline_layout(name: str, world: int, D: int, global_batch_size: int, prec
     return Layout(name, world, world, 1, global_batch_size // world, 1, global_batch_size, 1, precision=precision)
 
 
+def _check_baseline_shard(name: str, shard: Any) -> None:
+    """A baseline shards no optimizer state: ``single`` holds the only copy; ``ddp`` is Lightning's DDP with a whole
+    optimizer per replica, whose sharded form here is a pipeline of one stage (``strategy=dapple strategy.D=1``)."""
+    if shard is False or shard is None:
+        return
+    if name == "single":
+        raise ConfigError(f"strategy.shard_optimizer = {str(shard).lower()} but strategy=single runs one process, which holds the "
+                          "only copy of the optimizer state: there is nothing to shard",
+                          [values("strategy.shard_optimizer", [False])])
+    raise ConfigError(f"strategy.shard_optimizer = {str(shard).lower()} but strategy=ddp keeps a whole optimizer per replica "
+                      "(Lightning's DDP); W data-parallel replicas with their optimizer state sharded are a pipeline "
+                      "of one stage",
+                      [fixes_of({"strategy": "dapple", "strategy.D": 1, "strategy.shard_optimizer": True}),
+                       values("strategy.shard_optimizer", [False])])
+
+
 def _schedule_spec(strategy: dict[str, Any]) -> tuple[str, Any]:
     """The strategy's name and, for a pipeline, its registry spec
     (:mod:`pipeline_recipes.strategies.schedules.registry`)."""
@@ -446,6 +462,7 @@ def _resolve(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_siz
     D = _positive("strategy.D", strategy.get("D"))
     _positive("data.global_batch_size", global_batch_size, up_to=64)
     if spec is None:
+        _check_baseline_shard(name, strategy.get("shard_optimizer", False))
         return _baseline_layout(name, world, D, global_batch_size, trainer.get("precision"))
     fixed_n = spec.fixed_micro_batches
     B = None if fixed_n is not None and strategy.get("micro_batch_size") is None else _positive(
@@ -458,7 +475,8 @@ def _resolve(strategy: dict[str, Any], trainer: dict[str, Any], global_batch_siz
                              pipelines=strategy.get("pipelines"), concat=strategy.get("concat"),
                              chunks=strategy.get("chunks"), grad_sync=strategy.get("grad_sync", DEFAULT_GRAD_SYNC),
                              recompute=recompute, cuda_graphs=cuda_graphs, num_layers=num_layers,
-                             precision=trainer.get("precision"), schedule_rules=graph_rules, naming=CONFIG)
+                             precision=trainer.get("precision"), shard_optimizer=strategy.get("shard_optimizer", False),
+                             schedule_rules=graph_rules, naming=CONFIG)
     except LayoutRefusal as err:
         around = _Around(spec, strategy, trainer, world, D, err.W, err.B, global_batch_size, num_layers, layers_key)
         raise _with_fixes(err, around, fixed_n) from err.__cause__
@@ -489,7 +507,8 @@ def _with_fixes(err: LayoutRefusal, around: _Around, fixed_n: int | None) -> Con
 
 KIND_KEYS = {"stages": "strategy.D", "pipelines": "strategy.pipelines", "concat": "strategy.concat",
              "chunks": "strategy.chunks", "grad_sync": "strategy.grad_sync", "recompute": "strategy.recompute",
-             "cuda_graphs": "strategy.cuda_graphs", "accelerator": "trainer.accelerator"}
+             "cuda_graphs": "strategy.cuda_graphs", "accelerator": "trainer.accelerator",
+             "shard_optimizer": "strategy.shard_optimizer"}
 """The config's key of each setting a rule's refusal may name (:class:`~pipeline_recipes.strategies.schedules.rules.Refusal`)."""
 # what an asynchronous schedule or CUDA graphs run with
 DEFAULTS = {"grad_sync": DEFAULT_GRAD_SYNC, "recompute": DEFAULT_RECOMPUTE}
@@ -567,6 +586,7 @@ class _Around:
             "chunks": range(1, 2 * max(self.spec.chunks.default, current if isinstance(current, int) else 1) + 1)
             if self.spec.chunks.choosable else (),
             "cuda_graphs": [False],
+            "shard_optimizer": [False],
             "accelerator": ["gpu", "auto"],
         }[kind]
         fixed = {"pipelines": self.spec.pipelines.choices is None, "concat": not self.spec.concat,

@@ -110,8 +110,11 @@ class _RecordedWork:
 
 @contextmanager
 def recorded_collectives(recorder: _Recorder) -> Iterator[None]:
-    """Record ``all_reduce``, ``broadcast`` and ``barrier`` (as NCCL would run them) while the block runs."""
-    real = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "barrier")}
+    """Record ``all_reduce``, ``broadcast``, ``barrier`` and the flat reduce-scatter and all-gather of a sharded
+    optimizer (as NCCL would run them) while the block runs."""
+    names = ("all_reduce", "broadcast", "barrier", "reduce_scatter_single", "reduce_scatter_tensor",
+             "all_gather_single", "all_gather_into_tensor")
+    real = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def stream_of(group: dist.ProcessGroup | None) -> tuple[Any, tuple[int, ...]]:
         if group is None:

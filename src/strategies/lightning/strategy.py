@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ from pipeline_recipes.strategies.lightning.stop import StopOnSignal
 
 
 CONFIG_KEYS = frozenset({"schedule", "name", "D", "chunks", "W", "micro_batch_size", "pipelines", "concat",
-                         "timeout_s", "grad_sync", "recompute", "cuda_graphs"})
+                         "timeout_s", "grad_sync", "recompute", "cuda_graphs", "shard_optimizer"})
 """The keys of a pipeline strategy's config (``conf/pipeline_strategy.yaml``) that the launcher derives the layout
 from (:func:`pipeline_recipes.recipe.check.settings.resolve_layout`), and its ``timeout_s``; any other key is Lightning's."""
 
@@ -171,6 +172,8 @@ class PipelineStrategy(DDPStrategy):
             "num_layers": len(self.model_index.prefixes),
             "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
             "has_optimizer_states": "optimizer_states" in checkpoint,
+            # strategy.shard_optimizer: the optimizer state is in each rank's optim/rank<r>.pt, not the stage files
+            "optimizer_pieces": "optimizer_states" in checkpoint and bool(engine.segments()),
             "files": {str(s): ckpt.stage_file(s) for s in range(self.S)},
             "owners": {str(s): r for s, r in owners.items()},
             "index": self.model_index.as_dict(),
@@ -189,15 +192,26 @@ class PipelineStrategy(DDPStrategy):
         rank = self.global_rank
         owned = [s for s in engine.local_stages if min(engine.topology.stage_group(s)) == rank]
         optimizers = self.optimizers if "optimizer_states" in checkpoint else []
-        payloads = {s: ckpt.stage_payload(engine.partition[s], module, checkpoint["state_dict"], optimizers,
-                                          self.model_index, with_common=s == 0) for s in owned}
+        sharded = bool(optimizers) and bool(engine.segments())
+        payloads = {s: ckpt.stage_payload(engine.partition[s], module, checkpoint["state_dict"],
+                                          [] if sharded else optimizers, self.model_index, with_common=s == 0)
+                    for s in owned}
+        rank_files = {ckpt.optimizer_pieces_file(rank): self._optimizer_pieces(optimizers)} if sharded else None
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         ckpt.save_sharded(
             filepath, rank=rank, payloads=payloads,
             meta=self.checkpoint_meta(checkpoint) if rank == 0 else None, trainer_state=rest if rank == 0 else None,
             write_trainer_state=lambda state, path: self.checkpoint_io.save_checkpoint(dict(state), path),
-            any_failed=lambda failed: self.reduce_boolean_decision(failed, all=False),
+            any_failed=lambda failed: self.reduce_boolean_decision(failed, all=False), rank_files=rank_files,
         )
+
+    def _optimizer_pieces(self, optimizers: list[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+        """This rank's part of each sharded optimizer, by parameter name (:func:`ckpt.optimizer_pieces`)."""
+        engine = self.engine
+        names = ckpt.parameter_names(self.lightning_module, self.model_index)
+        segments = {id(s.shard): (s.param, s.offset) for s in engine.segments()}
+        return [ckpt.optimizer_pieces(opt, engine.whole_groups(opt) or [g["params"] for g in opt.param_groups],
+                                      segments, names) for opt in optimizers]
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -223,7 +237,11 @@ class PipelineStrategy(DDPStrategy):
                 raise ckpt.CheckpointError(f"{path} holds {len(full.optimizers)} optimizers, this module configures "
                                            f"{len(self.optimizers)}")
             names = ckpt.parameter_names(module, index)
-            checkpoint["optimizer_states"] = [ckpt.select_optimizer_state(saved, opt, names, str(path))
+            ranges = {}  # strategy.shard_optimizer: the segment each optimizer steps → its part of a parameter
+            for segment in self.engine.segments():
+                names[id(segment.shard)] = names[id(segment.param)]
+                ranges[id(segment.shard)] = (segment.offset, segment.offset + segment.shard.numel())
+            checkpoint["optimizer_states"] = [ckpt.select_optimizer_state(saved, opt, names, str(path), ranges or None)
                                               for saved, opt in zip(full.optimizers, self.optimizers)]
         elif full.optimizers or full.meta.get("has_optimizer_states"):
             checkpoint["optimizer_states"] = []
@@ -358,7 +376,7 @@ class PipelineModule(pl.LightningModule):
 
     @property
     def pipeline(self) -> PipelineEngine | None:
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        strategy = getattr(self._trainer, "strategy", None)  # None: no trainer (or a stand-in without one)
         return strategy.engine if isinstance(strategy, PipelineStrategy) else None
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
@@ -388,8 +406,7 @@ class PipelineModule(pl.LightningModule):
                 "resume from an earlier checkpoint")
         rank_zero_info(f"skipping the update of step {self.global_step}: training loss is {loss.item()} "
                        f"(step {step}; {self.nonfinite_in_a_row} in a row of at most {self.nonfinite_patience})")
-        for p in engine.local_parameters():
-            p.grad = None  # the optimizer leaves parameters without gradients (and their state) alone
+        engine.drop_gradients()
 
     def _loss_read_now(self, batch_idx: int) -> bool:
         """Whether this training step's ``train/loss`` is read (see the class docstring)."""
@@ -439,12 +456,15 @@ class PipelineModule(pl.LightningModule):
         engine.clip_grad_norm_(gradient_clip_val)
 
     def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
-        """The optimizer over this rank's parameters (under a pipeline: its stages only), and the
+        """The optimizer over this rank's parameters (under a pipeline: its stages only; with
+        ``strategy.shard_optimizer``, this rank's slices of them: ``PipelineEngine.build_optimizer``), and the
         learning-rate schedule as a per-step Lightning scheduler when one is configured."""
         if self.optimizer_factory is None:
-            optimizer = torch.optim.AdamW(param_groups(self, self.weight_decay), lr=self.lr)
+            factory, groups = partial(torch.optim.AdamW, lr=self.lr), param_groups(self, self.weight_decay)
         else:
-            optimizer = self.optimizer_factory(param_groups(self))
+            factory, groups = self.optimizer_factory, param_groups(self)
+        engine = self.pipeline
+        optimizer = engine.build_optimizer(factory, groups) if engine is not None else factory(groups)
         if self.scheduler_factory is None:
             return optimizer
         scheduler = build_scheduler(self.scheduler_factory, optimizer, self._total_steps())

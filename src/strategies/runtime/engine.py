@@ -30,11 +30,13 @@ from functools import cache
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
 from pipeline_recipes.core.pipeline_model import loss_counts
 from pipeline_recipes.strategies.runtime.executor import AsyncWindows, StageExecutor, StepRecord
 from pipeline_recipes.strategies.runtime.grad_sync import GradientSynchronizer, launch_plan
+from pipeline_recipes.strategies.runtime.optimizer_shards import Segment, optimizer_groups
 from pipeline_recipes.strategies.runtime.late_loss import LateLosses
 from pipeline_recipes.core.layout import Layout, LayoutMismatch
 from pipeline_recipes.core.pipeline_model import Batch, split_batch
@@ -169,6 +171,8 @@ class PipelineEngine(ABC):
         self.stage_graphs: StageGraphs | None = None  # strategy.cuda_graphs, installed once the blocks are known
         # collected on first use, after materialisation (which replaces the meta parameters)
         self._local_parameters: tuple[nn.Parameter, ...] | None = None
+        # strategy.shard_optimizer: each optimizer built here (by id) → its groups' parameters before sharding
+        self._whole_groups: dict[int, list[list[nn.Parameter]]] = {}
 
     # -- what a step does ---------------------------------------------------------------------
 
@@ -287,6 +291,43 @@ class PipelineEngine(ABC):
         dist.all_reduce(value)
         return value
 
+    def build_optimizer(self, factory: Callable[[list[dict]], Optimizer], groups: list[dict]) -> Optimizer:
+        """The optimizer of this rank's parameters, ``factory(groups)`` (``groups``: parameter groups over
+        :meth:`local_parameters`). With ``strategy.shard_optimizer`` it holds this rank's segments of the sharded
+        parameters instead (:func:`~pipeline_recipes.strategies.runtime.optimizer_shards.optimizer_groups`), and every
+        step of it ends by gathering the updated parameters (a post-step hook): a collective, so every rank steps."""
+        shards = self.synchronizer.shards
+        if not shards:
+            return factory(groups)
+        optimizer = factory(optimizer_groups(groups, shards))
+        optimizer.register_step_post_hook(lambda *_: self.synchronizer.gather_parameters())
+        self._whole_groups[id(optimizer)] = [list(g["params"]) for g in groups]
+        return optimizer
+
+    def segments(self) -> list[Segment]:
+        """With sharded optimizer state, the segments this rank steps (each a slice of one parameter); else none."""
+        return [s for shard in self.synchronizer.shards for s in shard.segments]
+
+    def whole_groups(self, optimizer: Optimizer) -> list[list[nn.Parameter]] | None:
+        """The parameters of each group of ``optimizer`` (built by :meth:`build_optimizer` with sharded state) before
+        sharding, also those whose slices other ranks step; None for an optimizer of whole parameters."""
+        return self._whole_groups.get(id(optimizer))
+
+    def drop_gradients(self) -> None:
+        """No gradient this step (a non-finite loss skipped): the optimizer leaves every parameter and its state
+        alone."""
+        self.synchronizer.drop_gradients(self.local_parameters())
+
+    def stepped_parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: with sharded optimizer state, this rank's segments of the sharded parameters
+        and the parameters of stages with a single copy; else :meth:`local_parameters`."""
+        shards = self.synchronizer.shards
+        if not shards:
+            return self.local_parameters()
+        sharded = {id(p) for shard in shards for p in shard.params}
+        return ([s.shard for shard in shards for s in shard.segments]
+                + [p for p in self.local_parameters() if id(p) not in sharded])
+
     def clip_grad_norm_(self, max_norm: float) -> None:
         """Scale the gradients of each of :meth:`norm_groups` so that its norm is at most ``max_norm``."""
         for params, norm in self.norm_groups():
@@ -296,8 +337,15 @@ class PipelineEngine(ABC):
                     p.grad.mul_(scale)
 
     def grad_norm_sq(self) -> Tensor:
-        """Squared global gradient norm: each stage (and a tied parameter) counted once, not per copy."""
+        """Squared global gradient norm: each stage (and a tied parameter) counted once, not per copy (sharded: each
+        element once, in the slice of the rank that steps it)."""
         total = torch.zeros((), dtype=torch.float32, device=self.setup.device)
+        if self.synchronizer.shards:
+            for p in self.stepped_parameters():
+                if p.grad is not None:
+                    total += p.grad.detach().float().square().sum()
+            dist.all_reduce(total)
+            return total
         tied = self.synchronizer.tied_params
         for stage, params in self.synchronizer.buckets.items():
             counted = list(params) + (tied if stage == 0 else [])
@@ -375,8 +423,8 @@ class SynchronousStep(PipelineEngine):
         return self.schedule_for(micro_batches)
 
     def norm_groups(self) -> list[tuple[list[nn.Parameter], Tensor]]:
-        """All local parameters, with the global norm over all stages."""
-        return [(self.local_parameters(), self.grad_norm_sq().sqrt())]
+        """What the optimizer steps, with the global norm over all stages."""
+        return [(self.stepped_parameters(), self.grad_norm_sq().sqrt())]
 
 
 class AsynchronousStep(PipelineEngine):

@@ -16,6 +16,10 @@ When each all-reduce starts is the ``grad_sync`` mode (§3.2):
   rank (the first and the last stages in Chimera); the others wait for the end, as the paper
   advises, because an early non-blocking collective can slow the computation it overlaps.
 
+With ``strategy.shard_optimizer`` each bucket's sum goes to one slice per rank of its group instead of every rank
+(a reduce-scatter, started at the same points), and each rank's optimizer steps its slice
+(:mod:`pipeline_recipes.strategies.runtime.optimizer_shards`).
+
 Which backward is a stage copy's last, and whether a bubble follows it, is read off the schedule
 data (:func:`launch_plan`), never hard-coded. Every all-reduce is waited before the step returns
 (blocking all-reduces on different groups could wait on each other; async ones cannot). A peer lost during one
@@ -35,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline_recipes.strategies.runtime.collectives import wait_collective
+from pipeline_recipes.strategies.runtime.optimizer_shards import BucketShard
 from pipeline_recipes.strategies.schedules import Action, Schedule, simulate
 from pipeline_recipes.strategies.schedules.rules import GRAD_SYNC_MODES
 
@@ -97,11 +102,13 @@ class _Bucket:
     params: list[nn.Parameter]
     group: dist.ProcessGroup
     flat: torch.Tensor | None = None
+    shard: BucketShard | None = None  # strategy.shard_optimizer: the parameters' flat buffer and this rank's slice
 
     def views(self) -> list[torch.Tensor]:
         if self.flat is None:
             p0 = self.params[0]
-            self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
+            numel = self.shard.padded if self.shard is not None else sum(p.numel() for p in self.params)
+            self.flat = torch.zeros(numel, dtype=p0.dtype, device=p0.device)
         out, offset = [], 0
         for p in self.params:
             out.append(self.flat[offset: offset + p.numel()].view_as(p))
@@ -144,6 +151,12 @@ class GradientSynchronizer:
     the tied parameters. Every gradient is a view of its bucket's flat buffer, as in DDP's
     gradient-as-bucket-view: the all-reduce runs in place and no gradient-sized copy is made per
     step. ``last_buckets`` lists the buckets of the last step's all-reduces (one tuple of keys each).
+
+    ``shard``: the optimizer state is sharded across each bucket's group
+    (:mod:`pipeline_recipes.strategies.runtime.optimizer_shards`): each bucket's parameters move into a flat buffer
+    (a :class:`~pipeline_recipes.strategies.runtime.optimizer_shards.BucketShard`), its gradient is summed into this
+    rank's slice instead of everywhere, and :meth:`gather_parameters` brings the updated slices back after the
+    optimizer step.
     """
 
     def __init__(
@@ -154,6 +167,7 @@ class GradientSynchronizer:
         tied_group: dist.ProcessGroup | None,
         timeout: timedelta,
         shared: Mapping[int | str, dist.ProcessGroup] | None = None,
+        shard: bool = False,
     ) -> None:
         tied_ids = {id(p) for p in tied_params}
         self.buckets = {s: [p for p in ps if id(p) not in tied_ids] for s, ps in stage_params.items()}
@@ -178,6 +192,8 @@ class GradientSynchronizer:
             if len({(p.dtype, p.device) for p in bucket.params}) > 1:
                 raise ValueError(f"gradient bucket {bucket.keys} mixes dtypes or devices: keep a stage's parameters "
                                  "in one dtype on one device")
+            if shard:
+                bucket.shard = BucketShard(bucket.params, bucket.group)
             for k in bucket.keys:
                 self._bucket_of[k] = bucket
         self._launched: set[int | str] = set()
@@ -185,16 +201,38 @@ class GradientSynchronizer:
         self._started: list[tuple[int | str, ...]] = []
         self.last_buckets: list[tuple[int | str, ...]] = []
 
+    def _distinct_buckets(self) -> list[_Bucket]:
+        return list({id(b): b for b in self._bucket_of.values()}.values())
+
     def buffers(self) -> list[torch.Tensor]:
         """The buckets' flat gradient buffers allocated so far (kept across steps)."""
-        return [b.flat for b in {id(b): b for b in self._bucket_of.values()}.values() if b.flat is not None]
+        return [b.flat for b in self._distinct_buckets() if b.flat is not None]
+
+    @property
+    def shards(self) -> list[BucketShard]:
+        """The sharded buckets (``shard``), each once; empty without sharding."""
+        return [b.shard for b in self._distinct_buckets() if b.shard is not None]
+
+    def drop_gradients(self, params: Sequence[nn.Parameter]) -> None:
+        """No gradient for ``params`` nor for their shards' segments: the optimizer leaves them alone."""
+        for p in params:
+            p.grad = None
+        for shard in self.shards:
+            shard.drop_gradients()
 
     def zero_grad(self, params: Sequence[nn.Parameter]) -> None:
         """Before a step: bucketed gradients become zeroed views of their buffers, the others ``None``."""
-        for p in params:
-            p.grad = None
-        for bucket in {id(b): b for b in self._bucket_of.values()}.values():
+        self.drop_gradients(params)
+        for bucket in self._distinct_buckets():
             bucket.install()
+
+    def gather_parameters(self) -> None:
+        """After the optimizer stepped this rank's slices: every bucket's parameters whole again (all gathers
+        started, then waited for)."""
+        works = [(work, shard, time.monotonic()) for shard in self.shards for work in shard.gather()]
+        for work, shard, started in works:
+            wait_collective(work, shard.group, "the parameter all-gather of a sharded optimizer", started,
+                            self.timeout)
 
     def launch(self, stage: int) -> None:
         """Start the all-reduce of ``stage``'s gradients (its last local backward is done)."""
@@ -221,6 +259,8 @@ class GradientSynchronizer:
         for work, bucket, started in works:  # NCCL: stream-ordered (the group's timeout is the guard); gloo: up to it
             wait_collective(work, bucket.group, f"the gradient all-reduce of {bucket.describe()}", started,
                             self.timeout)
+            if bucket.shard is not None:
+                bucket.shard.hand_over(bucket.flat)
 
     def sync(self) -> None:
         """Everything at once, after the last backward (``grad_sync="end"``)."""
@@ -239,5 +279,6 @@ class GradientSynchronizer:
             return  # a fused bucket goes once all its keys are final
         bucket.pack()
         self._started.append(bucket.keys)
-        self._works.append((dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True),
-                            bucket, time.monotonic()))
+        work = (bucket.shard.reduce(bucket.flat) if bucket.shard is not None else
+                dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True))
+        self._works.append((work, bucket, time.monotonic()))

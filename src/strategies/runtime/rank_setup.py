@@ -128,7 +128,7 @@ def assemble(
     _check_identical_copies(topology, stage_layers, groups.stages)
     tied = _local_tied_parameters(model, tied_groups, local)
     synchronizer = GradientSynchronizer({s: unique_parameters(ls) for s, ls in stage_layers.items()}, groups.stages,
-                                        tied, groups.tied, timeout, shared=groups.shared)
+                                        tied, groups.tied, timeout, shared=groups.shared, shard=layout.shard_optimizer)
     data_group, header_group = replica_groups([topology.replica_group(r) for r in range(topology.replicas)], rank,
                                               timeout)
     return RankSetup(

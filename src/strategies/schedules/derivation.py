@@ -24,6 +24,7 @@ from pipeline_recipes.strategies.schedules.registry import (
 )
 from pipeline_recipes.strategies.schedules.rules import (
     CONFIG, DEFAULT_GRAD_SYNC, DEFAULT_RECOMPUTE, GRAD_SYNC_MODES, RECOMPUTE_MODES, Naming, Refusal, Settings,
+    shard_optimizer_error,
 )
 
 __all__ = ["LayoutRefusal", "derive_layout", "derive_sizes", "layout_of", "variant_of"]
@@ -83,7 +84,7 @@ def derive_layout(spec: ScheduleSpec | str, world: int, D: int, global_batch_siz
                   W: int | None = None, pipelines: int | None = None, concat: str | None = None,
                   chunks: int | None = None, grad_sync: str = DEFAULT_GRAD_SYNC, recompute: str = DEFAULT_RECOMPUTE,
                   cuda_graphs: bool = False, num_layers: int | None = None, precision: str | None = None,
-                  schedule_rules: Sequence[ScheduleRule] = (), naming: Naming = CONFIG,
+                  shard_optimizer: bool = False, schedule_rules: Sequence[ScheduleRule] = (), naming: Naming = CONFIG,
                   validate: bool = True) -> Layout:
     """The layout of schedule ``spec`` on ``world`` processes with pipelines of ``D`` workers and a global batch of
     ``global_batch_size`` (the other settings as the strategy config names them; None: the schedule's default):
@@ -106,10 +107,14 @@ def derive_layout(spec: ScheduleSpec | str, world: int, D: int, global_batch_siz
     if errors:
         raise LayoutRefusal(errors[0], "rule", W, B)
     pipes = spec.pipelines.default if pipelines is None else pipelines
+    refusal = shard_optimizer_error(spec.name, W, pipes, shard_optimizer, spec.asynchronous, naming)
+    if refusal is not None:
+        raise LayoutRefusal(refusal, "rule", W, B)
     requested = str(concat or "direct") if spec.concat else "direct"
     if not validate:
         return layout_of(spec, W, D, B, N, pipes, requested, chunks=chunks, grad_sync=grad_sync,
-                         recompute=recompute, cuda_graphs=cuda_graphs, precision=precision)
+                         recompute=recompute, cuda_graphs=cuda_graphs, precision=precision,
+                         shard_optimizer=shard_optimizer)
     method = _resolved_concat(spec.name, D, N, pipes, B, requested)
     schedule = _checked_schedule(spec, D, W, B, N, pipes, method, chunks)
     for rule in schedule_rules:
@@ -118,27 +123,28 @@ def derive_layout(spec: ScheduleSpec | str, world: int, D: int, global_batch_siz
             raise LayoutRefusal(refusal, "rule", W, B)
     return layout_of(spec, W, D, B, N, pipes, method, chunks=chunks, grad_sync=grad_sync,
                      recompute=recompute, cuda_graphs=cuda_graphs, precision=precision,
-                     concat_auto=requested == "auto", placement=schedule.placement)
+                     concat_auto=requested == "auto", placement=schedule.placement, shard_optimizer=shard_optimizer)
 
 
 def layout_of(spec: ScheduleSpec, W: int, D: int, B: int, N: int, pipelines: int, concat: str = "direct", *,
               chunks: int | None = None, grad_sync: str = DEFAULT_GRAD_SYNC, recompute: str = DEFAULT_RECOMPUTE,
               cuda_graphs: bool = False, precision: str | None = None, concat_auto: bool = False,
-              placement: tuple[tuple[int, ...], ...] = ()) -> Layout:
+              placement: tuple[tuple[int, ...], ...] = (), shard_optimizer: bool = False) -> Layout:
     """The :class:`~pipeline_recipes.core.layout.Layout` of these sizes and settings, as given (checked by
     :func:`derive_layout`, or by whoever names them: the planner's own layouts): its processes W·D, global batch
     W·B·N, stages v·D, variant (:func:`variant_of`)."""
     S = spec.total_stages(D, chunks)
     return Layout(spec.name, W * D, W, D, B, N, W * B * N, pipelines,
-                  variant_of(spec, pipelines, concat, chunks, grad_sync, recompute), concat, concat_auto,
-                  S if S != D else None, cuda_graphs, chunks=chunks, grad_sync=grad_sync, recompute=recompute,
-                  placement=placement, precision=precision)
+                  variant_of(spec, pipelines, concat, chunks, grad_sync, recompute, shard_optimizer), concat,
+                  concat_auto, S if S != D else None, cuda_graphs, chunks=chunks, grad_sync=grad_sync,
+                  recompute=recompute, placement=placement, precision=precision, shard_optimizer=shard_optimizer)
 
 
 def variant_of(spec: ScheduleSpec, pipelines: int, concat: str = "direct", chunks: int | None = None,
-               grad_sync: str = DEFAULT_GRAD_SYNC, recompute: str = DEFAULT_RECOMPUTE) -> str:
+               grad_sync: str = DEFAULT_GRAD_SYNC, recompute: str = DEFAULT_RECOMPUTE,
+               shard_optimizer: bool = False) -> str:
     """Settings beyond the schedule's defaults: concatenation method, pipelines, chunks, gradient sync,
-    recomputation (e.g. ``forward_doubling+sync_eager``)."""
+    recomputation, sharded optimizer state (e.g. ``forward_doubling+sync_eager+shard_optim``)."""
     parts = []
     if spec.concat and concat != "direct":
         parts.append(concat)
@@ -150,6 +156,8 @@ def variant_of(spec: ScheduleSpec, pipelines: int, concat: str = "direct", chunk
         parts.append(f"sync_{grad_sync}")
     if recompute != DEFAULT_RECOMPUTE:
         parts.append(f"recompute_{recompute}")
+    if shard_optimizer:
+        parts.append("shard_optim")
     return "+".join(parts)
 
 

@@ -46,6 +46,7 @@ class Naming:
     more_micro_batches: str
     exact_micro_batches: str
     stages_note: str = ""  # appended to a suggested D (a config's D must also divide the processes)
+    shard_optimizer: str = "shard_optimizer"
 
 
 API = Naming("stages", "micro_batches", "pipelines", "concat", "chunks", "steps", "grad_sync", "recompute",
@@ -56,7 +57,7 @@ CONFIG = Naming(
     "raise data.global_batch_size or lower strategy.micro_batch_size",
     "set data.global_batch_size = {times}W·strategy.micro_batch_size, or leave strategy.micro_batch_size null "
     "(B = data.global_batch_size / {times}W)",
-    stages_note=" (a divisor of trainer.devices × trainer.num_nodes)",
+    stages_note=" (a divisor of trainer.devices × trainer.num_nodes)", shard_optimizer="strategy.shard_optimizer",
 )
 GENERATOR = Naming("workers (P)", "micro_batches (N)", "pipelines", "concat", "chunks (v)", "steps", "grad_sync",
                    "recompute", "raise micro_batches (N)", "pass micro_batches={n}")
@@ -339,6 +340,32 @@ def stashed_versions(spec: ScheduleSpec, s: Settings) -> str | None:
     return Refusal(f"{spec.name} stashes weight versions per step and runs with {n.grad_sync}=end and "
                    f"{n.recompute}=none, got {n.grad_sync}={s.grad_sync} and {n.recompute}={s.recompute}",
                    "drop those settings", ("grad_sync", "recompute"))
+
+
+def shard_optimizer_error(schedule: str, replicas: int, pipelines: int, shard: object, asynchronous: bool = False,
+                          naming: Naming = API) -> Refusal | None:
+    """``shard_optimizer`` is a bool and, when set, the schedule is synchronous and some stage has more than one copy
+    to shard its optimizer state across: ``replicas`` (W) × ``pipelines`` (Chimera's 2f pipelines each hold a copy of
+    every stage, §3.3)."""
+    key = naming.shard_optimizer
+    if not isinstance(shard, bool):
+        return Refusal(f"{key} must be true or false, got {shard!r}", f"use {key}=false or {key}=true",
+                       ("shard_optimizer",))
+    if not shard:
+        return None
+    if asynchronous:
+        return Refusal(f"{key} = true but {schedule} is asynchronous: it hands each stage the gradient of a stashed "
+                       "weight version on the stage's own delay and clips each stage by its own norm, without the "
+                       "collectives that a sharded optimizer state needs at every step, so its state stays whole",
+                       f"set {key}=false, or use a synchronous schedule", ("shard_optimizer",),
+                       schedules=("dapple", "chimera"))
+    if replicas * pipelines > 1:
+        return None
+    return Refusal(f"{key} = true but every stage of {schedule} at W = {replicas} has one copy: there is no "
+                   "optimizer state to shard (each stage's state is sharded across its copies: the W replicas, and "
+                   "in Chimera its 2f pipelines)",
+                   f"set {key}=false, or run W ≥ 2 replicas (twice the devices) or a bidirectional schedule",
+                   ("shard_optimizer",), schedules=("chimera",))
 
 
 def _fits_rounds(micro_batches: int, workers: int) -> bool:

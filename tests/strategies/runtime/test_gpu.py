@@ -74,7 +74,8 @@ def _layout(case: dict, device: str = "meta") -> tuple:
     model = build_model("gpt2-tiny", init_seed=0, device=device, **{**GPT2, **case["model"]})
     W, D = case["W"], case["D"]
     layout = derive_layout(case["schedule"], W * D, D, W * case["N"] * B, B=B, concat=case["concat"],
-                           grad_sync=case["grad_sync"], recompute=case["recompute"], chunks=case.get("chunks"))
+                           grad_sync=case["grad_sync"], recompute=case["recompute"], chunks=case.get("chunks"),
+                           shard_optimizer=case.get("shard_optimizer", False))
     return model, layout
 
 
@@ -101,6 +102,9 @@ def _cases(world: int) -> list[dict]:
         cases.append(_case("zbv", W, D, 2 * D, model=deep, bf16=True))
         if D % 2 == 0:
             cases.append(_case("chimera_zb", W, D, D))
+            cases.append(_case("chimera", W, D, D, shard_optimizer=True))  # NCCL's reduce-scatter and all-gather
+        if W > 1:
+            cases.append(_case("dapple", W, D, 2 * D, shard_optimizer=True, grad_sync="eager"))
         cases.append(_case("gpipe", W, D, 2 * D, bf16=True))
         cases.append(_case("dapple", W, D, 2 * D, bf16=True, recompute="always"))
     D = world
@@ -111,12 +115,14 @@ def _cases(world: int) -> list[dict]:
 
 
 def _shared_gpu_cases() -> list[dict]:
-    """Four ranks on one GPU: every schedule, Chimera's doubling with eager sync, W = 2 in bf16."""
+    """Four ranks on one GPU: every schedule, Chimera's doubling with eager sync, W = 2 in bf16, sharded optimizer
+    state (gloo's collectives on CUDA tensors)."""
     cases = [_case(s, 1, 4, 4) for s in ("gpipe", "dapple", "gems", "chimera")]
     cases += [_case(s, 1, 4, 8, model={"n_layer": 8}) for s in ("interleaved_1f1b", "zbv", "dualpipev")]
     cases += [_case(s, 1, 4, 4) for s in ("zb_h1", "zb_h2", "chimera_zb")]
     cases += [_case("chimera", 1, 4, 8, concat="forward_doubling", grad_sync="eager_opt"),
-              _case("dapple", 2, 2, 4, bf16=True, recompute="always"), _case("chimera", 2, 2, 4, bf16=True)]
+              _case("dapple", 2, 2, 4, bf16=True, recompute="always"), _case("chimera", 2, 2, 4, bf16=True),
+              _case("chimera", 2, 2, 4, shard_optimizer=True), _case("dapple", 2, 2, 4, shard_optimizer=True, bf16=True)]
     return cases
 
 
@@ -165,7 +171,8 @@ def _pipeline_vs_hf_on_gpu(rank: int, world: int, cases: list[dict]) -> list[dic
         engine = build_engine(model, layout, device, partition=model.partition(layout.stages), timeout_s=60.0)
         params = engine.local_parameters()
         assert all(p.device == device for p in params)
-        opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+        opt = engine.build_optimizer(lambda groups: torch.optim.SGD(groups, lr=LR, momentum=MOMENTUM),
+                                     [{"params": params}])  # strategy.shard_optimizer: this rank's slices
         replica = engine.topology.replica_of(rank)
         losses = []
         for batch in batches:

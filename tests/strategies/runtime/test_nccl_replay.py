@@ -29,16 +29,20 @@ def _shape(peer: int, what: str) -> tuple[torch.Size, torch.dtype]:
 
 def _programs(schedule: str, D: int, N: int, W: int = 1, *, pipelines: int | None = None, concat: str = "direct",
               train_steps: int = 2, evaluate: bool = True, tied: bool = False, grad_sync: str = "end",
-              recompute: str = "none", chunks: int | None = None) -> list:
+              recompute: str = "none", chunks: int | None = None, shard_optimizer: bool = False) -> list:
     layout = pipeline_layout(schedule, D, B, N, W, pipelines=pipelines, concat=concat, grad_sync=grad_sync,
-                             recompute=recompute, chunks=chunks)
+                             recompute=recompute, chunks=chunks, shard_optimizer=shard_optimizer)
     batches = toy_batches(train_steps + 1, W * N * B, width=WIDTH)
 
     def mine(rank: int, batch: dict, engine) -> dict:
         r = engine.topology.replica_of(rank)
         return {k: v[r * N * B:(r + 1) * N * B] for k, v in batch.items()}
 
-    steps = [lambda engine, rank, b=b: engine.train_step(mine(rank, b, engine)) for b in batches[:train_steps]]
+    def train(engine, rank: int, batch: dict) -> None:
+        engine.train_step(mine(rank, batch, engine))
+        engine.synchronizer.gather_parameters()  # what the optimizer's step ends with (sharded state; else nothing)
+
+    steps = [lambda engine, rank, b=b: train(engine, rank, b) for b in batches[:train_steps]]
     if evaluate:
         steps.append(lambda engine, rank: engine.eval_step(mine(rank, batches[-1], engine)))
     layers = max(layout.stages, 4)
@@ -85,6 +89,23 @@ def test_asynchronous_windows_complete_under_nccl_rules(name: str, D: int, N: in
     """Five consecutive windows (the fill and steady steps), an evaluation between them: messages
     crossing a step boundary never leave a receive in front of the step's collectives."""
     replay(_programs(name, D, N, train_steps=5))
+
+
+@pytest.mark.parametrize("case", [
+    {"schedule": "chimera", "D": 4, "N": 4, "W": 2, "tied": True},
+    {"schedule": "chimera", "D": 2, "N": 4, "W": 2, "tied": True, "grad_sync": "eager"},
+    {"schedule": "dapple", "D": 2, "N": 3, "W": 2, "tied": True, "grad_sync": "eager_opt"},
+    {"schedule": "zbv", "D": 2, "N": 4, "W": 2, "tied": True, "grad_sync": "eager"},
+    {"schedule": "gpipe", "D": 1, "N": 2, "W": 4},
+], ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_sharded_optimizer_collectives_complete_under_nccl_rules(case: dict) -> None:
+    """strategy.shard_optimizer: each bucket's reduce-scatter where its all-reduce was (at the end or eagerly,
+    between the schedule's messages) and its parameters' all-gather after the step, on the bucket's group."""
+    programs = _programs(**case, shard_optimizer=True)
+    posted = {e.collective for program in programs for e in program if isinstance(e, Post) and e.collective}
+    assert posted >= {"reduce_scatter_single", "all_gather_single"} or posted >= {"reduce_scatter_tensor",
+                                                                                  "all_gather_into_tensor"}
+    replay(programs)
 
 
 # -- the replay itself, on hand-written programs (the expected outcome is known by construction) --
