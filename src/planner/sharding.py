@@ -15,8 +15,9 @@ first or the last stage, ``Topology.tied_group``). Per gradient bucket of ``b`` 
   same cost (Rabenseifner's algorithm by construction, "Optimization of Collective Reduction Operations", §2; the
   ring of "Bandwidth optimal all-reduce algorithms for clusters of workstations", Patarasuk and Yuan, §3; the
   hierarchical one level by level), so each costs half the all-reduce;
-* time, gloo: the runtime runs both as all-reduces (gloo's reduce-scatter and all-gather were slower than an
-  all-reduce of the whole buffer), so the gradient sync is unchanged and one more all-reduce is exposed;
+* time, gloo: the runtime all-reduces the gradients whole (gloo's reduce-scatter was slower than an all-reduce)
+  and broadcasts each rank's slice of the parameters from it, which the planner charges as an all-gather, half
+  an all-reduce, exposed;
 * the optimizer step updates ``1/G`` of each bucket: its time scales with the optimizer bytes.
 """
 
