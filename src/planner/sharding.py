@@ -12,9 +12,9 @@ first or the last stage, ``Topology.tied_group``). Per gradient bucket of ``b`` 
 * time, NCCL: the gradient is reduce-scattered where it was all-reduced (started at the same point, overlapping the
   same way) and, after the optimizer step, the parameters are all-gathered in the same group, exposed before the
   next forward. Each all-reduce algorithm the planner models is a reduce-scatter followed by an all-gather of the
-  same cost (Rabenseifner's algorithm by construction, "Optimization of Collective Reduction Operations", §2; the
-  ring of "Bandwidth optimal all-reduce algorithms for clusters of workstations", Patarasuk and Yuan, §3; the
-  hierarchical one level by level), so each costs half the all-reduce;
+  same cost (Rabenseifner's algorithm by construction, "Optimization of Collective Reduction Operations"; the ring
+  of "Bandwidth optimal all-reduce algorithms for clusters of workstations", Patarasuk and Yuan; the hierarchical
+  one of :mod:`pipeline_recipes.planner.network` level by level), so each costs half the all-reduce;
 * time, gloo: the runtime all-reduces the gradients whole (gloo's reduce-scatter was slower than an all-reduce)
   and broadcasts each rank's slice of the parameters from it, which the planner charges as an all-gather, half
   an all-reduce, exposed;
