@@ -36,7 +36,7 @@ from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
 from pipeline_recipes.core.pipeline_model import loss_counts
 from pipeline_recipes.strategies.runtime.executor import AsyncWindows, StageExecutor, StepRecord
 from pipeline_recipes.strategies.runtime.grad_sync import GradientSynchronizer, launch_plan
-from pipeline_recipes.strategies.runtime.optimizer_shards import Segment, optimizer_groups
+from pipeline_recipes.strategies.runtime.optimizer_shards import Segment, optimizer_groups, sharded_ids
 from pipeline_recipes.strategies.runtime.late_loss import LateLosses
 from pipeline_recipes.core.layout import Layout, LayoutMismatch
 from pipeline_recipes.core.pipeline_model import Batch, split_batch
@@ -324,7 +324,7 @@ class PipelineEngine(ABC):
         shards = self.synchronizer.shards
         if not shards:
             return self.local_parameters()
-        sharded = {id(p) for shard in shards for p in shard.params}
+        sharded = sharded_ids(shards)
         return ([s.shard for shard in shards for s in shard.segments]
                 + [p for p in self.local_parameters() if id(p) not in sharded])
 

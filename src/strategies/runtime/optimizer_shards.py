@@ -120,12 +120,17 @@ class BucketShard:
         return [_all_gather(self.flat, self.flat[self.start: self.stop], group=self.group, async_op=True)]
 
 
+def sharded_ids(shards: Sequence[BucketShard]) -> set[int]:
+    """``id`` of every parameter whose optimizer state ``shards`` split (the rest are stepped whole)."""
+    return {id(p) for shard in shards for p in shard.params}
+
+
 def optimizer_groups(groups: Iterable[dict], shards: Sequence[BucketShard]) -> list[dict]:
     """Parameter groups for the optimizer of a sharded rank: each sharded parameter replaced by its segment on this
     rank (dropped where the rank holds none of it), every other parameter (a stage with a single copy) as it is.
     Every group is kept, also where it ends up empty, so that group indices line up across ranks and layouts."""
     segment_of = {id(s.param): s.shard for shard in shards for s in shard.segments}
-    sharded = {id(p) for shard in shards for p in shard.params}
+    sharded = sharded_ids(shards)
     out = []
     for group in groups:
         params = [segment_of[id(p)] if id(p) in segment_of else p
