@@ -9,7 +9,10 @@ module order, loop/callback/scheduler state) plus a ``pipeline`` section naming 
 position. Resume it with ``train.py ckpt_path=full.ckpt`` under any strategy and layout (pipeline,
 ``ddp`` or ``single``), or export it with ``scripts/export_hf.py``. A sharded checkpoint also resumes
 under another pipeline layout directly; consolidating is for one-file archives, non-pipeline
-strategies and exports. Errors exit with status 2 and an ``error: ...`` line.
+strategies and exports. It reads both formats: the torch.distributed.checkpoint directories saved today and the
+stage files of earlier versions. For DCP's own single file (the unsplit names, no Lightning state) use
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (docs/checkpoints.md). Errors exit with status 2 and
+an ``error: ...`` line.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"consolidated {meta['schedule']} W={meta['W']} D={meta['D']} step {meta['global_step']} "
-          f"({len(meta['partition'])} stage files) -> {out} ({Path(out).stat().st_size / 2**20:.1f} MiB)")
+          f"({len(meta['partition'])} stages) -> {out} ({Path(out).stat().st_size / 2**20:.1f} MiB)")
     return 0
 
 

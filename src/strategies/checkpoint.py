@@ -1,31 +1,32 @@
-"""Sharded checkpoints of pipelined models: every stage saved once, by a rank holding it; no gathering.
+"""Sharded checkpoints of pipelined models: torch.distributed.checkpoint (DCP) under stable names; no gathering.
 
 A checkpoint written under a pipeline strategy (``Trainer.save_checkpoint``, ``ModelCheckpoint``) is
 a directory::
 
     step-000003.ckpt/
+      .metadata       DCP's index of the state below (written last by DCP: every rank's part is on disk)
+      __0_0.distcp    each rank's part of the model and optimizer state (DCP, one file per rank); names and
+      __1_0.distcp    chunking: :mod:`pipeline_recipes.strategies.dcp_state`
       meta.json       format, layout (schedule, D, W, partition), epoch, step, parameter names/aliases,
                       the model's Hydra config (also in trainer.pt; checked by the launcher before a resume),
                       and the manifest: every other file of the directory with its size in bytes
       trainer.pt      Lightning's checkpoint dict without model and optimizer: loop progress (with the
                       data loader position), callbacks, LR schedulers, precision plugin, hyper-parameters
-      stage0.pt ...   one file per pipeline stage, written by the lowest rank holding a copy of it:
-                      {"model": {state-dict key: tensor},
-                       "optimizers": [{"state": {parameter name: state}, "param_groups": [...]}]}
       rng/rank0.pt    each rank's RNG states (restored when the layout is unchanged)
-      optim/rank0.pt  with optimizer state sharded across a stage's copies (``strategy.shard_optimizer``), each
-                      rank's part of it instead of the stage files': per optimizer, its groups (names) and
-                      {parameter name: {"offset", "numel", "shape", "state"}}, the state of the rank's slice of
-                      the flattened parameter from ``offset`` on (``meta.json: optimizer_pieces``)
 
-Keys are the LightningModule's state-dict keys (``model.layers.3.block.attn.c_attn.weight``); the
-optimizer state is keyed by parameter name, not by position, so a rank of any other layout (other
-D, W, schedule or partition) picks exactly its parameters from the stage files that hold its layers:
-a sharded checkpoint resumes under any layout of the same model. A parameter shared by several
-layers (tied embeddings; BERT's deduplicated decoder bias) has one canonical name, its first name in
-the unsplit model's ``named_parameters()``; the other names are aliases (``meta.json: index.aliases``).
+The state is one logical state dict keyed by the unsplit LightningModule's names
+(``model.layers.3.block.attn.c_attn.weight``, ``optimizer.0.state.<name>.exp_avg``): every tensor is saved once,
+whichever ranks hold it, and a rank of any other layout (other D, W, schedule, partition, sharded optimizer state
+or not) reads exactly its keys and element ranges. DCP's own tools read it: ``dcp_to_torch_save(directory, file)``
+(``torch.distributed.checkpoint.format_utils``) writes one file that ``torch.load`` reads. A parameter shared by
+several layers (tied embeddings; BERT's deduplicated decoder bias) has one canonical name, its first name in the
+unsplit model's ``named_parameters()``; the other names are aliases (``meta.json: index.aliases``).
 
-:func:`consolidate` merges the stages into one ordinary Lightning checkpoint file of the unsplit
+Checkpoints of the format before DCP (``meta.json`` version 1: ``stage<k>.pt`` files, each stage saved by the
+lowest rank holding it with its optimizer state by parameter name, or ``optim/rank<r>.pt`` pieces of a sharded
+optimizer) are still read: resumed, consolidated, exported.
+
+:func:`consolidate` merges a checkpoint into one ordinary Lightning checkpoint file of the unsplit
 model (``scripts/consolidate_ckpt.py``): ``state_dict`` holds every key, ``optimizer_states`` are in
 torch's positional format for the unsplit model's trainable parameters in module order (what
 ``PipelineModule.configure_optimizers`` builds), so it also resumes under ``strategy=single`` or
@@ -55,11 +56,14 @@ import torch
 from pipeline_recipes.core.disk import no_space, no_space_message
 from torch import Tensor, nn
 
+from pipeline_recipes.strategies import dcp_state
+from pipeline_recipes.strategies.dcp_state import FlatPiece
 from pipeline_recipes.strategies.legacy import old_module_names, upgrade_targets
 
 SHARDED_FORMAT = "pipeline-sharded"
 CONSOLIDATED_FORMAT = "pipeline-consolidated"
-VERSION = 1
+VERSION = 2  # 2: model and optimizer state in DCP; 1: stage files (read, no longer written)
+DCP_VERSION = 2
 META_FILE = "meta.json"
 MANIFEST_KEY = "manifest"  # meta.json: every other file of the directory (relative POSIX path) -> its size in bytes
 TRAINER_FILE = "trainer.pt"
@@ -221,6 +225,33 @@ def optimizer_pieces(optimizer: torch.optim.Optimizer, groups: Sequence[Sequence
     return {"param_groups": param_groups, "pieces": pieces}
 
 
+def rank_state(module_state: Mapping[str, Tensor], index: ModelIndex,
+               optimizers: Sequence[torch.optim.Optimizer], groups: Sequence[Sequence[Sequence[nn.Parameter]]],
+               names: Mapping[int, str], segments: Mapping[int, tuple[nn.Parameter, int]]) -> dict[str, Any]:
+    """This rank's part of the checkpoint's DCP state (:mod:`dcp_state` names): its state-dict entries under their
+    canonical names, and per optimizer the state of each parameter it steps, its groups' hyper-parameters and each
+    parameter's group (``groups[i]``: optimizer i's groups of whole parameters, also where it steps only segments).
+    ``segments``: a stepped segment (by id) → its parameter and offset in the flattened parameter; its per-element
+    state is saved as that slice of the parameter's (:class:`FlatPiece`)."""
+    state: dict[str, Any] = {index.canonical(k): v.detach() for k, v in module_state.items()}
+    for i, (optimizer, whole_groups) in enumerate(zip(optimizers, groups)):
+        packed = optimizer.state_dict()  # positional: index i is the i-th parameter over the groups
+        position = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for entry, value in packed["state"].get(position, {}).items():
+                    param, offset = segments.get(id(p), (p, None))
+                    key = dcp_state.state_key(i, names[id(param)], entry)
+                    state[key] = (FlatPiece(tuple(param.shape), offset, value.reshape(-1))
+                                  if offset is not None and _per_element(value) else value)
+                position += 1
+        state[dcp_state.groups_key(i)] = [_group_hparams(g) for g in packed["param_groups"]]
+        for g, params in enumerate(whole_groups):
+            for p in params:
+                state[dcp_state.group_key(i, names[id(p)])] = g
+    return state
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -278,26 +309,57 @@ def _write_failure(rank: int, path: Path, err: BaseException, needed_bytes: int 
     return f"rank {rank} could not write {path}: {type(err).__name__}: {err}"
 
 
+def stage_files(payloads: Mapping[int, Mapping[str, Any]],
+                rank_files: Mapping[str, Any] | None = None) -> Callable[[Path], None]:
+    """A rank's part in the format before DCP (version 1, still read): the stage files it owns (``payloads``, from
+    :func:`stage_payload`) and its ``rank_files`` (relative path → payload: a sharded optimizer's part)."""
+
+    def write(directory: Path) -> None:
+        for stage, payload in payloads.items():
+            save_file(dict(payload), directory / stage_file(stage))
+        for name, payload in (rank_files or {}).items():
+            (directory / name).parent.mkdir(exist_ok=True)
+            save_file(payload, directory / name)
+
+    return write
+
+
+def dcp_files(state: Mapping[str, Any], process_group: Any = None) -> Callable[[Path], None]:
+    """A rank's part of the DCP state (:func:`rank_state`), written by :func:`dcp_state.save` (a collective)."""
+    return lambda directory: dcp_state.save(state, directory, process_group)
+
+
+def _own_failure(err: BaseException, rank: int) -> BaseException | None:
+    """This rank's cause in DCP's ``CheckpointException`` (which every rank raises when any rank failed), or None."""
+    failures = getattr(err, "failures", None)
+    if failures is None:
+        return err
+    own = failures.get(rank)
+    return None if own is None else own[0]
+
+
 def save_sharded(
     path: str | Path,
     *,
     rank: int,
-    payloads: Mapping[int, Mapping[str, Any]],
+    write_parts: Callable[[Path], None],
     meta: Mapping[str, Any] | None,
     trainer_state: Mapping[str, Any] | None,
     write_trainer_state: Callable[[Mapping[str, Any], Path], None],
     any_failed: Callable[[bool], bool],
-    rank_files: Mapping[str, Any] | None = None,
+    needed_bytes: int | None = None,
+    rng: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write one sharded checkpoint; every rank calls it (a collective through ``any_failed``, which tells
     every rank whether any rank's write failed).
 
-    Each rank writes the stage files in ``payloads`` (the stages it owns), its ``rank_files`` (relative path →
-    payload: a sharded optimizer's part) and its RNG file into ``<path>.partial``; rank 0 then writes ``trainer.pt`` and ``meta.json`` and renames the directory
-    into place, replacing an older checkpoint of that name. The directory must be on a file system
-    every rank sees. When any write fails (a full disk, a quota) every rank raises
-    :class:`CheckpointWriteError` (the failing one with the cause) and the partial directory is removed:
-    the checkpoints already written stay as they were.
+    Each rank writes its part (``write_parts``: :func:`dcp_files`, or :func:`stage_files` for the format before
+    DCP) and its RNG file into ``<path>.partial``; rank 0 then writes ``trainer.pt`` and ``meta.json`` and renames
+    the directory into place, replacing an older checkpoint of that name. The directory must be on a file system
+    every rank sees. When any write fails (a full disk, a quota) every rank raises :class:`CheckpointWriteError`
+    (the failing one with the cause; ``needed_bytes``: what its part needed, for the message) and the partial
+    directory is removed: the checkpoints already written stay as they were. ``rng``: the rank's RNG states as
+    staged for a background save (default: taken now).
     """
     final = Path(path)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
@@ -319,21 +381,15 @@ def save_sharded(
         except OSError as err:
             failure = _write_failure(rank, partial, err, None)
     agree(failure)
-    needed = sum(tensor_bytes(p) for p in (*payloads.values(), *(rank_files or {}).values()))
     target = partial
     try:
-        for stage, payload in payloads.items():
-            target = partial / stage_file(stage)
-            save_file(dict(payload), target)
-        for name, payload in (rank_files or {}).items():
-            target = partial / name
-            target.parent.mkdir(exist_ok=True)
-            save_file(payload, target)
+        write_parts(partial)
         target = partial / rng_file(rank)
-        save_file(rng_state(), target)
+        save_file(rng_state() if rng is None else rng, target)
         failure = None
-    except (OSError, RuntimeError) as err:
-        failure = _write_failure(rank, target, err, needed)
+    except (OSError, RuntimeError, dcp_state.CheckpointException) as err:
+        cause = _own_failure(err, rank)
+        failure = None if cause is None else _write_failure(rank, target, cause, needed_bytes)
     agree(failure)
     if rank == 0:
         if meta is None or trainer_state is None:
@@ -518,9 +574,12 @@ def _current_names(trainer_state: Mapping[str, Any]) -> dict[str, Any]:
 
 def read_sharded(path: str | Path, stages: Iterable[int] | None = None,
                  load_trainer_state: Callable[[Path], dict[str, Any]] | None = None) -> FullState:
-    """Read the stage files ``stages`` (default: all) of a sharded checkpoint (memory-mapped)."""
+    """Read a sharded checkpoint: all of a DCP one; of one before DCP the stage files ``stages`` (default: all),
+    memory-mapped."""
     path = Path(path)
     meta = read_meta(path)
+    if is_dcp(meta):
+        return read_dcp(path, meta, load_trainer_state=load_trainer_state)
     wanted = range(len(meta["partition"])) if stages is None else stages
     model: dict[str, Tensor] = {}
     optimizers: list[OptimizerState] = []
@@ -543,6 +602,69 @@ def read_sharded(path: str | Path, stages: Iterable[int] | None = None,
         trainer_state = (load_trainer_state or _load_file)(path / TRAINER_FILE)
     index = meta["index"]
     return FullState(model, optimizers, _current_names(trainer_state), str(path), meta, dict(index["aliases"]))
+
+
+def is_dcp(meta: Mapping[str, Any]) -> bool:
+    """Whether a sharded checkpoint keeps its model and optimizer state in DCP (version 2 on) or in stage files."""
+    return int(meta.get("version", 1)) >= DCP_VERSION
+
+
+def read_dcp(path: str | Path, meta: Mapping[str, Any] | None = None, model_keys: Iterable[str] | None = None,
+             optimizer_names: Iterable[str] | None = None, ranges: Mapping[str, tuple[int, int]] | None = None,
+             load_trainer_state: Callable[[Path], dict[str, Any]] | None = None) -> FullState:
+    """Read a DCP checkpoint: the entries of ``model_keys`` (state-dict keys, any of a parameter's names; default:
+    all) and the optimizer state of ``optimizer_names`` (canonical names; default: all), of a name in ``ranges``
+    only its flattened elements ``[start, stop)`` (a sharded optimizer's segment). Only those chunks are read."""
+    path = Path(path)
+    meta = dict(meta if meta is not None else read_meta(path))
+    index = ModelIndex.from_dict(meta["index"])
+    metadata = dcp_state.read_metadata(path)
+    entries = metadata.state_dict_metadata
+    if model_keys is None:
+        wanted_model = [k for k in entries if k.startswith(dcp_state.MODEL_PREFIX)]
+    else:
+        wanted_model = sorted({index.canonical(k) for k in model_keys} & entries.keys())
+    request: dict[str, Any] = {k: dcp_state.empty_like_entry(metadata, k) for k in wanted_model}
+    saved = dcp_state.optimizer_entries(entries)  # optimizer -> name -> its state entries
+    wanted_names = None if optimizer_names is None else set(optimizer_names)
+    for i, by_name in enumerate(saved):
+        request[dcp_state.groups_key(i)] = None
+        for name in (by_name if wanted_names is None else wanted_names & by_name.keys()):
+            request[dcp_state.group_key(i, name)] = None
+            for entry in by_name[name]:
+                key = dcp_state.state_key(i, name, entry)
+                span = (ranges or {}).get(name)
+                if span is not None and dcp_state.per_element_entry(metadata, key):
+                    flat = torch.empty(span[1] - span[0], dtype=dcp_state.entry_dtype(metadata, key))
+                    request[key] = FlatPiece(dcp_state.entry_shape(metadata, key), span[0], flat)
+                else:
+                    request[key] = dcp_state.empty_like_entry(metadata, key)
+    try:
+        loaded = dcp_state.load(request, path)
+    except (dcp_state.CheckpointException, OSError, RuntimeError, ValueError) as err:
+        raise CheckpointError(f"{path} cannot be read: {str(err).strip().splitlines()[-1]}") from err
+    optimizers = []
+    for i, by_name in enumerate(saved):
+        out = OptimizerState(param_groups=[{**hparams, "params": []} for hparams in loaded[dcp_state.groups_key(i)]])
+        for name in by_name:
+            group = loaded.get(dcp_state.group_key(i, name))
+            if group is None:
+                continue
+            out.param_groups[group]["params"].append(name)
+            state = {e: loaded[dcp_state.state_key(i, name, e)] for e in by_name[name]}
+            if name in (ranges or {}):
+                start = ranges[name][0]  # type: ignore[index]
+                shape = dcp_state.entry_shape(metadata, dcp_state.state_key(i, name, next(iter(by_name[name]))))
+                pieces = StatePieces(int(torch.Size(shape).numel()), shape)
+                pieces.pieces.append((start, {e: v.flat if isinstance(v, FlatPiece) else v for e, v in state.items()}))
+                out.state[name] = pieces
+            else:
+                out.state[name] = state
+        optimizers.append(out)
+    with old_module_names():
+        trainer_state = (load_trainer_state or _load_file)(path / TRAINER_FILE)
+    return FullState({k: loaded[k] for k in wanted_model}, optimizers, _current_names(trainer_state), str(path),
+                     meta, dict(index.aliases))
 
 
 def _by_name(packed: Mapping[str, Any], names: Sequence[str]) -> OptimizerState:
@@ -628,7 +750,8 @@ def verify_checkpoint(path: str | Path) -> None:
         return
     meta = read_meta(path)
     listed: Mapping[str, int] = meta.get(MANIFEST_KEY) or {}
-    required = [TRAINER_FILE, *map(stage_file, range(len(meta["partition"])))]
+    parts = [dcp_state.METADATA_FILE] if is_dcp(meta) else list(map(stage_file, range(len(meta["partition"]))))
+    required = [TRAINER_FILE, *parts]
     names = list(dict.fromkeys([*required, *listed]))
     missing = [name for name in names if not (path / name).is_file()]
     if missing:

@@ -165,3 +165,26 @@ def test_the_sharding_benchmark_records_both_variants_side_by_side(tmp_path: Pat
         assert ratio["optimizer_state_ratio"] == max(s / w for s, w in zip(sharded["optimizer_state_bytes"],
                                                                            whole["optimizer_state_bytes"]))
         assert ratio["time_ratio"] > 0 and data["meta"]["command"].startswith("python scripts/bench_shard.py")
+
+
+@pytest.mark.slow
+def test_the_checkpoint_benchmark_runs_the_three_variants_on_the_same_data(tmp_path: Path) -> None:
+    """``bench_checkpoint.py --quick``: no saves, foreground saves and background saves of the same run; the same
+    losses, a save at steps 5 (and only there, 8 steps), each with its times and bytes; the ratios re-derived."""
+    import bench_checkpoint
+
+    assert bench_checkpoint.main(["--quick", "--out", str(tmp_path / "ckpt.json")]) == 0
+    data = json.loads((tmp_path / "ckpt.json").read_text())
+    runs = data["runs"]
+    assert runs["sync"]["loss_history"] == runs["none"]["loss_history"] == runs["async"]["loss_history"]
+    assert runs["none"]["checkpoint_saves"] == []
+    for variant in ("sync", "async"):
+        [save] = runs[variant]["checkpoint_saves"]
+        assert save["step"] == 5 and save["bytes"] > 0 and save["write_s"] >= save["blocking_s"] * (variant == "async")
+    blocking = {v: runs[v]["checkpoint_saves"][0]["blocking_s"] for v in ("sync", "async")}
+    assert data["ratios"]["async_blocking_over_sync"] == pytest.approx(blocking["async"] / blocking["sync"])
+    for variant in ("sync", "async"):
+        ends = runs[variant]["step_ends"]
+        assert len(ends) == 8 and runs[variant]["steps_per_s"] == pytest.approx(7 / (ends[-1] - ends[0]))
+        assert data["ratios"][f"{variant}_throughput"] == pytest.approx(
+            runs[variant]["steps_per_s"] / runs["none"]["steps_per_s"])

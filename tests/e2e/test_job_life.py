@@ -236,7 +236,7 @@ def test_a_requeued_job_waits_for_its_previous_run_and_resumes_from_its_stop(end
 
 
 def test_a_damaged_save_is_skipped_and_a_finished_job_stays_finished(tmp_path: Path) -> None:
-    """Saves after steps 2 and 4, then step 4's ``stage1.pt`` cut to half its size (a copy or a write that stopped
+    """Saves after steps 2 and 4, then step 4's largest ``.distcp`` part cut to half its size (a copy or a write that stopped
     half-way): given explicitly it is refused before any rank starts (exit 2, the file named); ``ckpt_path=auto``
     skips it in one line, resumes from step 2 and ends with the first run's losses; run again, the job finds its
     newest checkpoint at ``trainer.max_steps`` and ends at once with ``ok``. The sizes come from ``os.stat``."""
@@ -248,10 +248,10 @@ def test_a_damaged_save_is_skipped_and_a_finished_job_stays_finished(tmp_path: P
     history = read_results(run_dir).loss_history
     checkpoints = run_dir / "checkpoints"
     intact, damaged = checkpoints / "step-000002.ckpt", checkpoints / "step-000004.ckpt"
-    stage1 = damaged / "stage1.pt"
-    full = os.stat(stage1).st_size
-    stage1.write_bytes(stage1.read_bytes()[:full // 2])
-    reason = f"stage1.pt has {full // 2} bytes, its meta.json lists {full} (cut short)"
+    part = max(damaged.glob("*.distcp"), key=lambda f: f.stat().st_size)  # a rank's part of the DCP state
+    full = os.stat(part).st_size
+    part.write_bytes(part.read_bytes()[:full // 2])
+    reason = f"{part.name} has {full // 2} bytes, its meta.json lists {full} (cut short)"
 
     copies = tmp_path / "copy" / "checkpoints"  # given explicitly by another job while ``auto`` resumes beside it
     shutil.copytree(checkpoints, copies)

@@ -209,7 +209,7 @@ def test_requeued_jobs_resume_by_themselves_and_end_with_the_uninterrupted_losse
         cluster: Cluster, reference: subprocess.Popen, tmp_path: Path) -> None:
     """Two jobs of ``scripts/train.sbatch`` at once. One goes round the requeue loop with the default logger: stopped
     and requeued as a preemption does, but held (``scontrol requeuehold``: SIGTERM to every task, the step reached
-    saved, the job back in the queue), its newest checkpoint damaged meanwhile (``stage1.pt`` cut in half), then
+    saved, the job back in the queue), its newest checkpoint damaged meanwhile (a rank's ``.distcp`` part cut in half), then
     released: it skips the damaged save in one line and resumes from the periodic one before it. The other is sent
     what ``--signal=USR1@<s>`` sends before the time limit (``train.py`` stops, saves and requeues the job itself)."""
     loop = [o for o in LAYOUT if not o.startswith(("logger=", "checkpoint."))]
@@ -224,7 +224,7 @@ def test_requeued_jobs_resume_by_themselves_and_end_with_the_uninterrupted_losse
     damaged = Path(read_results(job.run_dir).last_checkpoint)
     before = sorted(p for p in (job.run_dir / "checkpoints").glob("step-*.ckpt") if p != damaged)[-1]
     _wait(lambda: not _left_running(str(job.run_dir)), 60, f"job {job.id}'s first run to end")
-    stage = damaged / "stage1.pt"
+    stage = max(damaged.glob("*.distcp"), key=lambda part: part.stat().st_size)  # a rank's part of the DCP state
     stage.write_bytes(stage.read_bytes()[: stage.stat().st_size // 2])
     cluster.run("scontrol", "release", job.id)
     expected = _reference_losses(reference)
@@ -240,7 +240,7 @@ def test_requeued_jobs_resume_by_themselves_and_end_with_the_uninterrupted_losse
         assert "Traceback" not in output, f"{how}: {output[-4000:]}"
         if how == "requeue loop":
             assert (f"ckpt_path=auto: resuming from {before} (step {int(before.name[5:11])}); skipped {damaged.name}: "
-                    "stage1.pt has ") in output and "(cut short)" in output, output[-4000:]
+                    f"{stage.name} has ") in output and "(cut short)" in output, output[-4000:]
         else:
             assert f"SLURM job {job.id} requeued (scontrol requeue): it resumes with ckpt_path=auto" in output
 

@@ -9,7 +9,10 @@ Real jobs (2 gloo ranks, DAPPLE on a tiny GPT-2), started side by side, each hit
   peer that lost its connection; the schedule grid of the peer's failed action is in the log above it;
   ``results.json`` keeps the losses reached;
 * a full disk (a small tmpfs) where the checkpoints go: "no space left on device" and where, no partial
-  files, the previous checkpoint intact and loadable.
+  files, the previous checkpoint intact and loadable;
+* with a save every step, written in the background (``checkpoint.async_save``, the default), SIGTERM and kill -9
+  of rank 1 find a save being written: the stop waits for it and keeps the step reached; after the kill, every
+  checkpoint not marked ``.partial`` is complete.
 
 Then a job resumed from the stopped job's checkpoint (``ckpt_path=auto`` in its job directory, started as soon as
 the stop has ended) reproduces the uninterrupted job's losses exactly. No worker is left running after any of them.
@@ -34,6 +37,7 @@ import psutil
 import pytest
 
 from pipeline_recipes.recipe.report.results import read_results
+from pipeline_recipes.strategies.checkpoint import verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -160,6 +164,10 @@ def ended(tmp_path_factory: pytest.TempPathFactory, beside: dict[str, Any]) -> d
         "int_launcher": Job(root, "int_launcher", ("train.py", signal.SIGINT), "checkpoint.every_n_steps=100"),
         "kill_rank1": Job(root, "kill_rank1", ("1", signal.SIGKILL)),
         "kill_rank0": Job(root, "kill_rank0", ("0", signal.SIGKILL)),
+        # a save every step, written in the background (checkpoint.async_save, the default): the fault finds one
+        # being written
+        "term_saving": Job(root, "term_saving", ("1", signal.SIGTERM), "checkpoint.every_n_steps=1"),
+        "kill_saving": Job(root, "kill_saving", ("1", signal.SIGKILL), "checkpoint.every_n_steps=1"),
     }
 
     def requeued() -> Job:  # the stopped job run again: the same job directory, the same command
@@ -206,6 +214,29 @@ def test_a_stopped_job_resumed_with_ckpt_path_auto_ends_with_the_uninterrupted_l
     assert f"ckpt_path=auto: resuming from {run_dir / 'checkpoints'}" in resumed.output
     assert result.status == "ok" and len(result.loss_history) == STEPS
     assert list(result.loss_history) == list(reference.loss_history)  # bit for bit, the stopped steps included
+
+
+def test_a_stop_while_a_save_is_written_waits_for_it_and_keeps_the_step_reached(ended: dict[str, Job]) -> None:
+    job = ended["term_saving"]
+    _stopped(job, signal.SIGTERM, "SIGTERM received by rank 1")
+    saves = read_results(job.dir).checkpoint_saves
+    assert [s["step"] for s in saves] == list(range(1, len(saves) + 1)), saves  # every step saved, none lost
+    assert all(s["write_s"] is not None and s["bytes"] > 0 for s in saves), saves  # each complete before the end
+    assert any(s["write_s"] > s["blocking_s"] for s in saves), saves  # written while training went on
+    [kept] = (job.dir / "checkpoints").iterdir()  # checkpoint.keep=latest: the older ones removed once it verified
+    verify_checkpoint(kept)
+
+
+def test_a_rank_killed_while_a_save_is_written_leaves_no_checkpoint_marked_complete_that_is_not(
+        ended: dict[str, Job]) -> None:
+    job = ended["kill_saving"]
+    assert job.proc.returncode == 1, job.output[-3000:]
+    complete = [p for p in (job.dir / "checkpoints").iterdir() if not p.name.endswith(".partial")]
+    for checkpoint in complete:
+        verify_checkpoint(checkpoint)
+    last = read_results(job.dir).last_checkpoint
+    assert last is None or Path(last) in complete, (last, complete)
+    assert not job.left_running()
 
 
 @pytest.mark.parametrize("killed, peer", [("kill_rank1", 0), ("kill_rank0", 1)])

@@ -382,5 +382,5 @@ def test_two_torchrun_nodes_over_loopback_write_results_once(tmp_path: Path) -> 
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     _check_written_once_by_rank_zero(tmp_path, outputs, "torchrun")
     saved = tmp_path / "rank0" / "checkpoints" / "step-000002.ckpt"
-    assert (saved / "stage0.pt").is_file() and (saved / "stage1.pt").is_file()
+    assert (saved / ".metadata").is_file() and len(list(saved.glob("*.distcp"))) == 2
     assert not (tmp_path / "rank1" / "checkpoints").exists()

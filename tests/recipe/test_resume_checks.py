@@ -57,11 +57,11 @@ def _sharded(path: Path, config: dict[str, Any], step: int, config_in_meta: bool
     partition = [range(0, half), range(half, len(layers))]
     state = {k: torch.zeros(v.shape) for k, v in root.state_dict().items()}
     payloads = {s: ckpt.stage_payload(r, root, state, [], index, with_common=s == 0) for s, r in enumerate(partition)}
-    meta = {"format": ckpt.SHARDED_FORMAT, "version": ckpt.VERSION, "schedule": "gpipe", "D": 2, "W": 1,
+    meta = {"format": ckpt.SHARDED_FORMAT, "version": 1, "schedule": "gpipe", "D": 2, "W": 1,
             "partition": [[r.start, r.stop] for r in partition], "num_layers": len(layers), "global_step": step,
             "has_optimizer_states": False, "index": index.as_dict(),
             **({ckpt.MODEL_CONFIG_KEY: config} if config_in_meta else {})}
-    return ckpt.save_sharded(path, rank=0, payloads=payloads, meta=meta,
+    return ckpt.save_sharded(path, rank=0, write_parts=ckpt.stage_files(payloads), meta=meta,
                              trainer_state={"global_step": step, ckpt.MODEL_CONFIG_KEY: config},
                              write_trainer_state=lambda s, p: torch.save(dict(s), p), any_failed=lambda failed: failed)
 

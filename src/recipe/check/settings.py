@@ -88,6 +88,20 @@ class FixedSetting(SettingRule):
                            [*guess, values(self.key, (*self.values, *([None] if self.nullable else ())), keep=1)])
 
 
+@dataclass(frozen=True)
+class BoolSetting(SettingRule):
+    """A setting that is true or false: its key and what it chooses."""
+
+    key: str
+    meaning: str
+
+    def refusal(self, value: Any) -> ConfigError | None:
+        if isinstance(value, bool):
+            return None
+        return ConfigError(f"{self.key} = {value!r} is not true or false ({self.meaning})",
+                           [values(self.key, [True, False], keep=1)])
+
+
 Number = int | float
 
 
@@ -230,10 +244,16 @@ def numeric_settings() -> tuple[NumericSetting, ...]:
     )
 
 
+def bool_settings() -> tuple[BoolSetting, ...]:
+    """Every true-or-false setting of the recipe's own, checked before launch (the strategy's are the layout's)."""
+    return (BoolSetting("checkpoint.async_save", "whether checkpoints are written in the background while training "
+                        "goes on"),)
+
+
 def settings_schema() -> tuple[SettingRule, ...]:
-    """Every rule of one setting's own values: :func:`fixed_settings` and :func:`numeric_settings`, each key
-    once."""
-    return (*fixed_settings(), *numeric_settings())
+    """Every rule of one setting's own values: :func:`fixed_settings`, :func:`bool_settings` and
+    :func:`numeric_settings`, each key once."""
+    return (*fixed_settings(), *bool_settings(), *numeric_settings())
 
 
 def setting_rule(key: str) -> SettingRule:

@@ -20,7 +20,11 @@ Every job (one Hydra job; a multirun sweep puts them in ``<sweep_dir>/<job_num>/
   optimizer's state tensors), one int per rank each; ``loss_history`` (loss per optimizer step), ``final_loss``,
   ``lr_history`` (the learning rate of each optimizer step);
 - ``global_step`` (optimizer steps done, a resumed run's included) and ``last_checkpoint`` (the newest
-  checkpoint this job wrote, or null): where a stopped or failed job resumes from.
+  checkpoint this job wrote, or null): where a stopped or failed job resumes from;
+- ``checkpoint_saves``: each checkpoint a pipeline job saved, ``{"step", "blocking_s", "write_s", "bytes"}``: the
+  seconds training was held (waiting for the previous save, staging the copy, and writing unless
+  ``checkpoint.async_save``), the seconds until its files were complete, and its size on disk (null while a save
+  was still being written when the job ended).
 
 Every job that ran keeps the losses it reached, however it ended; skipped and failed jobs may leave the
 measured values null. ``scripts/compare.py`` puts many
@@ -65,9 +69,11 @@ RESULT_KEYS: tuple[str, ...] = (
     "lr_history",
     "global_step",
     "last_checkpoint",
+    "checkpoint_saves",
 )
 
-_LIST_KEYS = ("peak_memory_bytes", "parameter_bytes", "optimizer_state_bytes", "loss_history", "lr_history")
+_LIST_KEYS = ("peak_memory_bytes", "parameter_bytes", "optimizer_state_bytes", "loss_history", "lr_history",
+              "checkpoint_saves")
 _MIB = 1024 * 1024
 
 
@@ -99,6 +105,7 @@ class RunResult:
     lr_history: tuple[float, ...] = ()
     global_step: int | None = None
     last_checkpoint: str | None = None
+    checkpoint_saves: tuple[dict[str, Any], ...] = ()
     path: Path | None = None
 
     @property

@@ -209,6 +209,8 @@ def run_job(spec: JobSpec, signals: SignalRecord | None = None) -> JobEnd:
     checkpointing = checkpoint_callbacks(spec)
     if checkpointing:
         trainer_cfg["enable_checkpointing"] = True
+    if pipeline and (cfg.get("checkpoint") or {}).get("async_save", False):
+        strategy.save_in_background()  # every save, the periodic ones and a stop's
     ckpt_path = cfg.get("ckpt_path")  # resolved (auto) and checked by the launcher: recipe.resume
     quiet_resume_notice(checkpointing, ckpt_path)
     metrics_cfg = cfg.get("metrics", {})

@@ -58,11 +58,16 @@ RUNNING_RESULTS_S = 30.0  # rank 0 rewrites results.json (status running) at mos
 
 
 def newest_checkpoint(trainer: pl.Trainer) -> str | None:
-    """The newest checkpoint this run wrote, else the one it resumed from (None without either)."""
+    """The newest checkpoint this run wrote that is complete (one written in the background appears once it is;
+    one whose save failed never does), else the one it resumed from (None without either)."""
     for callback in getattr(trainer, "checkpoint_callbacks", []):
         saved = getattr(callback, "_last_checkpoint_saved", None)
-        if saved:
+        if saved and Path(saved).exists():
             return str(saved)
+        dirpath = getattr(callback, "dirpath", None)
+        written = sorted(Path(dirpath).glob("step-*.ckpt")) if dirpath else []  # step-NNNNNN: in step order
+        if written:
+            return str(written[-1])
     resumed = getattr(trainer, "ckpt_path", None)
     return str(resumed) if resumed else None
 
@@ -335,7 +340,8 @@ class PipelineMetrics(Callback):
                           optimizer_state_bytes=self.optimizer_state_bytes, loss_history=self.loss_history,
                           lr_history=self.lr_history,
                           final_loss=self.loss_history[-1] if self.loss_history else None,
-                          global_step=trainer.global_step, last_checkpoint=newest_checkpoint(trainer))
+                          global_step=trainer.global_step, last_checkpoint=newest_checkpoint(trainer),
+                          checkpoint_saves=getattr(trainer.strategy, "checkpoint_saves", []))
         except OSError:
             pass
 
@@ -420,6 +426,9 @@ class PipelineMetrics(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = self._engine(trainer)
+        finish_saves = getattr(trainer.strategy, "finish_saves", None)
+        if finish_saves is not None:  # a checkpoint written in the background: complete, and timed, in the results
+            finish_saves()
         self._collect(engine)  # steps since the last reporting step (every rank)
         for step, loss in engine.flush_losses() if engine is not None else []:  # the last steps' losses, late
             self._record_loss(float(loss), engine, step)

@@ -193,10 +193,14 @@ class StopOnSignal(Callback):
 def save_step_reached(trainer: pl.Trainer) -> None:
     """Every ``ModelCheckpoint`` of ``trainer`` saves the step reached unless it just did, as its periodic
     saves do (same name pattern, same ``save_top_k`` and ``save_last`` handling; Lightning's own
-    ``save_on_exception`` path). A collective: every rank calls it."""
+    ``save_on_exception`` path), and waits until it is written (also when saves run in the background). A
+    collective: every rank calls it."""
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint) or callback._last_global_step_saved == trainer.global_step:
             continue
         candidates = callback._monitor_candidates(trainer)
         callback._save_topk_checkpoint(trainer, candidates)
         callback._save_last_checkpoint(trainer, candidates)
+    writer = getattr(getattr(trainer, "strategy", None), "writer", None)
+    if writer is not None:  # a background save (checkpoint.async_save): the step reached is on disk before the stop
+        writer.wait()

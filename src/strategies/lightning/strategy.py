@@ -16,13 +16,16 @@ with the step reached saved (:mod:`pipeline_recipes.strategies.lightning.stop`, 
 teardown ends the process group cleanly (gloo aborts some plain exits otherwise).
 
 Checkpoints are sharded (:mod:`pipeline_recipes.strategies.checkpoint`): ``Trainer.save_checkpoint`` and
-``ModelCheckpoint`` write a directory where each stage is saved once, by a rank holding it, beside
-Lightning's loop, callback and scheduler state; ``fit(ckpt_path=...)`` restores after ``setup``, each
-rank reading only its stages, from a sharded directory of any layout or a consolidated file.
+``ModelCheckpoint`` write a torch.distributed.checkpoint directory where every tensor is saved once, by a rank
+holding it, beside Lightning's loop, callback and scheduler state, in the foreground or from a staged copy in the
+background (:mod:`pipeline_recipes.strategies.checkpoint_writer`); ``fit(ckpt_path=...)`` restores after ``setup``,
+each rank reading only its keys, from a sharded directory of any layout or a consolidated file.
 """
 
 from __future__ import annotations
 
+import copy
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
@@ -45,6 +48,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from pipeline_recipes.strategies import checkpoint as ckpt
+from pipeline_recipes.strategies.checkpoint_writer import CheckpointWriter, any_rank, staged
 from pipeline_recipes.strategies.compute.compile import compile_blocks, repeated_blocks
 from pipeline_recipes.strategies.compute.cuda_graphs import StageGraphs
 from pipeline_recipes.strategies.runtime.engine import PipelineConfig, PipelineEngine, build_engine
@@ -75,6 +79,8 @@ class PipelineStrategy(DDPStrategy):
         self.engine: PipelineEngine | None = None
         self.model_index: ckpt.ModelIndex | None = None
         self._rng_to_restore: dict[str, Any] | None = None
+        self.writer = CheckpointWriter()  # foreground saves unless save_in_background (checkpoint.async_save)
+        self._checkpoint_group: dist.ProcessGroup | None = None
 
     @classmethod
     def from_layout(cls, layout: Layout, timeout_s: float = COLLECTIVE_TIMEOUT_S, **kwargs: Any) -> PipelineStrategy:
@@ -136,6 +142,9 @@ class PipelineStrategy(DDPStrategy):
         self.engine = build_engine(module.model, self.layout, self.root_device, partition=module.partition(self.S),
                                    timeout_s=self.pipeline_config.timeout_s)
         module.to(self.root_device)
+        if self.writer.background:  # the writer thread's collectives, apart from the training thread's
+            self._checkpoint_group = dist.new_group(backend="gloo",
+                                                    timeout=timedelta(seconds=self.pipeline_config.timeout_s))
         stages = f" S={self.S}" if self.S != self.D else ""
         rank_zero_info(f"pipeline: {self.pipeline_config.schedule} W={self.W} D={self.D}{stages}; "
                        + "; ".join(self.engine.topology.describe(r) for r in range(min(self.world_size, 8))))
@@ -172,10 +181,7 @@ class PipelineStrategy(DDPStrategy):
             "num_layers": len(self.model_index.prefixes),
             "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
             "has_optimizer_states": "optimizer_states" in checkpoint,
-            # strategy.shard_optimizer: the optimizer state is in each rank's optim/rank<r>.pt, not the stage files
-            "optimizer_pieces": "optimizer_states" in checkpoint and bool(engine.segments()),
-            "files": {str(s): ckpt.stage_file(s) for s in range(self.S)},
-            "owners": {str(s): r for s, r in owners.items()},
+            "storage": "dcp",  # the model and optimizer state: pipeline_recipes.strategies.dcp_state
             "index": self.model_index.as_dict(),
             # the model's Hydra config (PipelineModule.on_save_checkpoint): the launcher checks it before a resume
             ckpt.MODEL_CONFIG_KEY: checkpoint.get(ckpt.MODEL_CONFIG_KEY),
@@ -189,29 +195,56 @@ class PipelineStrategy(DDPStrategy):
         engine, module = self.engine, self.lightning_module
         if engine is None or self.model_index is None:
             raise RuntimeError("the pipeline is not set up yet: save checkpoints during or after fit")
+        started = time.perf_counter()
+        self.writer.wait()  # at most one save in flight
         rank = self.global_rank
-        owned = [s for s in engine.local_stages if min(engine.topology.stage_group(s)) == rank]
         optimizers = self.optimizers if "optimizer_states" in checkpoint else []
-        sharded = bool(optimizers) and bool(engine.segments())
-        payloads = {s: ckpt.stage_payload(engine.partition[s], module, checkpoint["state_dict"],
-                                          [] if sharded else optimizers, self.model_index, with_common=s == 0)
-                    for s in owned}
-        rank_files = {ckpt.optimizer_pieces_file(rank): self._optimizer_pieces(optimizers)} if sharded else None
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        ckpt.save_sharded(
-            filepath, rank=rank, payloads=payloads,
-            meta=self.checkpoint_meta(checkpoint) if rank == 0 else None, trainer_state=rest if rank == 0 else None,
-            write_trainer_state=lambda state, path: self.checkpoint_io.save_checkpoint(dict(state), path),
-            any_failed=lambda failed: self.reduce_boolean_decision(failed, all=False), rank_files=rank_files,
-        )
-
-    def _optimizer_pieces(self, optimizers: list[torch.optim.Optimizer]) -> list[dict[str, Any]]:
-        """This rank's part of each sharded optimizer, by parameter name (:func:`ckpt.optimizer_pieces`)."""
-        engine = self.engine
-        names = ckpt.parameter_names(self.lightning_module, self.model_index)
+        names = ckpt.parameter_names(module, self.model_index)
         segments = {id(s.shard): (s.param, s.offset) for s in engine.segments()}
-        return [ckpt.optimizer_pieces(opt, engine.whole_groups(opt) or [g["params"] for g in opt.param_groups],
-                                      segments, names) for opt in optimizers]
+        groups = [engine.whole_groups(opt) or [g["params"] for g in opt.param_groups] for opt in optimizers]
+        state = ckpt.rank_state(checkpoint["state_dict"], self.model_index, optimizers, groups, names, segments)
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        group = self._checkpoint_group
+        if self.writer.background:  # staged: host copies that training does not change while they are written
+            state, rest = staged(state), copy.deepcopy(rest)
+        write = partial(
+            ckpt.save_sharded, filepath, rank=rank, write_parts=ckpt.dcp_files(state, group), rng=ckpt.rng_state(),
+            needed_bytes=ckpt.tensor_bytes(state), meta=self.checkpoint_meta(checkpoint) if rank == 0 else None,
+            trainer_state=rest if rank == 0 else None,
+            write_trainer_state=lambda state, path: self.checkpoint_io.save_checkpoint(dict(state), path),
+            any_failed=partial(any_rank, group=group) if group is not None else partial(
+                self.reduce_boolean_decision, all=False))
+        self.writer.save(int(checkpoint.get("global_step") or 0), filepath, write, started)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's removal of a replaced checkpoint, put off while the save replacing it is still being written
+        (``checkpoint.async_save``): done once that save is complete and verifies, never if it fails."""
+        if not self.writer.after_save(partial(self._remove_once_verified, filepath)):
+            super().remove_checkpoint(filepath)
+
+    def _remove_once_verified(self, filepath: Any, saved: Path) -> None:
+        try:
+            ckpt.verify_checkpoint(saved)
+        except (ckpt.CheckpointError, OSError) as err:
+            rank_zero_warn(f"keeping {filepath}: the checkpoint saved after it does not verify: {err}")
+            return
+        super().remove_checkpoint(filepath)
+
+    @property
+    def checkpoint_saves(self) -> list[dict[str, Any]]:
+        """Each save of this run: ``{step, blocking_s, write_s, bytes}`` (``results.json: checkpoint_saves``)."""
+        return [record.as_dict() for record in self.writer.saves]
+
+    def finish_saves(self) -> None:
+        """Wait for the checkpoint being written in the background, if any (bounded), and raise its error."""
+        self.writer.wait()
+
+    def save_in_background(self) -> None:
+        """Write checkpoints in a worker thread from staged copies (``checkpoint.async_save``); before ``setup``."""
+        if self.engine is not None:
+            raise RuntimeError("save_in_background must be chosen before the strategy is set up")
+        self.writer = CheckpointWriter(background=True, timeout_s=max(600.0, 5 * self.pipeline_config.timeout_s))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -225,10 +258,18 @@ class PipelineStrategy(DDPStrategy):
         def load_file(p: Path) -> dict[str, Any]:
             return self.checkpoint_io.load_checkpoint(p, weights_only=weights_only)
 
-        if path.is_dir():
-            meta = ckpt.read_meta(path)
-            stages = ckpt.stages_holding(meta, {index.layer_of(k) for k in local})
-            full = ckpt.read_sharded(path, stages, load_file)
+        names = ckpt.parameter_names(module, index)
+        ranges = {}  # strategy.shard_optimizer: the segment each optimizer steps → its part of a parameter
+        for segment in self.engine.segments():
+            names[id(segment.shard)] = names[id(segment.param)]
+            ranges[id(segment.shard)] = (segment.offset, segment.offset + segment.shard.numel())
+        meta = ckpt.read_meta(path) if path.is_dir() else {}
+        if path.is_dir() and ckpt.is_dcp(meta):
+            stepped = {names[id(p)] for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
+            spans = {names[i]: span for i, span in ranges.items()}
+            full = ckpt.read_dcp(path, meta, local.keys(), stepped, spans, load_file)
+        elif path.is_dir():
+            full = ckpt.read_sharded(path, ckpt.stages_holding(meta, {index.layer_of(k) for k in local}), load_file)
         else:
             full = ckpt.read_checkpoint(path, index, load_file=load_file)
         checkpoint = {**full.trainer_state, "state_dict": ckpt.select_model_state(full, local, module.strict_loading)}
@@ -236,11 +277,6 @@ class PipelineStrategy(DDPStrategy):
             if len(full.optimizers) != len(self.optimizers):
                 raise ckpt.CheckpointError(f"{path} holds {len(full.optimizers)} optimizers, this module configures "
                                            f"{len(self.optimizers)}")
-            names = ckpt.parameter_names(module, index)
-            ranges = {}  # strategy.shard_optimizer: the segment each optimizer steps → its part of a parameter
-            for segment in self.engine.segments():
-                names[id(segment.shard)] = names[id(segment.param)]
-                ranges[id(segment.shard)] = (segment.offset, segment.offset + segment.shard.numel())
             checkpoint["optimizer_states"] = [ckpt.select_optimizer_state(saved, opt, names, str(path), ranges or None)
                                               for saved, opt in zip(full.optimizers, self.optimizers)]
         elif full.optimizers or full.meta.get("has_optimizer_states"):
@@ -269,8 +305,14 @@ class PipelineStrategy(DDPStrategy):
         fetch_during_waits(self.lightning_module.trainer, self.engine)
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.writer.raise_if_failed()  # a background save that failed ends the job at the next step
+
+    @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        self.writer.wait()  # the last save complete before the job reports its end
         if self.engine is not None:  # asynchronous schedules: no loss all-reduce left in flight (the metrics
             self.engine.flush_losses()  # callback, which runs first, has taken the losses it reports)
             self.engine.idle_work = None
@@ -287,6 +329,10 @@ class PipelineStrategy(DDPStrategy):
             finally:
                 self._lightning_module = module
         record_handled_error()  # a failed step: its exception is this rank's first, named by the launcher
+        try:
+            self.writer.close()  # a save still in flight (the job failed meanwhile): complete it or give up, bounded
+        except Exception as err:  # the job is ending for another reason, which this must not hide
+            rank_zero_warn(f"the checkpoint being written in the background did not complete: {err}")
         end_process_group()
 
 

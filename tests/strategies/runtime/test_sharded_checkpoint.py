@@ -1,7 +1,7 @@
 """Checkpoints of a sharded optimizer (``strategy.shard_optimizer``) through ``train.py`` on CPU.
 
 Chimera D = 2 on two ranks keeps two copies of every stage (its down and up pipelines), so each rank steps half of
-the optimizer state and saves that half (``optim/rank<r>.pt``). Uninterrupted 6-step runs, sharded and not, save at
+the optimizer state and saves that half (its chunks of the DCP state). Uninterrupted 6-step runs, sharded and not, save at
 steps 3 and 6; three runs resume from step 3: sharded under the same layout (exact), DAPPLE W = 2 D = 1 unsharded
 from the sharded checkpoint, DAPPLE W = 2 D = 1 sharded from the unsharded one (other layouts: the same sums in
 another order). The expected values are the uninterrupted unsharded run's.
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pipeline_recipes.strategies import checkpoint as ckpt
+from pipeline_recipes.strategies import dcp_state
 
 ROOT = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -54,7 +55,8 @@ def _step(out: Path, step: int) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sharded_ckpt")
-    _wait(_start(root / "whole", *CHIMERA), _start(root / "sharded", *CHIMERA, SHARD))
+    # the whole run saves in the foreground, the sharded one in the background (the default): both kinds resume
+    _wait(_start(root / "whole", *CHIMERA, "checkpoint.async_save=false"), _start(root / "sharded", *CHIMERA, SHARD))
     resumes = {
         "same": (*CHIMERA, SHARD, f"ckpt_path={_step(root / 'sharded', 3)}"),
         "to_whole": (*OTHER, f"ckpt_path={_step(root / 'sharded', 3)}"),
@@ -81,11 +83,17 @@ def test_a_sharded_run_trains_as_the_unsharded_one_with_a_fraction_of_the_state(
 @pytest.mark.slow
 def test_each_rank_saves_its_part_of_the_optimizer_state(runs: dict[str, Path]) -> None:
     step3 = _step(runs["sharded"], 3)
-    assert sorted(p.relative_to(step3).as_posix() for p in step3.rglob("*.pt")) == [
-        "optim/rank0.pt", "optim/rank1.pt", "rng/rank0.pt", "rng/rank1.pt", "stage0.pt", "stage1.pt", "trainer.pt"]
-    meta = json.loads((step3 / "meta.json").read_text())
-    assert meta["optimizer_pieces"] is True and "optim/rank1.pt" in meta["manifest"]
-    assert torch.load(step3 / "stage1.pt", weights_only=True)["optimizers"] == []
+    assert sorted(p.name for p in step3.glob("__*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # DCP's index: each rank wrote the chunks of the moments it steps, half of them, a parameter split between both
+    metadata = dcp_state.read_metadata(step3)
+    files: dict[str, set[str]] = {}
+    written = {"__0_0.distcp": 0, "__1_0.distcp": 0}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("optimizer.0.state.") and not index.fqn.endswith(".step"):
+            files.setdefault(index.fqn, set()).add(info.relative_path)
+            written[info.relative_path] += info.length
+    assert any(len(f) == 2 for f in files.values()), files
+    assert 0.4 <= written["__0_0.distcp"] / sum(written.values()) <= 0.6, written
     ckpt.verify_checkpoint(step3)
     # consolidated, the two halves are the unsharded run's state: the same model, the same Adam moments by name
     sharded, whole = ckpt.consolidate(step3), ckpt.consolidate(_step(runs["whole"], 3))
