@@ -27,8 +27,12 @@ Positional arguments are ``train.py``'s Hydra overrides (same ``conf/``); option
 * ``--shard-optimizer false,true``: the ``strategy.shard_optimizer`` choices compared (default both; sharded only
   where some stage has copies, ZeRO stage 1 across them: docs/planner.md, "Sharded optimizer state");
 * ``--compare``: the best layout of every schedule (W, D, B, recomputation, samples/s, step time, bubble, unhidden
-  gradient sync time, exposed parameter all-gather, peak memory, variant: e.g. ``shard_optim``); with ``--json`` the
-  file is ``{"cluster", "best_per_schedule": {name: {...}}, "rows"}`` (each with ``shard_optimizer``).
+  gradient sync time, exposed parameter all-gather, peak memory, variant: e.g. ``shard_optim``), then why: each one's
+  step split into compute, bubble, messages and unhidden collectives, and its fullest rank's peak into weights,
+  gradients, optimizer state and activations; with ``--json`` the file is ``{"cluster", "best_per_schedule": {name:
+  {...}}, "rows"}`` (each with ``shard_optimizer``; each best with ``time_split: {compute_s, bubble_s, p2p_s,
+  allreduce_s}`` summing to ``step_s`` and ``memory_split: {weights, gradients, optimizer, activations}`` in bytes,
+  summing to ``peak_bytes``).
 """
 
 from __future__ import annotations
@@ -188,7 +192,7 @@ def _plan_cluster(cfg, spec, args) -> int:
     print(f"the best layout of each of {len(plans)} schedules for global batch {global_batch}; budget {budget.describe()}")
     if not args.compare:  # --compare prints the same layouts once, with more columns, below
         print(format_table(plans, args.top or None))
-    best = best_per_schedule(plans)
+    best = best_per_schedule(plans, costs)
     if args.partition != "runtime":  # how train.py runs each schedule's split (None: no model.*_cost pair gives it)
         from pipeline_recipes.planner.partition_search import partition_overrides
 
@@ -240,6 +244,17 @@ def _format_compare(best: dict) -> str:
                      f"{row['samples_per_s']:>10.2f} {row['step_s']:>8.3f} {row['bubble']:>6.1%} "
                      f"{row['allreduce_s']:>9.3f} {row['gather_s']:>8.3f} {row['peak_bytes'] / 2**30:>8.2f} "
                      f"{'yes ' if row['fits'] else 'NO  '} {_variant(row)}")
+    lines += ["", "why: each best layout's predicted step (seconds) and its fullest rank's peak (GiB), in parts",
+              f"{'schedule':<22} {'compute':>8} {'bubble':>8} {'p2p':>8} {'all-red':>8} = {'step s':>8}   "
+              f"{'weights':>7} {'grads':>7} {'optim':>7} {'acts':>7} = {'peak':>7}"]
+    for name, row in sorted(best.items(), key=lambda kv: -(kv[1]["samples_per_s"] or 0.0)):
+        if row["samples_per_s"] is None:
+            continue
+        time, memory = row["time_split"], {k: v / 2**30 for k, v in row["memory_split"].items()}
+        lines.append(f"{name:<22} {time['compute_s']:>8.3f} {time['bubble_s']:>8.3f} {time['p2p_s']:>8.3f} "
+                     f"{time['allreduce_s']:>8.3f} = {row['step_s']:>8.3f}   {memory['weights']:>7.2f} "
+                     f"{memory['gradients']:>7.2f} {memory['optimizer']:>7.2f} {memory['activations']:>7.2f} = "
+                     f"{row['peak_bytes'] / 2**30:>7.2f}")
     return "\n".join(lines)
 
 

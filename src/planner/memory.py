@@ -68,6 +68,15 @@ class WorkerMemory:
     activations: float  # the most activation bytes kept at once (the walk's peak minus states and casts)
     casts: float = 0.0  # autocast's half-precision weight copies, one per weight and step
     graph_pools: float = 0.0  # strategy.cuda_graphs: the pools of the stages' graph copies, kept across steps
+    weights: float = 0.0  # the worker's parameters (with an asynchronous schedule's stashed versions)
+    optimizer: float = 0.0  # AdamW's moments the worker holds (1/G of its buckets' with a sharded state)
+
+    def split(self) -> dict[str, float]:
+        """The peak in four parts that sum to it: weights, gradients, optimizer state, and activations (every
+        other byte at the peak: stored activations, messages, autocast's weight copies, graph pools)."""
+        gradients = self.states - self.weights - self.optimizer
+        return {"weights": self.weights, "gradients": gradients, "optimizer": self.optimizer,
+                "activations": self.peak - self.states}
 
 
 @dataclass(frozen=True)
@@ -200,7 +209,7 @@ def worker_peak(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: 
     pools = 0.0
     if cand.cuda_graphs:  # beside the walk: the eager allocator cannot use a graph's private pool
         pools = sum(count * costs.graph_slot_bytes(ranges[s], B) for s, count in slots_needed(schedule, worker).items())
-    return WorkerMemory(peak + pools, held, peak - held - casts, casts, pools)
+    return WorkerMemory(peak + pools, held, peak - held - casts, casts, pools, params + versions / 2, optimizer)
 
 
 def optimizer_state(costs: ModelCosts, cand: Candidate, schedule: Schedule, worker: int,
@@ -245,7 +254,7 @@ def _without_sharded_state(costs: ModelCosts, cand: Candidate, whole: MemoryPred
     for w, mem in enumerate(whole.workers):
         layers = {i for s in schedule.stages_of(w) for i in ranges[s]}
         saved = ADAMW_STATES * _grad_bytes(costs, layers) - optimizer_state(costs, cand, schedule, w, ranges)
-        workers.append(replace(mem, peak=mem.peak - saved, states=mem.states - saved))
+        workers.append(replace(mem, peak=mem.peak - saved, states=mem.states - saved, optimizer=mem.optimizer - saved))
     return MemoryPrediction(tuple(workers), whole.W)
 
 

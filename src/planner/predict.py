@@ -361,10 +361,13 @@ class _Simulated:
 
 
 @lru_cache(maxsize=8)  # a sharded twin is predicted right after its layout (candidates() lists them so)
-def _simulated(costs: ModelCosts, cand: Candidate, partition: tuple[range, ...], cores: int) -> _Simulated:
+def _simulated(costs: ModelCosts, cand: Candidate, partition: tuple[range, ...], cores: int,
+               messages: bool = True) -> _Simulated:
     """Simulate ``cand``'s schedule with its stage costs (module docstring); cached by layout, the optimizer sharding
-    aside (the caller passes the unsharded twin)."""
+    aside (the caller passes the unsharded twin). ``messages=False``: every message between stages free
+    (:func:`time_split`)."""
     t_f, t_b, t_comm = stage_costs(costs, cand, partition)
+    t_comm = t_comm if messages else 0.0
     if get_spec(cand.strategy).asynchronous:
         schedule, makespan, busy = _steady_window(cand, t_f, t_b, t_comm)
         timeline: Sequence = [()] * cand.D
@@ -408,6 +411,32 @@ def predict_time(costs: ModelCosts, cand: Candidate, partition: Sequence[range] 
     gather = max(g - s for g, s in zip(gathered, stepped))
     return TimePrediction(max(gathered) + step, max(compute_end), sync, max(opt), step, run.bubble, run.t_f, run.t_b,
                           run.t_comm, gather)
+
+
+def time_split(costs: ModelCosts, cand: Candidate, time: TimePrediction, partition: Sequence[range] | None = None, *,
+               cores: int | None = None) -> dict[str, float]:
+    """``time`` (:func:`predict_time` of ``cand``) in four parts that sum to its ``iteration_s``:
+
+    * ``allreduce_s``: what the gradient synchronisation (and a sharded state's parameter gather) adds after the
+      pipeline's last computation, the optimizer step and the runtime's fixed cost aside;
+    * ``p2p_s``: what the messages between stages add to the pipeline (its simulation with ``t_comm`` as predicted,
+      less the same schedule simulated with free messages);
+    * ``bubble_s``: the idle share of that message-free simulation (its bubble ratio times its makespan);
+    * ``compute_s``: the rest: the forwards and backwards, the optimizer step and the runtime's fixed cost.
+    """
+    partition = partition_for(costs, cand.S, partition)
+    cand = cand.resolved()
+    cores = costs.cores if cores is None else cores
+    whole = cand.replace(shard_optimizer=False) if cand.shard_optimizer else cand
+    run = _simulated(costs, whole, tuple(partition), cores)
+    free = _simulated(costs, whole, tuple(partition), cores, messages=False)
+    pipeline = time.compute_s
+    allreduce = max(0.0, time.iteration_s - pipeline - time.optimizer_s - time.step_s)
+    free_span = free.makespan * run.stretch
+    p2p = max(0.0, pipeline - free_span)
+    bubble = min(free.bubble * free_span, time.iteration_s - allreduce - p2p)
+    return {"compute_s": time.iteration_s - allreduce - p2p - bubble, "bubble_s": bubble, "p2p_s": p2p,
+            "allreduce_s": allreduce}
 
 
 def _parameters_gathered(costs: ModelCosts, cand: Candidate, buckets: Sequence[tuple], stepped: Sequence[float]

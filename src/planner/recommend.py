@@ -22,7 +22,7 @@ from .model_costs import ModelCosts
 from .partition_search import recommend_partition
 from .parallel import map_grouped, map_groups, planner_pool, workers_for
 from .predict import (
-    RECOMPUTE, SHARDING, Candidate, TimePrediction, candidates, partition_for, predict_time, stage_costs,
+    RECOMPUTE, SHARDING, Candidate, TimePrediction, candidates, partition_for, predict_time, stage_costs, time_split,
 )
 
 JSON_KEYS = ("strategy", "W", "D", "B", "N", "pipelines", "concat", "recompute", "shard_optimizer",
@@ -113,21 +113,25 @@ def plan_all(costs: ModelCosts, devices: int, global_batch_size: int, budget: Bu
     return plans
 
 
-def best_per_schedule(plans: Sequence[Plan]) -> dict[str, dict[str, Any]]:
+def best_per_schedule(plans: Sequence[Plan], costs: ModelCosts) -> dict[str, dict[str, Any]]:
     """The first plan of each schedule in ``plans`` (ranked as :func:`plan_all` or :func:`best_plans` rank them:
     fitting first), with its W, D, B, recomputation, optimizer sharding, samples/s, step time, bubble ratio, unhidden
-    gradient sync time (``allreduce_s``), exposed parameter all-gather of a sharded optimizer state (``gather_s``)
-    and peak bytes per rank."""
+    gradient sync time (``allreduce_s``), exposed parameter all-gather of a sharded optimizer state (``gather_s``),
+    peak bytes per rank, and why: ``time_split`` (its step in compute, bubble, messages and unhidden collectives:
+    :func:`~pipeline_recipes.planner.predict.time_split`) and ``memory_split`` (the fullest rank's peak in weights,
+    gradients, optimizer state and activations: :meth:`~pipeline_recipes.planner.memory.WorkerMemory.split`)."""
     out: dict[str, dict[str, Any]] = {}
     for p in plans:
         c = p.candidate
         if c.strategy in out:
             continue
+        fullest = max(p.memory.workers, key=lambda w: w.peak)
         out[c.strategy] = {"W": c.W, "D": c.D, "B": c.B, "recompute": c.recompute,
                            "shard_optimizer": c.shard_optimizer, "samples_per_s": p.samples_per_s,
                            "peak_bytes": max(p.memory.per_rank), "N": c.N, "pipelines": c.pipelines,
                            "step_s": p.time.iteration_s, "bubble": p.time.bubble_ratio, "allreduce_s": p.time.sync_s,
-                           "gather_s": p.time.gather_s, "label": c.label(), "fits": p.fits}
+                           "gather_s": p.time.gather_s, "label": c.label(), "fits": p.fits,
+                           "time_split": time_split(costs, c, p.time, p.partition), "memory_split": fullest.split()}
     return out
 
 

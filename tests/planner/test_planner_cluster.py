@@ -196,8 +196,8 @@ def test_the_smart_search_equals_brute_force_on_a_small_space() -> None:
     budget = Budget(per_rank=int(peaks[len(peaks) // 2]), source="test")  # about half the layouts fit
     brute = plan_all(costs, 8, 32, budget, schedules=schedules, workers=1)
     smart = best_plans(costs, 8, 32, budget, schedules=schedules, workers=1)
-    expected = {k: v for k, v in best_per_schedule(brute).items() if v["fits"]}
-    got = {k: v for k, v in best_per_schedule(smart).items() if v["fits"]}
+    expected = {k: v for k, v in best_per_schedule(brute, costs).items() if v["fits"]}
+    got = {k: v for k, v in best_per_schedule(smart, costs).items() if v["fits"]}
     assert expected and got.keys() == expected.keys()
     for name in expected:
         assert got[name]["samples_per_s"] == pytest.approx(expected[name]["samples_per_s"])

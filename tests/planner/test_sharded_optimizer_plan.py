@@ -193,6 +193,6 @@ def test_compare_json_carries_shard_optimizer(tmp_path: Path, capsys: pytest.Cap
 def test_best_per_schedule_carries_the_flag_and_the_gather() -> None:
     costs = toy(4)
     plans = plan_all(costs, 4, 8, Budget(per_rank=10**12), schedules=["chimera"], workers=1)
-    best = best_per_schedule(plans)["chimera"]
+    best = best_per_schedule(plans, costs)["chimera"]
     assert {"shard_optimizer", "gather_s", "label"} <= set(best)
     assert best["shard_optimizer"] == plans[0].candidate.shard_optimizer
