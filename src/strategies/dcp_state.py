@@ -130,6 +130,12 @@ class FlatPiece:
         raise KeyError(f"no chunk at {wanted}")
 
 
+def _pieces_apart(state_dict: dict[str, Any]) -> tuple[dict[str, FlatPiece], dict[str, Any]]:
+    """The :class:`FlatPiece` entries of ``state_dict`` (this module's planners chunk them) and the others (DCP's)."""
+    pieces = {k: v for k, v in state_dict.items() if isinstance(v, FlatPiece)}
+    return pieces, {k: v for k, v in state_dict.items() if k not in pieces}
+
+
 class _PieceSavePlanner(DefaultSavePlanner):
     """DCP's default planner, plus :class:`FlatPiece` entries written as chunks of their logical tensor."""
 
@@ -139,8 +145,7 @@ class _PieceSavePlanner(DefaultSavePlanner):
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
-        self.pieces = {k: v for k, v in state_dict.items() if isinstance(v, FlatPiece)}
-        rest = {k: v for k, v in state_dict.items() if not isinstance(v, FlatPiece)}
+        self.pieces, rest = _pieces_apart(state_dict)
         super().set_up_planner(rest, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
@@ -170,8 +175,7 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
-        self.pieces = {k: v for k, v in state_dict.items() if isinstance(v, FlatPiece)}
-        rest = {k: v for k, v in state_dict.items() if not isinstance(v, FlatPiece)}
+        self.pieces, rest = _pieces_apart(state_dict)
         super().set_up_planner(rest, metadata, is_coordinator)
 
     def create_local_plan(self) -> LoadPlan:
