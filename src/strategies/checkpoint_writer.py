@@ -16,6 +16,7 @@ This module needs torch only.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -81,7 +82,10 @@ class CheckpointWriter:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer") if background else None
         self._future: Future[Path] | None = None
         self._path: Path | None = None
-        self._after: list[Callable[[Path], None]] = []
+        self._lock = threading.Lock()
+        self._after: list[Callable[[Path], None]] = []  # run once the save in flight is written
+        self._written: Path | None = None  # the last background save, once written (None while in flight)
+        self._failed = False  # the last background save failed (its error raised)
 
     def save(self, step: int, path: str | Path, write: Callable[[], Path], started: float) -> None:
         """Write one checkpoint (``write``), staged by the caller since ``started`` (``time.perf_counter()``,
@@ -93,14 +97,17 @@ class CheckpointWriter:
             saved = write()
             record.write_s = time.perf_counter() - started
             record.bytes = directory_bytes(saved) if saved.is_dir() else saved.stat().st_size
-            for work in self._after:
+            with self._lock:
+                after, self._after, self._written = self._after, [], saved
+            for work in after:
                 work(saved)
-            self._after.clear()
             return saved
 
         if self._executor is None:
             run()
         else:
+            with self._lock:
+                self._written, self._failed = None, False
             self._path, self._future = Path(path), self._executor.submit(run)
         record.blocking_s = time.perf_counter() - started
 
@@ -108,23 +115,35 @@ class CheckpointWriter:
         return self._future is not None and not self._future.done()
 
     def after_save(self, work: Callable[[Path], None]) -> bool:
-        """With a save in flight, run ``work(path of the save)`` once it is complete (never if it fails) and return
-        True; without one return False (the caller does the work now)."""
-        if not self.in_flight():
-            return False
-        self._after.append(work)
+        """After the last background save: run ``work(its path)`` once it is written (now if it is; never if it
+        fails) and return True. Without one (foreground saves, or none yet) return False: the caller does the
+        work now."""
+        with self._lock:
+            if self._failed:
+                return True  # never after a failed save
+            if self._future is None:
+                return False
+            written = self._written
+            if written is None:
+                self._after.append(work)
+                return True
+        work(written)
         return True
 
     def wait(self) -> None:
         """Wait for the save in flight (at most ``timeout_s``) and raise its error, if it failed."""
-        future, self._future = self._future, None
-        if future is None:
+        future = self._future
+        if future is None or (future.done() and future.exception() is None):
             return
         try:
             future.result(timeout=self.timeout_s)
         except FutureTimeout as err:
+            self._future = None
             raise TimeoutError(f"the background save of {self._path} did not finish within {self.timeout_s:.0f} s "
                                "(checkpoint.async_save): a rank's write is stuck or slow") from err
+        except BaseException:
+            self._future, self._failed = None, True  # its error is raised once
+            raise
 
     def raise_if_failed(self) -> None:
         """Raise the error of a background save that has failed; return at once otherwise."""

@@ -218,8 +218,8 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Lightning's removal of a replaced checkpoint, put off while the save replacing it is still being written
-        (``checkpoint.async_save``): done once that save is complete and verifies, never if it fails."""
+        """Lightning's removal of a replaced checkpoint; with saves in the background (``checkpoint.async_save``) done
+        once the save replacing it is written and verifies, never if it fails."""
         if not self.writer.after_save(partial(self._remove_once_verified, filepath)):
             super().remove_checkpoint(filepath)
 

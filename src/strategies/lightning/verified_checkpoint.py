@@ -35,8 +35,8 @@ class VerifiedCheckpoint(ModelCheckpoint):
         if not trainer.is_global_zero:  # removes nothing (Strategy.remove_checkpoint): reads nothing
             return True
         writer = getattr(trainer.strategy, "writer", None)
-        if writer is not None and writer.in_flight():  # written in the background: the strategy removes the
-            return True  # previous one once the new one is complete and verifies (PipelineStrategy.remove_checkpoint)
+        if writer is not None and writer.background:  # written in the background: the strategy removes the
+            return True  # previous one once the new one is written and verifies (PipelineStrategy.remove_checkpoint)
         try:
             verify_checkpoint(current)
         except (CheckpointError, OSError) as err:

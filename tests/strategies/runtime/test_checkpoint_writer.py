@@ -62,8 +62,9 @@ def test_a_background_save_returns_at_once_and_one_at_a_time(tmp_path: Path) -> 
     assert done == [tmp_path / "a"] and not writer.in_flight()
     record = writer.saves[0]
     assert record.blocking_s < 0.1 <= record.write_s and record.bytes == 10 and record.step == 1
-    assert not writer.after_save(done.append)  # nothing in flight: the caller does the work now
+    assert writer.after_save(done.append) and done == [tmp_path / "a"] * 2  # written: the work runs at once
     writer.close()
+    assert not CheckpointWriter().after_save(done.append)  # foreground saves: the caller does the work
 
 
 def test_a_failed_background_save_is_raised_at_the_next_step_and_skips_the_work_after_it(tmp_path: Path) -> None:
@@ -79,7 +80,7 @@ def test_a_failed_background_save_is_raised_at_the_next_step_and_skips_the_work_
         while time.monotonic() < deadline:
             writer.raise_if_failed()
             time.sleep(0.01)
-    assert done == []
+    assert writer.after_save(done.append) and done == []  # never after a failed save
     writer.close()
 
 
