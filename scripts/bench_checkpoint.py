@@ -3,8 +3,11 @@
 
     python scripts/bench_checkpoint.py --out benchmarks/bench_checkpoint.json   # gpt2-small, 2 CPU ranks (minutes)
     python scripts/bench_checkpoint.py --quick --out /tmp/bench_checkpoint.json # gpt2-tiny, a smoke test
+    python scripts/bench_checkpoint.py --gpu --out OUT/bench_checkpoint.json    # one GPU (bash scripts/gpu_check.sh
+                                                                                # OUT checkpoint runs it)
 
-``train.py`` as a user runs it (Chimera D = 2 on 2 gloo ranks, fused AdamW, the default logger off) three times with
+``train.py`` as a user runs it (Chimera D = 2 on 2 gloo ranks; ``--gpu``: DAPPLE D = 1 on one GPU, bf16-mixed; fused
+AdamW, the default logger off) three times with
 the same seed and data: without checkpoints, saving every 5 steps in the foreground, and saving every 5 steps in the
 background. A callback (:class:`StepClock`, added through ``+trainer.callbacks``) stamps the end of every training
 step on rank 0; a save runs after the step it saves (Lightning puts checkpoint callbacks last), so its cost to training
@@ -36,8 +39,13 @@ from lightning.pytorch.callbacks import Callback
 from bench import machine
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = {"full": {"model": "gpt2-small", "overrides": ["model.seq_len=256", "data.global_batch_size=4"], "steps": 16},
-         "quick": {"model": "gpt2-tiny", "overrides": ["data.global_batch_size=8"], "steps": 8}}
+CPU_LAYOUT = ["strategy=chimera", "strategy.D=2", "trainer.devices=2"]
+SIZES = {"full": {"model": "gpt2-small", "overrides": ["model.seq_len=256", "data.global_batch_size=4", *CPU_LAYOUT],
+                  "steps": 16},
+         "quick": {"model": "gpt2-tiny", "overrides": ["data.global_batch_size=8", *CPU_LAYOUT], "steps": 8},
+         "gpu": {"model": "gpt2-small", "overrides": ["model.seq_len=1024", "data.global_batch_size=8", "trainer=gpu",
+                                                      "trainer.devices=1", "strategy=dapple", "strategy.D=1"],
+                 "steps": 16}}
 EVERY = 5
 WARMUP = 1  # steps before the clock starts (the first step builds buffers)
 VARIANTS = {"none": [], "sync": [f"checkpoint.every_n_steps={EVERY}", "checkpoint.async_save=false"],
@@ -63,7 +71,7 @@ def run(variant: str, size: dict[str, Any], work: Path) -> dict[str, Any]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={out}", f"model={size['model']}", *size["overrides"],
-           "strategy=chimera", "strategy.D=2", "trainer.devices=2", "logger=none", "preflight=false",
+           "logger=none", "preflight=false",
            f"trainer.max_steps={size['steps']}", "checkpoint.keep=all", *VARIANTS[variant],
            f"+trainer.callbacks=[{{_target_:bench_checkpoint.StepClock,path:'{clock}'}}]"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
@@ -79,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="gpt2-tiny, few steps (smoke test)")
+    parser.add_argument("--gpu", action="store_true", help="gpt2-small at sequence 1024 on one GPU")
     args = parser.parse_args(argv)
-    size = SIZES["quick" if args.quick else "full"]
+    size = SIZES["quick" if args.quick else "gpu" if args.gpu else "full"]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as tmp:
         runs = {variant: run(variant, size, Path(tmp)) for variant in VARIANTS}

@@ -10,17 +10,22 @@
 #      160-195 s on an H200; its JSON is written after each model).
 # With the environment check (seconds) and the summary, the limits add up to less than 10 minutes.
 # Usage: bash scripts/gpu_check.sh OUT_DIR   (PYTHON=... picks the interpreter, python3 by default)
+#        bash scripts/gpu_check.sh OUT_DIR checkpoint   the environment check, then only the checkpoint benchmark
+#        (scripts/bench_checkpoint.py --gpu: saves in the foreground and in the background against none, at most
+#        GPU_CHECK_CHECKPOINT_TIMEOUT_S, 300 by default) into OUT_DIR/bench_checkpoint.json: a second device call,
+#        since the checks above fill the 10 minutes of one
 # OUT_DIR receives four files: gpu_check.log (everything printed), pytest.xml (the JUnit report),
 # bench_gpu.json (the benchmark's record) and summary.json (the tests' counts and failures with the record).
 # Exit status: 0 when every test passed and the benchmark finished, 1 otherwise, 2 when the environment cannot
 # run the checks.
 set -uo pipefail
 
-if [ $# -ne 1 ] || [ -z "$1" ]; then
-  echo "usage: bash scripts/gpu_check.sh OUT_DIR" >&2
+if [ $# -lt 1 ] || [ $# -gt 2 ] || [ -z "$1" ] || { [ $# -eq 2 ] && [ "$2" != checkpoint ]; }; then
+  echo "usage: bash scripts/gpu_check.sh OUT_DIR [checkpoint]" >&2
   exit 2
 fi
 out=$1
+part=${2:-all}
 PYTHON=${PYTHON:-python3}
 test_timeout=${GPU_CHECK_TEST_TIMEOUT_S:-330}
 bench_timeout=${GPU_CHECK_BENCH_TIMEOUT_S:-240}
@@ -87,6 +92,16 @@ if [ "$env_rc" -ne 0 ]; then
   grep '^gpu_check: ' "$log" >&2
   say "the environment cannot run the GPU checks (see above); nothing was run"
   exit 2
+fi
+
+if [ "$part" = checkpoint ]; then
+  ckpt_timeout=${GPU_CHECK_CHECKPOINT_TIMEOUT_S:-300}
+  say "checkpoint benchmark: python scripts/bench_checkpoint.py --gpu (at most ${ckpt_timeout}s)"
+  timeout -k 10 "$ckpt_timeout" "$PYTHON" scripts/bench_checkpoint.py --gpu --out "$out/bench_checkpoint.json" 2>&1 \
+    | tee -a "$log"
+  ckpt_rc=${PIPESTATUS[0]}
+  say "checkpoint benchmark: exit status $ckpt_rc in $(( $(date +%s) - began ))s"
+  exit "$ckpt_rc"
 fi
 
 say "tests: python -m pytest -m gpu tests/strategies/runtime/test_cuda_graphs.py tests/strategies/runtime/test_gpu.py (at most ${test_timeout}s)"

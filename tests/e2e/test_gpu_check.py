@@ -233,6 +233,12 @@ def test_gpu_check_without_cuda_says_so_and_exits_2(tmp_path: Path) -> None:
     assert "no CUDA" in (tmp_path / "out" / "gpu_check.log").read_text()
     usage = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
     assert usage.returncode == 2 and "usage: bash scripts/gpu_check.sh OUT_DIR" in usage.stderr
+    other = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "x"), "bench"],
+                           capture_output=True, text=True)
+    assert other.returncode == 2 and "OUT_DIR [checkpoint]" in other.stderr  # the one part it can run alone
+    checkpoint = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "ckpt"), "checkpoint"],
+                                capture_output=True, text=True, timeout=300)
+    assert checkpoint.returncode == 2 and "no CUDA" in checkpoint.stderr  # the same environment check first
 
 
 @pytest.mark.slow
