@@ -87,10 +87,6 @@ def rng_file(rank: int) -> str:
     return f"rng/rank{rank}.pt"
 
 
-def optimizer_pieces_file(rank: int) -> str:
-    return f"optim/rank{rank}.pt"
-
-
 # -- names ------------------------------------------------------------------------------------
 
 
@@ -202,27 +198,6 @@ def stage_payload(
         assert position == len(params)
         out.append({"state": state, "param_groups": groups})
     return {"model": model, "optimizers": out}
-
-
-def optimizer_pieces(optimizer: torch.optim.Optimizer, groups: Sequence[Sequence[nn.Parameter]],
-                     segments: Mapping[int, tuple[nn.Parameter, int]], names: Mapping[int, str]) -> dict[str, Any]:
-    """This rank's part of a sharded optimizer (``optim/rank<r>.pt``): ``groups`` are the parameters of each
-    optimizer group before sharding (named whole, also those this rank steps none of), ``segments`` maps a stepped
-    segment to its parameter and its offset in the flattened parameter; a parameter stepped whole is its own piece at
-    offset 0."""
-    packed = optimizer.state_dict()
-    pieces: dict[str, Any] = {}
-    position = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if position in packed["state"]:
-                param, offset = segments.get(id(p), (p, 0))
-                pieces[names[id(param)]] = {"offset": offset, "numel": param.numel(), "shape": list(param.shape),
-                                            "state": packed["state"][position]}
-            position += 1
-    param_groups = [{**_group_hparams(saved), "params": [names[id(p)] for p in whole]}
-                    for saved, whole in zip(packed["param_groups"], groups)]
-    return {"param_groups": param_groups, "pieces": pieces}
 
 
 def rank_state(module_state: Mapping[str, Tensor], index: ModelIndex,
@@ -483,7 +458,8 @@ class OptimizerState:
         self._merge_groups(other["param_groups"])
 
     def merge_pieces(self, other: Mapping[str, Any], wanted: Callable[[str], bool]) -> None:
-        """Add one rank's part of a sharded optimizer (:func:`optimizer_pieces`), the parameters ``wanted`` only."""
+        """Add one rank's ``optim/rank<r>.pt`` of a sharded optimizer (the format before DCP), the parameters
+        ``wanted`` only."""
         for name, piece in other["pieces"].items():
             if wanted(name):
                 entry = self.state.setdefault(name, StatePieces(piece["numel"], tuple(piece["shape"])))

@@ -172,7 +172,6 @@ class PipelineStrategy(DDPStrategy):
     def checkpoint_meta(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """``meta.json`` of a sharded checkpoint: format, layout, progress, names, model config."""
         engine, config = self.engine, self.pipeline_config
-        owners = {s: min(engine.topology.stage_group(s)) for s in range(self.S)}
         return {
             "format": ckpt.SHARDED_FORMAT, "version": ckpt.VERSION,
             "schedule": config.schedule, "D": self.D, "S": self.S, "W": self.W, "world_size": self.world_size,
